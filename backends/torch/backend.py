@@ -1,0 +1,151 @@
+"""PyTorch backend: a transformers target + a DFlash drafter behind the protocol of backends/base.py."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from dflash.errors import DFlashError
+from dflash.sampling import SamplingParams
+
+from .drafter import DFlashDrafter, DraftCache, extend_context
+from .sampling import TorchSampler
+from .target import LayerCapture, target_info
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model, drafter: DFlashDrafter | None = None, block_size: int | None = None,
+                 draft_window: int | None = None, prefill_chunk: int = 2048):
+        self.model, self.drafter = model, drafter
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+        self.info = target_info(model)
+        self.prefill_chunk = prefill_chunk
+        self.max_context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if drafter is None:
+            self.block_size = 1
+            self.capture = None
+        else:
+            spec = drafter.spec
+            spec.validate_against(self.info)
+            self.block_size = block_size or spec.block_size
+            if self.block_size < 2:
+                raise DFlashError(f"--block-size: got {self.block_size}, expected >= 2 (or --no-draft)")
+            self.capture = LayerCapture(model, spec.target_layer_ids)
+            self.draft_cache = DraftCache(spec, self.dtype, self.device, window=draft_window)
+            self._block = torch.full((1, self.block_size), spec.mask_token_id, dtype=torch.long, device=self.device)
+        self.cache = DynamicCache(config=model.config)
+        self.tokens: list[int] = []  # ids whose K/V is in the target cache
+        self.pending: torch.Tensor | None = None  # target features not yet in the draft cache
+        self.sampler = TorchSampler(SamplingParams(), self.device)
+
+    # ---- protocol ------------------------------------------------------------------------------------------------
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.sampler = TorchSampler(params, self.device)
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        return self.tokens
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: Sequence[int]) -> int:
+        prompt_ids = list(prompt_ids)
+        if self.max_context and len(prompt_ids) >= self.max_context:
+            raise DFlashError(f"prompt: {len(prompt_ids)} tokens do not fit the target's context "
+                              f"(max_position_embeddings {self.max_context})")
+        reuse = 0  # longest cached prefix, keeping at least one token to compute logits from
+        for a, b in zip(self.tokens, prompt_ids[:-1]):
+            if a != b:
+                break
+            reuse += 1
+        self.crop(reuse)
+        logits = None
+        for start in range(reuse, len(prompt_ids), self.prefill_chunk):
+            chunk = torch.tensor([prompt_ids[start:start + self.prefill_chunk]], device=self.device)
+            logits = self._forward(chunk, last_only=True)
+            self.tokens.extend(prompt_ids[start:start + self.prefill_chunk])
+            if self.drafter is not None:
+                self._absorb_pending()
+        return int(self.sampler(logits[0, -1:], self.tokens, None)[0])
+
+    @torch.inference_mode()
+    def draft(self, anchor: int) -> None:
+        block = self._block if self.drafter is not None else None
+        if block is None:
+            self._verify_ids = torch.tensor([[anchor]], device=self.device)
+            return
+        block[0, 0] = anchor
+        hidden = self.drafter.step(self.embed(block), self._take_pending(), self.draft_cache)
+        proposals = self.lm_head(hidden[:, 1:]).argmax(dim=-1)
+        self._verify_ids = torch.cat([block[:, :1], proposals], dim=1)
+
+    @torch.inference_mode()
+    def verify(self) -> tuple[list[int], list[int]]:
+        ids = self._verify_ids
+        logits = self._forward(ids, last_only=False)
+        target = self.sampler(logits[0], self.tokens, ids)
+        out = torch.cat([ids[0], target]).tolist()  # the cycle's one device -> host read
+        b = ids.shape[1]
+        self._verified = out[:b]
+        return out[1:b], out[b:]
+
+    @torch.inference_mode()
+    def commit(self, keep: int) -> None:
+        extra = self._verify_ids.shape[1] - keep
+        if extra > 0:
+            self.cache.crop(-extra)
+        self.tokens.extend(self._verified[:keep])
+        if self.drafter is not None:
+            self.pending = self._features[:, :keep]
+
+    def crop(self, length: int) -> None:
+        """Forget every position from `length` on, in the target cache and the draft context."""
+        drop = len(self.tokens) - length
+        if drop > 0:
+            self.cache.crop(-drop)
+            del self.tokens[length:]
+        if self.drafter is None:
+            return
+        have = self.draft_cache.position + (self.pending.shape[1] if self.pending is not None else 0)
+        if length < self.draft_cache.position:
+            self.pending = None
+            if not self.draft_cache.crop(length):
+                # the window dropped what we need: rebuild the whole context from scratch
+                self.reset()
+        elif self.pending is not None and length < have:
+            self.pending = self.pending[:, : length - self.draft_cache.position]
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.tokens = []
+        self.pending = None
+        if self.drafter is not None:
+            self.draft_cache.reset()
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        if self.capture is not None:
+            self._features = self.capture.pop()
+            if last_only:
+                self.pending = self._features if self.pending is None else torch.cat([self.pending, self._features], 1)
+        return out.logits
+
+    def _absorb_pending(self) -> None:
+        extend_context(self.drafter, self._take_pending(), self.draft_cache)
+
+    def _take_pending(self) -> torch.Tensor:
+        feats = self.pending
+        self.pending = None
+        if feats is None:
+            return torch.zeros(1, 0, self.drafter.fc.in_features, dtype=self.dtype, device=self.device)
+        return feats

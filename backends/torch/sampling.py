@@ -1,0 +1,69 @@
+"""Drawing the target's token at each verified position, exactly as transformers' generate() would.
+
+The processors are transformers' own (repetition penalty, then temperature, top-k, top-p, min-p: generate()'s
+order). Row i of a verified block is processed with the history it would have in target-only decoding: the
+committed tokens plus block[0..i].
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from dflash.sampling import SamplingParams
+
+
+class TorchSampler:
+    def __init__(self, params: SamplingParams, device):
+        self.params = params
+        p = params
+        procs = []
+        if p.repetition_penalty != 1.0:
+            procs.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+        if not p.greedy:
+            if p.temperature != 1.0:
+                procs.append(TemperatureLogitsWarper(p.temperature))
+            if p.top_k:
+                procs.append(TopKLogitsWarper(p.top_k))
+            if p.top_p < 1.0:
+                procs.append(TopPLogitsWarper(p.top_p))
+            if p.min_p > 0:
+                procs.append(MinPLogitsWarper(p.min_p))
+        self.processors = LogitsProcessorList(procs)
+        self.generator = None
+        if not p.greedy:
+            self.generator = torch.Generator(device=device)
+            if p.seed is not None:
+                self.generator.manual_seed(p.seed)
+            else:
+                self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None) -> torch.Tensor:
+        """logits (T, V) for the T positions that follow history + block[:i+1]; returns T token ids."""
+        if self.processors:
+            scores = logits.float()
+            if self.params.repetition_penalty != 1.0:
+                scores = self.processors(_histories(history, block, logits.device), scores)
+            else:
+                scores = self.processors(None, scores)
+        else:
+            scores = logits
+        if self.params.greedy:
+            return scores.argmax(dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+
+def _histories(history: list[int], block: torch.Tensor | None, device) -> torch.Tensor:
+    """(T, len(history) + T): row i = history + block[:i+1], padded with block[0] (already present in the row, so
+    the set of penalised tokens is unchanged)."""
+    hist = torch.tensor(history, dtype=torch.long, device=device)
+    if block is None:
+        return hist[None]
+    t = block.shape[-1]
+    b = block.reshape(-1)
+    rows = b[None, :].expand(t, t).clone()
+    upper = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), diagonal=1)
+    rows[upper] = b[0]
+    return torch.cat([hist[None].expand(t, -1), rows], dim=1)

@@ -1,0 +1,85 @@
+"""The target model: any transformers causal LM, with hooks that capture only the layers the drafter reads."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.errors import DFlashError
+from dflash.spec import TargetInfo
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | None, device: str) -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise DFlashError(f"--dtype: got {name!r}, expected one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str | None) -> str:
+    if name in (None, "auto"):
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    if name.split(":")[0] not in ("cpu", "cuda", "mps"):
+        raise DFlashError(f"--device: got {name!r}, expected cpu, cuda[:N] or mps")
+    return name
+
+
+def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     attn_implementation="sdpa")
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DFlashError(f"{path}: cannot load the target model ({first})") from None
+    return model.to(device).eval().requires_grad_(False)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise DFlashError(f"{type(model).__name__}: cannot find the decoder layers to read hidden states from")
+    return layers
+
+
+def target_info(model) -> TargetInfo:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return TargetInfo(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+                      vocab_size=model.get_input_embeddings().weight.shape[0], model_type=cfg.model_type,
+                      rope_theta=rope.get("rope_theta", getattr(cfg, "rope_theta", None)))
+
+
+class LayerCapture:
+    """Forward hooks on this model instance's decoder layers `layer_ids` (HF layer id i = hidden_states[i + 1], the
+    output of decoder layer i). Only those outputs are kept, and only for the forward in flight."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.layer_ids = list(layer_ids)
+        self.outputs: dict[int, torch.Tensor] = {}
+        layers = decoder_layers(model)
+        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+
+    def _hook(self, i):
+        def hook(module, args, output):
+            self.outputs[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def pop(self) -> torch.Tensor:
+        """Concatenated features (b, T, K*H) of the last forward."""
+        feats = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+        self.outputs.clear()
+        return feats
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []

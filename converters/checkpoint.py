@@ -1,0 +1,149 @@
+"""The canonical DFlash drafter checkpoint: config.json + model.safetensors (optionally sharded with an index).
+
+Backend-neutral validation lives here: the expected tensor names and shapes for a DraftSpec, and a reader of the
+safetensors header that catches truncated or corrupted files before any framework touches them. Loaders must
+reject missing, unexpected or mis-shaped weights: silently skipping a name loads random weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+from dflash.errors import DFlashError
+from dflash.spec import WEIGHTS_NAME, DraftSpec
+
+INDEX_NAME = "model.safetensors.index.json"
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "U32": 4, "U16": 2, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+# prefixes trainers and wrappers leave in front of the canonical names
+_KNOWN_PREFIXES = ("model.", "module.", "_orig_mod.", "draft_model.", "drafter.", "_fsdp_wrapped_module.")
+
+
+def expected_shapes(spec: DraftSpec) -> dict[str, tuple[int, ...]]:
+    h, hd, nh, nkv, ff = (spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads,
+                          spec.intermediate_size)
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, h * spec.num_context_layers),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(spec.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (nh * hd, h),
+            p + "self_attn.k_proj.weight": (nkv * hd, h),
+            p + "self_attn.v_proj.weight": (nkv * hd, h),
+            p + "self_attn.o_proj.weight": (h, nh * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (ff, h),
+            p + "mlp.up_proj.weight": (ff, h),
+            p + "mlp.down_proj.weight": (h, ff),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+        if spec.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (nh * hd,), p + "self_attn.k_proj.bias": (nkv * hd,),
+                           p + "self_attn.v_proj.bias": (nkv * hd,), p + "self_attn.o_proj.bias": (h,)})
+    return shapes
+
+
+def read_header(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} from a safetensors file, checking that the file is complete and well-formed."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise DFlashError(f"{path}: truncated safetensors file ({size} bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100_000_000):
+                raise DFlashError(f"{path}: corrupted safetensors header (declared {n} bytes, file has {size})")
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DFlashError(f"{path}: corrupted safetensors header (not JSON)") from None
+    except OSError as e:
+        raise DFlashError(f"{path}: cannot read ({e.strerror})") from None
+    if not isinstance(header, dict):
+        raise DFlashError(f"{path}: corrupted safetensors header")
+    out, end = {}, 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (a, b) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            want = _DTYPE_BYTES[dtype]
+            for d in shape:
+                want *= d
+        except (KeyError, TypeError, ValueError):
+            raise DFlashError(f"{path}: corrupted safetensors entry for '{name}'") from None
+        if b - a != want:
+            raise DFlashError(f"{path}: corrupted safetensors entry for '{name}' ({b - a} bytes, expected {want})")
+        end = max(end, b)
+        out[name] = (dtype, shape)
+    if 8 + n + end > size:
+        raise DFlashError(f"{path}: truncated safetensors file ({size} bytes, header promises {8 + n + end})")
+    return out
+
+
+def weight_files(directory: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint directory (single file or sharded with an index)."""
+    directory = Path(directory)
+    single, index = directory / WEIGHTS_NAME, directory / INDEX_NAME
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise DFlashError(f"{index}: expected a JSON object with a 'weight_map'") from None
+        missing = [s for s in shards if not (directory / s).is_file()]
+        if missing:
+            raise DFlashError(f"{index}: shard {missing[0]} is missing from {directory}")
+        return [directory / s for s in shards]
+    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")) or any(directory.glob("*.pth")):
+        raise DFlashError(f"{directory}: only pickle weights (*.bin/*.pt) found; DFlash loads safetensors only "
+                          "(convert them with safetensors first)")
+    raise DFlashError(f"{single}: missing; a DFlash drafter directory needs config.json and model.safetensors")
+
+
+def validate_weights(spec: DraftSpec, directory: str | os.PathLike) -> list[Path]:
+    """Check names and shapes of every tensor against the spec; return the files to load."""
+    files = weight_files(directory)
+    found: dict[str, tuple[int, ...]] = {}
+    where: dict[str, Path] = {}
+    for f in files:
+        for name, (_, shape) in read_header(f).items():
+            found[name], where[name] = shape, f
+    check_names_and_shapes(spec, found, str(files[0]) if len(files) == 1 else str(directory))
+    return files
+
+
+def check_names_and_shapes(spec: DraftSpec, found: dict[str, tuple[int, ...]], source: str) -> None:
+    want = expected_shapes(spec)
+    missing = [k for k in want if k not in found]
+    unexpected = [k for k in found if k not in want]
+    if missing or unexpected:
+        for prefix in _KNOWN_PREFIXES:
+            if missing and all(k.startswith(prefix) for k in found) and \
+                    set(k[len(prefix):] for k in found) >= set(missing):
+                raise DFlashError(f"{source}: weight names carry the prefix '{prefix}' left by a trainer (e.g. "
+                                  f"'{prefix}{missing[0]}'); expected canonical names like '{missing[0]}' "
+                                  f"(fix: python -m dflash.convert strip-prefix)")
+        if any(k.startswith(("embed_tokens", "lm_head", "model.embed_tokens")) for k in unexpected):
+            name = next(k for k in unexpected if k.startswith(("embed_tokens", "lm_head", "model.embed_tokens")))
+            raise DFlashError(f"{source}: unexpected weight '{name}'; a DFlash drafter shares the target's "
+                              "embedding and LM head and must not contain its own")
+        if missing:
+            raise DFlashError(f"{source}: missing weight '{missing[0]}'" +
+                              (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise DFlashError(f"{source}: unexpected weight '{unexpected[0]}'" +
+                          (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    for k, shape in want.items():
+        if tuple(found[k]) != shape:
+            raise DFlashError(f"{source}: weight '{k}' has shape {list(found[k])}, expected {list(shape)} "
+                              "(from config.json)")

@@ -1,0 +1,252 @@
+"""DraftSpec: the drafter's config.json (the format z-lab, vLLM and SGLang share) as a validated dataclass.
+
+The checkpoint config is a Qwen3 config plus `architectures: ["DFlashDraftModel"]`, `block_size`,
+`num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`. Unknown keys other tools add are kept
+in `extra` and written back unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import DFlashError
+
+ARCHITECTURE = "DFlashDraftModel"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+# Keys of config.json that DraftSpec owns; everything else round-trips through `extra`.
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+@dataclass
+class TargetInfo:
+    """What a drafter must agree with in its target, read from the target's config and embedding table."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int  # rows of the input embedding table
+    model_type: str = ""
+    rope_theta: float | None = None
+
+
+@dataclass
+class DraftSpec:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    layer_types: list[str] | None = None
+    extra: dict = field(default_factory=dict)
+
+    # ---- derived -----------------------------------------------------------------------------------------------
+    @property
+    def num_context_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    def window_for_layer(self, i: int) -> int | None:
+        """Sliding-window size of draft layer i, or None for full attention."""
+        if self.layer_types is not None:
+            return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+        return self.sliding_window if self.use_sliding_window else None
+
+    # ---- config.json ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config.json") -> "DraftSpec":
+        if not isinstance(cfg, dict):
+            raise DFlashError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+        archs = cfg.get("architectures")
+        if archs is not None and ARCHITECTURE not in archs:
+            raise DFlashError(f"{source}: architectures is {archs}, expected [\"{ARCHITECTURE}\"] (is this a target "
+                              "model rather than a DFlash drafter?)")
+        for key in _REQUIRED:
+            if key not in cfg:
+                raise DFlashError(f"{source}: missing required field '{key}'")
+        dcfg = cfg.get("dflash_config") or {}
+        if not isinstance(dcfg, dict):
+            raise DFlashError(f"{source}: field 'dflash_config' must be an object")
+        if "target_layer_ids" not in dcfg and "target_layer_ids" not in cfg:
+            raise DFlashError(f"{source}: missing required field 'dflash_config.target_layer_ids'")
+        if "mask_token_id" not in dcfg and "mask_token_id" not in cfg:
+            raise DFlashError(f"{source}: missing required field 'dflash_config.mask_token_id'")
+        layer_ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
+        block_size = cfg.get("block_size", dcfg.get("block_size", 16))
+        n_heads = _int(cfg, "num_attention_heads", source)
+        hidden = _int(cfg, "hidden_size", source)
+        rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 1_000_000.0))
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        num_layers = _int(cfg, "num_hidden_layers", source)
+        layer_types = cfg.get("layer_types")
+        if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != num_layers):
+            raise DFlashError(f"{source}: field 'layer_types' must list one type per draft layer ({num_layers})")
+        if not isinstance(layer_ids, list) or not layer_ids or not all(_is_int(i) for i in layer_ids):
+            raise DFlashError(f"{source}: field 'dflash_config.target_layer_ids' must be a non-empty list of ints, "
+                              f"got {layer_ids!r}")
+        owned = set(f.name for f in dataclasses.fields(cls)) | {"architectures", "dflash_config", "rope_parameters",
+                                                                "model_type", "torch_dtype", "dtype"}
+        spec = cls(
+            hidden_size=hidden,
+            num_hidden_layers=num_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=_int(cfg, "num_key_value_heads", source, default=n_heads),
+            head_dim=_int(cfg, "head_dim", source, default=hidden // max(n_heads, 1)),
+            intermediate_size=_int(cfg, "intermediate_size", source),
+            vocab_size=_int(cfg, "vocab_size", source),
+            num_target_layers=_int(cfg, "num_target_layers", source, default=-1),
+            target_layer_ids=[int(i) for i in layer_ids],
+            mask_token_id=_int(dcfg if "mask_token_id" in dcfg else cfg, "mask_token_id", source),
+            block_size=_int({"block_size": block_size}, "block_size", source),
+            rms_norm_eps=_float(cfg, "rms_norm_eps", source, 1e-6),
+            rope_theta=_float({"rope_theta": rope_theta}, "rope_theta", source, 1e6),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=_int(cfg, "max_position_embeddings", source, default=40960),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            sliding_window=cfg.get("sliding_window"),
+            use_sliding_window=bool(cfg.get("use_sliding_window", False)),
+            layer_types=layer_types,
+            extra={k: v for k, v in cfg.items() if k not in owned},
+        )
+        spec.check(source)
+        return spec
+
+    def check(self, source: str = "config.json") -> None:
+        """Internal consistency (independent of any target)."""
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise DFlashError(f"{source}: field '{name}' must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DFlashError(f"{source}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.block_size < 2:
+            raise DFlashError(f"{source}: field 'block_size' must be >= 2, got {self.block_size}")
+        if not 0 <= self.mask_token_id:
+            raise DFlashError(f"{source}: field 'dflash_config.mask_token_id' must be >= 0, got {self.mask_token_id}")
+        if self.num_target_layers != -1 and any(not 0 <= i < self.num_target_layers for i in self.target_layer_ids):
+            raise DFlashError(f"{source}: dflash_config.target_layer_ids {self.target_layer_ids} out of range for "
+                              f"num_target_layers={self.num_target_layers}")
+        if self.layer_types is not None and any(t not in ("full_attention", "sliding_attention")
+                                                for t in self.layer_types):
+            raise DFlashError(f"{source}: field 'layer_types' entries must be 'full_attention' or 'sliding_attention'")
+        if any(self.window_for_layer(i) is not None for i in range(self.num_hidden_layers)):
+            if not _is_int(self.sliding_window) or self.sliding_window < 1:
+                raise DFlashError(f"{source}: field 'sliding_window' must be a positive int when sliding layers are "
+                                  f"used, got {self.sliding_window!r}")
+
+    def to_dict(self) -> dict:
+        cfg = dict(self.extra)
+        cfg.update(
+            architectures=[ARCHITECTURE],
+            model_type=self.extra.get("model_type", "qwen3"),
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias,
+            sliding_window=self.sliding_window,
+            use_sliding_window=self.use_sliding_window,
+            layer_types=self.layer_types or ["full_attention"] * self.num_hidden_layers,
+            hidden_act="silu",
+            tie_word_embeddings=False,
+            block_size=self.block_size,
+            num_target_layers=self.num_target_layers,
+            dflash_config={"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                           "block_size": self.block_size},
+        )
+        return cfg
+
+    # ---- files ---------------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "DraftSpec":
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise DFlashError(f"{directory}: draft directory does not exist")
+        path = directory / CONFIG_NAME
+        if not path.is_file():
+            raise DFlashError(f"{path}: missing; a DFlash drafter directory needs config.json and model.safetensors")
+        try:
+            cfg = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DFlashError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(cfg, source=str(path))
+
+    def save(self, directory: str | os.PathLike) -> None:
+        from .io import atomic_write_text
+
+        atomic_write_text(Path(directory) / CONFIG_NAME, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    # ---- agreement with a target ---------------------------------------------------------------------------------
+    def validate_against(self, target: TargetInfo, source: str = "draft") -> None:
+        if self.hidden_size != target.hidden_size:
+            raise DFlashError(f"{source}: hidden_size {self.hidden_size} does not match the target's "
+                              f"{target.hidden_size}")
+        if self.num_target_layers not in (-1, target.num_hidden_layers):
+            raise DFlashError(f"{source}: num_target_layers {self.num_target_layers} does not match the target's "
+                              f"{target.num_hidden_layers} layers")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+        if bad:
+            raise DFlashError(f"{source}: dflash_config.target_layer_ids {bad} out of range for a target with "
+                              f"{target.num_hidden_layers} layers (expected 0..{target.num_hidden_layers - 1})")
+        if self.vocab_size != target.vocab_size:
+            raise DFlashError(f"{source}: vocab_size {self.vocab_size} does not match the target's embedding table "
+                              f"({target.vocab_size} rows)")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise DFlashError(f"{source}: dflash_config.mask_token_id {self.mask_token_id} is outside the target's "
+                              f"embedding table (expected 0..{target.vocab_size - 1})")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spaced from layer 1 to layer L-3 (one per draft layer); a 1-layer draft uses L//2."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(num_target_layers - 3, 1)
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int(cfg: dict, key: str, source: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if not _is_int(value):
+        raise DFlashError(f"{source}: field '{key}' must be an integer, got {value!r}")
+    return value
+
+
+def _float(cfg: dict, key: str, source: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DFlashError(f"{source}: field '{key}' must be a finite number, got {value!r}")
+    return float(value)
