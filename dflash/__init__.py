@@ -1,1 +1,16 @@
-"""DFlash: block-diffusion speculative decoding."""
+"""DFlash: block-diffusion speculative decoding on PyTorch and MLX (one core loop, one checkpoint format)."""
+
+from .errors import DFlashError
+from .sampling import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def load(*args, **kwargs):
+    """See dflash.api.load."""
+    from .api import load as _load
+
+    return _load(*args, **kwargs)
+
+
+__all__ = ["DFlashError", "SamplingParams", "load"]

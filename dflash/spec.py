@@ -225,6 +225,14 @@ class DraftSpec:
                               f"embedding table (expected 0..{target.vocab_size - 1})")
 
 
+def check_block_size(block_size: int, spec: DraftSpec) -> None:
+    """A drafter runs at any block size from 2 up to the one it was trained for; beyond, its extra slots would
+    propose from positions it never learned, so we refuse rather than silently waste verify compute."""
+    if not 2 <= block_size <= spec.block_size:
+        raise DFlashError(f"--block-size: got {block_size}, expected 2..{spec.block_size} (the drafter's trained "
+                          "block_size; use --no-draft for plain decoding)")
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Evenly spaced from layer 1 to layer L-3 (one per draft layer); a 1-layer draft uses L//2."""
     if num_draft_layers == 1:

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from dflash.errors import DFlashError
 from dflash.sampling import SamplingParams
+from dflash.spec import check_block_size
 
 from .drafter import DFlashDrafter, DraftCache, extend_context
 from .sampling import TorchSampler
@@ -34,8 +35,7 @@ class TorchBackend:
             spec = drafter.spec
             spec.validate_against(self.info)
             self.block_size = block_size or spec.block_size
-            if self.block_size < 2:
-                raise DFlashError(f"--block-size: got {self.block_size}, expected >= 2 (or --no-draft)")
+            check_block_size(self.block_size, spec)
             self.capture = LayerCapture(model, spec.target_layer_ids)
             self.draft_cache = DraftCache(spec, self.dtype, self.device, window=draft_window)
             self._block = torch.full((1, self.block_size), spec.mask_token_id, dtype=torch.long, device=self.device)

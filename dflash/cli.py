@@ -1,0 +1,63 @@
+"""What every CLI shares: sampling/model flags and one-line errors (full traceback only with --debug)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import DFlashError
+from .sampling import SamplingParams
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="auto", help="auto (MLX on Apple silicon, else torch), torch or mlx")
+    p.add_argument("--model", help="target: local HF directory or hub id (default: the bundled reference target)")
+    p.add_argument("--draft", help="DFlash drafter: directory or hub id (default: registry / bundled)")
+    p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding (the baseline)")
+    p.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
+    p.add_argument("--draft-window", type=int, help="bound the drafter's context to the last N positions")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda[:N], mps")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
+    p.add_argument("--debug", action="store_true", help="full tracebacks")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
+
+
+def load_pipeline(args):
+    from .api import load
+
+    if args.draft_window is not None and args.draft_window < 1:
+        raise DFlashError(f"--draft-window: got {args.draft_window}, expected >= 1")
+    return load(args.model, args.draft, backend=args.backend, no_draft=args.no_draft, dtype=args.dtype,
+                device=args.device, block_size=args.block_size, draft_window=args.draft_window,
+                trust_remote_code=args.trust_remote_code)
+
+
+def run(main, argv=None) -> int:
+    """Run a CLI main(argv); a DFlashError becomes one line on stderr and exit status 2."""
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    try:
+        return main(argv) or 0
+    except DFlashError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
