@@ -111,20 +111,33 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
     raise DFlashError(f"{single}: missing; a DFlash drafter directory needs config.json and model.safetensors")
 
 
-def validate_weights(spec: DraftSpec, directory: str | os.PathLike) -> list[Path]:
-    """Check names and shapes of every tensor against the spec; return the files to load."""
+def validate_weights(spec: DraftSpec, directory: str | os.PathLike, allow_quantized: bool = False) -> list[Path]:
+    """Check names and shapes of every tensor against the spec; return the files to load.
+
+    A drafter quantized by `dflash.convert quantize` (config.json 'quantization', mlx-lm's key) only loads where
+    `allow_quantized` (the MLX backend); elsewhere it is refused with one line rather than misread."""
+    quant = spec.extra.get("quantization")
+    if quant is not None and not allow_quantized:
+        bits = quant.get("bits") if isinstance(quant, dict) else quant
+        raise DFlashError(f"{Path(directory) / 'config.json'}: this drafter is MLX-quantized ({bits}-bit); only "
+                          "--backend mlx loads it (use the unquantized checkpoint here)")
     files = weight_files(directory)
     found: dict[str, tuple[int, ...]] = {}
-    where: dict[str, Path] = {}
     for f in files:
         for name, (_, shape) in read_header(f).items():
-            found[name], where[name] = shape, f
-    check_names_and_shapes(spec, found, str(files[0]) if len(files) == 1 else str(directory))
+            found[name] = shape
+    want = None
+    if quant is not None:
+        from .quantize import quantized_shapes
+
+        want = quantized_shapes(spec, quant, found, str(Path(directory) / "config.json"))
+    check_names_and_shapes(spec, found, str(files[0]) if len(files) == 1 else str(directory), want)
     return files
 
 
-def check_names_and_shapes(spec: DraftSpec, found: dict[str, tuple[int, ...]], source: str) -> None:
-    want = expected_shapes(spec)
+def check_names_and_shapes(spec: DraftSpec, found: dict[str, tuple[int, ...]], source: str,
+                           want: dict[str, tuple[int, ...]] | None = None) -> None:
+    want = want if want is not None else expected_shapes(spec)
     missing = [k for k in want if k not in found]
     unexpected = [k for k in found if k not in want]
     if missing or unexpected:

@@ -1,0 +1,49 @@
+"""Drawing the target's token at each verified position with mlx-lm's own samplers and logits processors.
+
+Row i of a verified block is processed with the history it would have in target-only decoding: the committed tokens
+plus block[0..i]. The repetition penalty sees the whole history (mlx-lm defaults to the last 20 tokens; the torch
+backend, like transformers, uses all of them). mlx-lm's sampler applies top-p / min-p / top-k to the log-probs and
+the temperature last, inside the categorical draw (transformers applies the temperature first): with a temperature
+other than 1 the two backends filter slightly different sets, each exactly as its own library does.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from dflash.sampling import SamplingParams
+
+_WHOLE_HISTORY = 1 << 40
+
+
+class MLXSampler:
+    def __init__(self, params: SamplingParams):
+        p = self.params = params
+        self.processors = []
+        if p.repetition_penalty != 1.0:
+            self.processors = make_logits_processors(repetition_penalty=p.repetition_penalty,
+                                                     repetition_context_size=_WHOLE_HISTORY)
+        self.sampler = None
+        if not p.greedy:
+            self.sampler = make_sampler(temp=p.temperature, top_p=p.top_p if p.top_p < 1.0 else 0.0,
+                                        min_p=p.min_p, top_k=p.top_k)
+            if p.seed is not None:
+                mx.random.seed(p.seed)  # mlx-lm's samplers draw from the global generator
+
+    def __call__(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
+        """logits (T, V) for the T positions that follow history + block[:i+1]; returns T token ids (lazy)."""
+        if self.processors:
+            hist = mx.array(history, dtype=mx.int32)
+            rows = []
+            for i in range(logits.shape[0]):
+                tokens = hist if block is None else mx.concatenate([hist, block[: i + 1].astype(mx.int32)])
+                row = logits[i:i + 1].astype(mx.float32)
+                for proc in self.processors:
+                    row = proc(tokens, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        if self.sampler is None:
+            return mx.argmax(logits, axis=-1)
+        logits = logits.astype(mx.float32)
+        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
