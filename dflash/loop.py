@@ -112,9 +112,9 @@ class Generation:
             if finish is not None:
                 detok.flush()
             if self.stop_strings:
-                at = find_stop(detok.text, self.stop_strings, searched)
+                at, end = find_stop(detok.text, self.stop_strings, searched)
                 if at != -1:
-                    tokens, finish = self._tokens_reaching(tokens, kept, at), "stop"
+                    tokens, finish = self._tokens_reaching(tokens, kept, end), "stop"
                     detok.text = detok.text[:at]
             visible = len(detok.text) if finish else max(emitted, len(detok.text) - hold)
             yield Increment(tokens[kept:], detok.text[emitted:visible])
@@ -151,10 +151,10 @@ class Generation:
             new, finish = new[:room], "length"
         return new, finish
 
-    def _tokens_reaching(self, tokens: list[int], kept: int, at: int) -> list[int]:
-        """The fewest tokens whose text reaches past a stop string that starts at character `at`."""
+    def _tokens_reaching(self, tokens: list[int], kept: int, end: int) -> list[int]:
+        """The fewest tokens whose text covers a stop string ending at character `end`."""
         for k in range(kept + 1, len(tokens) + 1):
-            if len(self.tokenizer.decode(tokens[:k], skip_special_tokens=True)) > at:
+            if len(self.tokenizer.decode(tokens[:k], skip_special_tokens=True)) >= end:
                 return tokens[:k]
         return tokens
 

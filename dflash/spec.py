@@ -145,9 +145,10 @@ class DraftSpec:
             raise DFlashError(f"{source}: field 'block_size' must be >= 2, got {self.block_size}")
         if not 0 <= self.mask_token_id:
             raise DFlashError(f"{source}: field 'dflash_config.mask_token_id' must be >= 0, got {self.mask_token_id}")
-        if self.num_target_layers != -1 and any(not 0 <= i < self.num_target_layers for i in self.target_layer_ids):
-            raise DFlashError(f"{source}: dflash_config.target_layer_ids {self.target_layer_ids} out of range for "
-                              f"num_target_layers={self.num_target_layers}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if self.num_target_layers != -1 and bad:
+            raise DFlashError(f"{source}: dflash_config.target_layer_ids {bad} out of range for "
+                              f"num_target_layers={self.num_target_layers} (expected 0..{self.num_target_layers - 1})")
         if self.layer_types is not None and any(t not in ("full_attention", "sliding_attention")
                                                 for t in self.layer_types):
             raise DFlashError(f"{source}: field 'layer_types' entries must be 'full_attention' or 'sliding_attention'")

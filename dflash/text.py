@@ -44,11 +44,11 @@ class Detokenizer:
         return delta
 
 
-def find_stop(text: str, stop_strings: list[str], start: int) -> int:
-    """Index of the earliest stop string that ends at or after `start` (to find only new matches), or -1."""
-    best = -1
+def find_stop(text: str, stop_strings: list[str], start: int) -> tuple[int, int]:
+    """(index, end) of the earliest stop string that ends after `start` (only new matches), or (-1, -1)."""
+    best = (-1, -1)
     for s in stop_strings:
         i = text.find(s, max(0, start - len(s) + 1))
-        if i != -1 and (best == -1 or i < best):
-            best = i
+        if i != -1 and (best[0] == -1 or i < best[0]):
+            best = (i, i + len(s))
     return best

@@ -1,0 +1,128 @@
+"""Where the training step gets the target's hidden states from: one interface, two sources.
+
+  OnlineFeatures  runs the frozen target on the batch (no grad, hooks on the needed layers only). The default:
+                  nothing to precompute, no disk, always consistent with the target.
+  FeatureCache    reads features written once by `python -m dflash.data cache-features` (sharded safetensors). Saves
+                  the target forward in every epoch at the price of S * K * H values per sample on disk.
+
+Both are called as `features(samples, input_ids) -> (b, S, K*H)` with the micro-batch's samples and padded ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from dflash.errors import DFlashError
+
+from .target import LayerCapture
+from .training import target_features
+
+INDEX_NAME = "features.index.json"
+
+
+class OnlineFeatures:
+    def __init__(self, model, layer_ids: list[int]):
+        self.model = model
+        self.capture = LayerCapture(model, layer_ids)
+
+    def __call__(self, samples, input_ids: torch.Tensor) -> torch.Tensor:
+        # right padding: a causal target never lets a real position see the pads after it, so no attention mask
+        return target_features(self.model, self.capture, input_ids)
+
+    def close(self) -> None:
+        self.capture.remove()
+
+
+class FeatureCache:
+    """Samples and their features from a cache-features directory. Samples keep their "index" into the cache."""
+
+    def __init__(self, directory: str | os.PathLike, device="cpu", dtype: torch.dtype | None = None):
+        from safetensors import safe_open
+
+        self.directory = Path(directory)
+        index_path = self.directory / INDEX_NAME
+        if not index_path.is_file():
+            raise DFlashError(f"{index_path}: missing; --features must be a directory written by "
+                              "`python -m dflash.data cache-features`")
+        self.index = json.loads(index_path.read_text())
+        self.device, self.dtype = device, dtype
+        self._files = {}
+        self._open = lambda name: self._files.setdefault(
+            name, safe_open(str(self.directory / name), framework="pt", device="cpu"))
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.index["target_layer_ids"]
+
+    def samples(self) -> list[dict]:
+        out = []
+        for i, entry in enumerate(self.index["samples"]):
+            f = self._open(entry["shard"])
+            out.append({"id": entry["id"], "index": i,
+                        "input_ids": f.get_tensor(f"{i}.input_ids").tolist(),
+                        "loss_mask": f.get_tensor(f"{i}.loss_mask").bool().tolist()})
+        return out
+
+    def __call__(self, samples, input_ids: torch.Tensor) -> torch.Tensor:
+        b, s = input_ids.shape
+        feats = [self._open(self.index["samples"][x["index"]]["shard"]).get_tensor(f"{x['index']}.features")
+                 for x in samples]
+        out = torch.zeros(b, s, feats[0].shape[-1], dtype=self.dtype or feats[0].dtype)
+        for i, f in enumerate(feats):
+            n = min(f.shape[0], s)
+            out[i, :n] = f[:n]
+        return out.to(self.device)
+
+    def close(self) -> None:
+        self._files.clear()
+
+
+def write_feature_cache(model, samples: list[dict], layer_ids: list[int], out: str | os.PathLike, *,
+                        shard_bytes: int = 1 << 30, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                        target: str = "", log=print) -> Path:
+    """Run the target once over every sample and write features + ids + loss mask as sharded safetensors. Each shard
+    and the index are written atomically; the index goes last, so a directory without it is an interrupted run."""
+    from safetensors.torch import save_file
+
+    from dflash.io import atomic_path, atomic_write_text
+
+    out = Path(out)
+    hidden = model.get_input_embeddings().weight.shape[1]
+    per_token = len(layer_ids) * hidden * torch.tensor([], dtype=dtype).element_size()
+    tokens = sum(len(x["input_ids"]) for x in samples)
+    log(f"cache-features: {len(samples)} samples, {tokens} tokens x {len(layer_ids)} layers x {hidden} "
+        f"x {per_token // (len(layer_ids) * hidden)} bytes = about {tokens * per_token / 2**30:.2f} GiB on disk")
+    capture = LayerCapture(model, layer_ids)
+    entries, shard, size, k = [], {}, 0, 0
+
+    def flush():
+        nonlocal shard, size, k
+        if shard:
+            name = f"features-{k:05d}.safetensors"
+            with atomic_path(out / name) as tmp:
+                save_file(shard, str(tmp))
+            k, shard, size = k + 1, {}, 0
+
+    try:
+        for i, x in enumerate(samples):
+            ids = torch.tensor([x["input_ids"]], device=device)
+            feats = target_features(model, capture, ids)[0].to(dtype).cpu().contiguous()
+            shard[f"{i}.features"] = feats
+            shard[f"{i}.input_ids"] = torch.tensor(x["input_ids"], dtype=torch.int64)
+            shard[f"{i}.loss_mask"] = torch.tensor(x["loss_mask"], dtype=torch.uint8)
+            entries.append({"id": x.get("id", f"row-{i}"), "shard": f"features-{k:05d}.safetensors",
+                            "length": len(x["input_ids"])})
+            size += feats.numel() * feats.element_size()
+            if size >= shard_bytes:
+                flush()
+        flush()
+    finally:
+        capture.remove()
+    index = {"target": str(target), "target_layer_ids": list(layer_ids), "hidden_size": hidden,
+             "dtype": str(dtype).removeprefix("torch."), "samples": entries}
+    atomic_write_text(out / INDEX_NAME, json.dumps(index) + "\n")
+    return out

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny models built on the spot (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    from dflash import tiny
+
+    d = tmp_path_factory.mktemp("tokenizer")
+    tiny.train_tokenizer(tiny.stdlib_sources(300_000), 512, d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """A random 4-layer Qwen3 target (hidden 64) with a real BPE tokenizer and ChatML template."""
+    from dflash import tiny
+
+    d = tmp_path_factory.mktemp("target")
+    tiny.build_target(d, tiny_tokenizer_dir, seed=0)
+    return d
+
+
+@pytest.fixture(scope="session")
+def random_draft_dir(tmp_path_factory, tiny_target_dir):
+    """An untrained 2-layer drafter at block 16 for the tiny target (acceptance ~ 1)."""
+    import torch
+
+    from dflash import tiny
+    from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
+
+    d = tmp_path_factory.mktemp("draft")
+    torch.manual_seed(1)
+    save_drafter(DFlashDrafter(tiny.draft_spec_for(tiny_target_dir, num_layers=2, block_size=16)), d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny_target_dir):
+    """20 prompts of 8..40 tokens cut from standard-library source."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from dflash import tiny
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    rng = random.Random(0)
+    out = []
+    for text in [t for t in tiny.stdlib_sources(400_000, seed=3) if len(t) > 2000][:20]:
+        ids = tok(text)["input_ids"]
+        n = rng.randint(8, 40)
+        start = rng.randrange(0, max(1, len(ids) - n))
+        out.append(ids[start:start + n])
+    return out

@@ -1,0 +1,139 @@
+"""The core loop's policy against a pure-Python backend: commits, EOS, max_new_tokens, stop strings, stats."""
+
+import pytest
+
+from dflash.errors import DFlashError
+from dflash.loop import Generation, generate
+from dflash.sampling import SamplingParams, accepted_length
+
+V = 50
+
+
+def next_token(history):
+    return (history[-1] * 7 + len(history)) % V
+
+
+class FakeTokenizer:
+    """Token i decodes to one character."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 \n.,:;()[]{}+-*/"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.alphabet[i] for i in ids)
+
+
+class FakeBackend:
+    """Target = next_token(); the drafter is right for the first `good` slots of every block, then wrong."""
+    name = "fake"
+
+    def __init__(self, block_size=8, good=3):
+        self.block_size, self.good = block_size, good
+        self.tokens = []
+
+    def set_sampling(self, params):
+        pass
+
+    def prefill(self, prompt_ids):
+        self.tokens = list(prompt_ids)
+        return next_token(self.tokens)
+
+    def draft(self, anchor):
+        hist = self.tokens + [anchor]
+        self.block = [anchor]
+        for i in range(self.block_size - 1):
+            t = next_token(hist) if i < self.good else (next_token(hist) + 1) % V
+            self.block.append(t)
+            hist = hist + [t]
+
+    def verify(self):
+        target = [next_token(self.tokens + self.block[: i + 1]) for i in range(len(self.block))]
+        return self.block[1:], target
+
+    def commit(self, keep):
+        self.tokens += self.block[:keep]
+
+
+def reference(prompt, n):
+    hist = list(prompt)
+    for _ in range(n):
+        hist.append(next_token(hist))
+    return hist[len(prompt):]
+
+
+@pytest.mark.parametrize("good", [0, 2, 7])
+def test_commits_equal_target_only(good):
+    r = generate(FakeBackend(8, good), [1, 2, 3], max_new_tokens=40)
+    assert r.tokens == reference([1, 2, 3], 40)
+    assert r.finish_reason == "length"
+    assert set(r.acceptance_lengths[:-1]) == {good + 1}
+    assert len(r.acceptance_lengths) == (40 - 1 + good) // (good + 1)  # prefill token is not a cycle
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 9, 16, 17])
+def test_max_new_tokens_is_exact(n):
+    r = generate(FakeBackend(8, 7), [4], max_new_tokens=n)
+    assert r.tokens == reference([4], n) and r.finish_reason == "length"
+
+
+def test_eos_inside_an_accepted_block_ends_there():
+    ref = reference([1, 2, 3], 60)
+    eos = ref[12]  # lands inside the second 8-token cycle
+    cut = ref.index(eos)
+    r = generate(FakeBackend(8, 7), [1, 2, 3], max_new_tokens=60, eos_token_ids=[eos])
+    assert r.tokens == ref[: cut + 1] and r.finish_reason == "stop"
+
+
+def test_eos_as_last_allowed_token_is_stop():
+    ref = reference([1, 2, 3], 10)
+    r = generate(FakeBackend(8, 7), [1, 2, 3], max_new_tokens=ref.index(ref[5]) + 1, eos_token_ids=[ref[5]])
+    assert r.finish_reason == "stop"
+
+
+def test_stop_string_cuts_text_and_tokens_and_streams_nothing_past_it():
+    tok = FakeTokenizer()
+    ref = reference([1, 2, 3], 60)
+    text = tok.decode(ref)
+    stop = text[20:23]
+    at = text.index(stop)
+    gen = Generation(FakeBackend(8, 7), [1, 2, 3], tokenizer=tok, max_new_tokens=60, stop_strings=[stop])
+    streamed = "".join(inc.text for inc in gen)
+    r = gen.result
+    assert r.text == text[:at] == streamed
+    assert r.finish_reason == "stop"
+    assert tok.decode(r.tokens) == text[: at + len(stop)]  # fewest tokens that reach the stop string
+
+
+def test_stream_increments_add_up():
+    tok = FakeTokenizer()
+    gen = Generation(FakeBackend(8, 3), [5, 6], tokenizer=tok, max_new_tokens=33)
+    incs = list(gen)
+    assert sum((i.tokens for i in incs), []) == gen.result.tokens
+    assert "".join(i.text for i in incs) == gen.result.text == tok.decode(gen.result.tokens)
+
+
+def test_stats_and_json():
+    r = generate(FakeBackend(8, 3), [1], max_new_tokens=30, trace=True)
+    j = r.to_json(trace=True)
+    assert j["generation_tokens"] == 30 == len(j["tokens"])
+    assert j["mean_acceptance_length"] == sum(j["acceptance_lengths"]) / len(j["acceptance_lengths"])
+    assert all(len(d) == 7 for d in j["drafted"]) and len(j["drafted"]) == len(j["acceptance_lengths"])
+
+
+def test_accepted_length():
+    assert accepted_length([1, 2, 3], [1, 2, 9, 4]) == 2
+    assert accepted_length([5], [1, 5]) == 0
+    assert accepted_length([], [7]) == 0
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(temperature=-1.0), "--temperature"), (dict(temperature=float("nan")), "--temperature"),
+    (dict(top_p=0.0), "--top-p"), (dict(top_k=-2), "--top-k"), (dict(min_p=1.5), "--min-p"),
+    (dict(repetition_penalty=0.0), "--repetition-penalty"),
+])
+def test_bad_sampling_values(kwargs, flag):
+    with pytest.raises(DFlashError, match=flag):
+        SamplingParams(**kwargs).validate()
+
+
+def test_empty_prompt():
+    with pytest.raises(DFlashError, match="empty"):
+        generate(FakeBackend(), [], max_new_tokens=3)

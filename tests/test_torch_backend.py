@@ -1,0 +1,120 @@
+"""PyTorch backend: lossless greedy decoding, exact speculative sampling, checkpoint loading."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from dflash.backends.torch import load
+from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.drafter import DFlashDrafter, load_drafter, save_drafter
+from dflash.backends.torch.target import load_target
+from dflash.errors import DFlashError
+from dflash.loop import generate
+from dflash.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(tiny_target_dir, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="module")
+def baseline(target, prompts):
+    return [generate(TorchBackend(target), p, max_new_tokens=128).tokens for p in prompts]
+
+
+def test_no_draft_matches_transformers_generate(target, prompts, baseline):
+    for p, ours in list(zip(prompts, baseline))[:5]:
+        hf = target.generate(torch.tensor([p]), max_new_tokens=128, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+        assert hf[0, len(p):].tolist() == ours
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_greedy_lossless_untrained_drafter(target, random_draft_dir, prompts, baseline, block_size):
+    backend = TorchBackend(target, load_drafter(random_draft_dir), block_size=block_size)
+    for p, ref in zip(prompts, baseline):
+        r = generate(backend, p, max_new_tokens=128)  # one backend for all prompts: caches are reused/cropped
+        assert r.tokens == ref
+
+
+def test_draft_window_keeps_output_lossless(target, random_draft_dir, prompts, baseline):
+    backend = TorchBackend(target, load_drafter(random_draft_dir), draft_window=16)
+    for p, ref in list(zip(prompts, baseline))[:5]:
+        assert generate(backend, p, max_new_tokens=128).tokens == ref
+    assert backend.draft_cache.capacity <= 512  # bounded: entries are recycled instead of growing the buffer
+
+
+def test_chunked_prefill_and_prefix_reuse(target, random_draft_dir, prompts):
+    long = sum(prompts[:6], [])
+    ref = generate(TorchBackend(target, load_drafter(random_draft_dir)), long, max_new_tokens=48)
+    chunked = TorchBackend(target, load_drafter(random_draft_dir), prefill_chunk=7)
+    assert generate(chunked, long, max_new_tokens=48).tokens == ref.tokens
+    # a follow-up that extends the conversation reuses the cached prefix and stays exact
+    follow = long + ref.tokens + prompts[7]
+    fresh = generate(TorchBackend(target, load_drafter(random_draft_dir)), follow, max_new_tokens=32)
+    reused = generate(chunked, follow, max_new_tokens=32)
+    assert reused.tokens == fresh.tokens
+
+
+def test_save_load_round_trip(tmp_path, target, random_draft_dir, prompts):
+    d1 = load_drafter(random_draft_dir)
+    save_drafter(d1, tmp_path / "copy")
+    d2 = load_drafter(tmp_path / "copy")
+    for (k, a), b in zip(d1.state_dict().items(), d2.state_dict().values()):
+        assert torch.equal(a, b), k
+    r1 = generate(TorchBackend(target, d1), prompts[0], max_new_tokens=40, trace=True)
+    r2 = generate(TorchBackend(target, d2), prompts[0], max_new_tokens=40, trace=True)
+    assert r1.tokens == r2.tokens and r1.drafted == r2.drafted
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs(tiny_target_dir, random_draft_dir, prompts, dtype):
+    backend = load(tiny_target_dir, random_draft_dir, dtype=dtype, device="cpu")
+    assert backend.dtype == getattr(torch, dtype)
+    r = generate(backend, prompts[0], max_new_tokens=16)
+    assert r.generation_tokens == 16
+
+
+def _edit_weights(src, dst, edit):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(dst / "model.safetensors")
+    edit(state)
+    save_file(state, dst / "model.safetensors")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.pop("layers.1.mlp.up_proj.weight"), "missing weight 'layers.1.mlp.up_proj.weight'"),
+    (lambda s: s.update({"layers.0.extra.weight": torch.zeros(2)}), "unexpected weight 'layers.0.extra.weight'"),
+    (lambda s: s.update({"fc.weight": torch.zeros(3, 3)}), r"weight 'fc.weight' has shape \[3, 3\]"),
+    (lambda s: s.update({"embed_tokens.weight": torch.zeros(3, 3)}), "must not contain its own"),
+    (lambda s: [s.__setitem__("model." + k, s.pop(k)) for k in list(s)], "prefix 'model.'"),
+])
+def test_bad_weights_fail_with_one_line(tmp_path, random_draft_dir, edit, message):
+    _edit_weights(random_draft_dir, tmp_path / "bad", edit)
+    with pytest.raises(DFlashError, match=message) as e:
+        load_drafter(tmp_path / "bad")
+    assert "\n" not in str(e.value)
+
+
+def test_truncated_safetensors(tmp_path, random_draft_dir):
+    bad = tmp_path / "bad"
+    shutil.copytree(random_draft_dir, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DFlashError, match="truncated"):
+        load_drafter(bad)
+
+
+def test_incompatible_config_fails_before_loading(tmp_path, tiny_target_dir, random_draft_dir):
+    bad = tmp_path / "bad"
+    shutil.copytree(random_draft_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [0, 9]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match=r"target_layer_ids \[9\] out of range"):
+        load(tiny_target_dir, bad, device="cpu")
