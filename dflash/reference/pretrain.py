@@ -38,21 +38,22 @@ class PretrainConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     # optimisation
-    steps: int = 1200
-    batch_size: int = 16
+    steps: int = 180
+    batch_size: int = 8
     seq_len: int = 512
-    lr: float = 2e-3
+    lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 60
+    warmup_steps: int = 15
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     bf16: bool = True  # CPU autocast (AMX); weights and optimiser state stay float32
+    compile: bool = True  # torch.compile the training step: ~2.5x faster on CPU, ~2 min to compile
     # data
     chat_fraction: float = 0.1  # ChatML examples (prompt in, whole function out), as a share of documents
     seed: int = 0
-    eval_every: int = 100
-    eval_batches: int = 8
+    eval_every: int = 30
+    eval_batches: int = 4
     log_every: int = 10
     threads: int = 2
     extra: dict = field(default_factory=dict)
@@ -150,7 +151,8 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas)
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas,
+                            fused=True)
     g = torch.Generator().manual_seed(cfg.seed)
     log = open(log_path, "w") if log_path else None
     summary = {"params": n_params, "train_tokens_in_corpus": len(train), "heldout_tokens": len(heldout),
@@ -158,6 +160,13 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
     if progress:
         print(f"target: {n_params / 1e6:.2f}M params, corpus {len(train)} train / {len(heldout)} held-out tokens, "
               f"{cfg.steps} steps x {cfg.batch_size} x {cfg.seq_len}", flush=True)
+
+    def loss_of(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            logits = model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    step_loss = torch.compile(loss_of) if cfg.compile else loss_of  # evaluation stays eager (no recompile)
     model.train()
     t_train = time.time()
     seen = 0
@@ -165,9 +174,7 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         x, y = batch(train, cfg.batch_size, cfg.seq_len, g)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss = step_loss(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
@@ -212,13 +219,14 @@ def main(argv=None) -> int:
         p.add_argument("--" + f.replace("_", "-"), type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--no-bf16", action="store_true")
+    p.add_argument("--no-compile", action="store_true")
     p.add_argument("--limit-bytes", type=int, help="use a deterministic subset of the corpus")
     args = p.parse_args(argv)
     cfg = PretrainConfig()
     for k, v in vars(args).items():
         if hasattr(cfg, k) and v is not None:
             setattr(cfg, k, v)
-    cfg.bf16 = not args.no_bf16
+    cfg.bf16, cfg.compile = not args.no_bf16, not args.no_compile
     train, heldout = split(source_files(limit_bytes=args.limit_bytes))
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     print(json.dumps(pretrain(train, heldout, tok, cfg, args.out, args.log)))

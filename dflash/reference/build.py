@@ -1,0 +1,211 @@
+"""Build the bundled reference pair from scratch, with fixed seeds:
+
+    corpus -> tokenizer -> target (pretrain) -> prompts -> regenerate (target answers) -> drafter -> export -> tau
+
+    python -m dflash.reference build                  # the full build (~35 min on 2 CPU cores), into runs/reference
+    python -m dflash.reference build --install        # ... and copy the result into the package (dflash/reference)
+    python -m dflash.reference build --fast --out D   # a tiny end-to-end build in well under a minute (CI)
+
+Everything lands under --out: tokenizer/, target_f32/ (pretrained, float32), pretrain.jsonl (curve),
+train_prompts.jsonl, prompts.jsonl (benchmark, held-out files), answers.jsonl (the target's answers), drafter/
+(training run), assets/target + assets/draft (float16, what ships), build.json (costs, tau, samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dflash.errors import DFlashError
+
+PACKAGE_DIR = Path(__file__).parent
+
+
+@dataclass
+class BuildConfig:
+    seed: int = 0
+    limit_bytes: int | None = None  # corpus subset (fast build)
+    vocab_size: int = 4088  # tokenizer vocabulary; the embedding table adds 8 spare rows (mask token)
+    pretrain: dict = field(default_factory=dict)  # PretrainConfig overrides
+    train_prompts: int = 1200  # prompts answered by the target for drafter training
+    benchmark_prompts: int = 32
+    benchmark_max_chars: int = 600
+    answer_tokens: int = 192  # max new tokens per regenerated answer
+    drafter: dict = field(default_factory=lambda: dict(num_layers=3, block_size=16))  # TrainConfig overrides
+    tau_prompts: int = 32
+    tau_new_tokens: int = 128
+
+    @classmethod
+    def fast(cls) -> "BuildConfig":
+        return cls(limit_bytes=250_000, vocab_size=376,
+                   pretrain=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                                 head_dim=32, intermediate_size=128, steps=30, batch_size=4, seq_len=128,
+                                 warmup_steps=3, eval_every=15, eval_batches=1, compile=False, log_every=5),
+                   train_prompts=24, benchmark_prompts=4, answer_tokens=24,
+                   drafter=dict(num_layers=1, block_size=4, max_steps=6, num_anchors=16, batch_size=2),
+                   tau_prompts=2, tau_new_tokens=16)
+
+
+def _log(msg: str) -> None:
+    print(f"[reference] {msg}", flush=True)
+
+
+def build(out: str | Path, cfg: BuildConfig | None = None) -> dict:
+    import torch
+
+    from dflash.tiny import train_tokenizer
+
+    from . import prompts as P
+    from .corpus import source_files, split
+    from .pretrain import PretrainConfig, pretrain
+
+    cfg = cfg or BuildConfig()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"config": asdict(cfg), "timings": {}}
+    t_all = time.time()
+
+    def timed(name, fn, *a, **k):
+        t = time.time()
+        r = fn(*a, **k)
+        report["timings"][name] = round(time.time() - t, 1)
+        _log(f"{name}: {report['timings'][name]} s")
+        return r
+
+    # 1. corpus and tokenizer (train files only)
+    train_files, heldout_files = split(source_files(limit_bytes=cfg.limit_bytes))
+    report["corpus"] = {"train_files": len(train_files), "heldout_files": len(heldout_files),
+                        "train_chars": sum(len(f.text) for f in train_files)}
+    tok = timed("tokenizer", train_tokenizer, [f.text for f in train_files], cfg.vocab_size, out / "tokenizer",
+                model_max_length=cfg.pretrain.get("max_position_embeddings", 2048))
+
+    # 2. target
+    pcfg = PretrainConfig(seed=cfg.seed, **cfg.pretrain)
+    summary = timed("pretrain", pretrain, train_files, heldout_files, tok, pcfg, out / "target_f32",
+                    out / "pretrain.jsonl", progress=True)
+    report["target"] = {k: v for k, v in summary.items() if k != "config"}
+
+    # 3. prompts: training prompts from train files, benchmark prompts from held-out files
+    train_prompts = P.training_prompts(train_files, limit=cfg.train_prompts, seed=cfg.seed, max_chars=800)
+    P.write_jsonl(train_prompts, out / "train_prompts.jsonl")
+    bench = P.benchmark_prompts(heldout_files, [f.text for f in train_files] + [p.prompt for p in train_prompts],
+                                n=cfg.benchmark_prompts, seed=cfg.seed, max_chars=cfg.benchmark_max_chars)
+    P.write_jsonl(bench, out / "prompts.jsonl")
+    report["prompts"] = {"train": len(train_prompts), "benchmark": len(bench)}
+
+    # 4. the target's own answers (greedy), then 5. the drafter
+    export_target(out / "target_f32", out / "assets" / "target")
+    samples = timed("regenerate", regenerate, out / "assets" / "target", train_prompts, out / "answers.jsonl",
+                    cfg.answer_tokens)
+    report["answers"] = {"samples": len(samples), "answer_tokens": sum(sum(s["loss_mask"]) for s in samples)}
+    result = timed("drafter", train_drafter, out / "assets" / "target", samples, out / "drafter", cfg)
+    report["drafter"] = {"steps": result.steps, "final_loss": result.losses[-1] if result.losses else None}
+
+    # 6. export (float16) and 7. acceptance on the benchmark prompts with the real loop
+    export_drafter(result.draft_dir, out / "assets" / "draft")
+    torch.manual_seed(cfg.seed)
+    report["benchmark"] = timed("tau", measure_tau, out / "assets" / "target", out / "assets" / "draft",
+                                [p.prompt for p in bench[:cfg.tau_prompts]], cfg.tau_new_tokens)
+    report["sizes_bytes"] = {d: sum(f.stat().st_size for f in (out / "assets" / d).iterdir())
+                             for d in ("target", "draft")}
+    report["total_seconds"] = round(time.time() - t_all, 1)
+    (out / "build.json").write_text(json.dumps(report, indent=2) + "\n")
+    _log(f"done in {report['total_seconds']} s: tau {report['benchmark']['tau']:.2f}; {out / 'build.json'}")
+    return report
+
+
+def regenerate(target_dir: Path, prompts: list, path: Path, max_new_tokens: int) -> list[dict]:
+    """The target's greedy answers to the training prompts, as tokenised completion samples."""
+    raise DFlashError("regenerate: not wired yet")
+
+
+def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildConfig):
+    from dflash.backends.torch.trainer import TrainConfig, train
+
+    tc = TrainConfig(target=str(target_dir), samples=samples, out=str(out), seed=cfg.seed, dtype="float32",
+                     device="cpu", save_every=0, plot=True, progress=False, resume=False, **cfg.drafter)
+    return train(tc)
+
+
+def export_target(src: Path, dst: Path) -> None:
+    """float16 weights + tokenizer + generation_config (greedy; both end tokens stop)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash.io import atomic_directory
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float16)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    eos = [tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.do_sample = False
+    with atomic_directory(dst) as tmp:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+
+
+def export_drafter(src: Path, dst: Path) -> None:
+    import torch
+
+    from dflash.backends.torch.drafter import load_drafter, save_drafter
+    from dflash.io import atomic_directory
+
+    model = load_drafter(src, dtype=torch.float32)
+    with atomic_directory(dst) as tmp:
+        save_drafter(model, tmp, dtype=torch.float16)
+
+
+def measure_tau(target_dir: Path, draft_dir: Path, prompts: list[str], max_new_tokens: int) -> dict:
+    """Greedy acceptance with the real speculative loop, pooled over prompts; checks losslessness on the way."""
+    import dflash
+    from dflash.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
+
+    spec_pipe = dflash.load(target_dir, draft_dir, backend="torch", device="cpu")
+    plain = dflash.load(target_dir, backend="torch", device="cpu", no_draft=True)
+    lengths, rows, t_spec, t_plain, n_tok = [], [], 0.0, 0.0, 0
+    for p in prompts:
+        r = spec_pipe.generate(p, max_new_tokens=max_new_tokens)
+        base = plain.generate(p, max_new_tokens=max_new_tokens)
+        if r.tokens != base.tokens:
+            raise DFlashError(f"reference build: speculative output differs from target-only output for {p[:40]!r}")
+        lengths += r.acceptance_lengths
+        t_spec += r.decode_seconds
+        t_plain += base.decode_seconds
+        n_tok += r.generation_tokens
+        rows.append({"prompt": p, "completion": r.text, "tau": r.mean_acceptance_length,
+                     "tokens": r.generation_tokens})
+    b = spec_pipe.backend.block_size
+    return {"tau": mean_acceptance_length(lengths), "cycles": len(lengths), "tokens": n_tok,
+            "histogram": acceptance_histogram(lengths, b), "per_position": per_position_acceptance(lengths, b),
+            "decode_seconds_speculative": round(t_spec, 3), "decode_seconds_target_only": round(t_plain, 3),
+            "per_prompt": rows}
+
+
+def install(out: Path) -> None:
+    """Copy a build's float16 assets and benchmark prompts into the package."""
+    for name in ("target", "draft"):
+        dst = PACKAGE_DIR / "assets" / name
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(out / "assets" / name, dst)
+    shutil.copyfile(out / "prompts.jsonl", PACKAGE_DIR / "prompts.jsonl")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash.reference build", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/reference", help="build directory (default: runs/reference)")
+    p.add_argument("--fast", action="store_true", help="tiny corpus, model and drafter: tests the pipeline")
+    p.add_argument("--install", action="store_true", help="copy the result into the package afterwards")
+    args = p.parse_args(argv)
+    cfg = BuildConfig.fast() if args.fast else BuildConfig()
+    build(args.out, cfg)
+    if args.install:
+        install(Path(args.out))
+        _log(f"installed into {PACKAGE_DIR}")
+    return 0

