@@ -1,0 +1,126 @@
+"""Speculative sampling is exact: every emitted token is distributed as target-only sampling would draw it.
+
+A tiny target with a 16-token vocabulary: the empirical joint distribution of the first two generated tokens
+(the second is the first one a speculative cycle commits) is compared with the exact one, computed by plain target
+forwards and transformers' own processors. A wrong acceptance rule (accepting the draft blindly, sampling the
+draft, reading the wrong position) fails the same bound by a wide margin.
+"""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from dflash import tiny
+from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.drafter import DFlashDrafter
+from dflash.loop import generate
+from dflash.sampling import SamplingParams
+
+V = 16
+PROMPT = [3, 1, 4, 1, 5]
+
+
+class OracleDraftBackend(TorchBackend):
+    """Proposes the target's own greedy continuation, so proposals are accepted often and the acceptance rule is
+    exercised at every block position (a random drafter is almost never accepted)."""
+
+    def __init__(self, model, block_size):
+        super().__init__(model)
+        self.block_size = block_size
+        self.memo = {}
+
+    @torch.no_grad()
+    def draft(self, anchor):
+        key = tuple(self.tokens + [anchor])
+        if key not in self.memo:
+            seq = list(key)
+            for _ in range(self.block_size - 1):
+                seq.append(int(self.model(torch.tensor([seq])).logits[0, -1].argmax()))
+            self.memo[key] = torch.tensor([seq[len(self.tokens):]])
+        self._verify_ids = self.memo[key]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v16")
+    model = tiny.build_target(d, vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, intermediate_size=64, seed=5, init_std=0.3).eval()
+    model.name_or_path = str(d)
+    return model
+
+
+def exact_next(model, prefix, params):
+    procs = []
+    if params.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+        procs.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        procs.append(TopPLogitsWarper(params.top_p))
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix])).logits[:, -1].float()
+    return torch.softmax(LogitsProcessorList(procs)(torch.tensor([prefix]), logits), -1)[0].double()
+
+
+def chi_square_ok(observed, expected):
+    """Pearson chi-square with cells of expectation < 5 pooled; bound ~ 6 sigma above the dof."""
+    keep = expected > 5
+    chi2 = (((observed[keep] - expected[keep]) ** 2) / expected[keep]).sum()
+    rest_o, rest_e = observed[~keep].sum(), expected[~keep].sum()
+    if rest_e > 0:
+        chi2 += (rest_o - rest_e) ** 2 / rest_e
+    dof = int(keep.sum()) + int(rest_e > 0) - 1
+    return chi2 < dof + 6 * (2 * dof) ** 0.5, f"chi2 {chi2:.1f} with {dof} dof"
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=4),
+    SamplingParams(temperature=1.0, top_p=0.7),
+], ids=["temperature", "top-k", "top-p"])
+def test_first_tokens_match_target_distribution(small_vocab_target, params):
+    """Joint distribution of (t1, t2): t1 comes from the prefill, t2 from the first speculative cycle."""
+    model = small_vocab_target
+    backend = OracleDraftBackend(model, block_size=4)
+    n = 600
+    observed = torch.zeros(V, V, dtype=torch.float64)
+    accepted = 0
+    for i in range(n):
+        r = generate(backend, PROMPT, max_new_tokens=2, sampling=SamplingParams(**{**params.__dict__, "seed": i}))
+        observed[r.tokens[0], r.tokens[1]] += 1
+        accepted += r.acceptance_lengths[0] > 1
+    assert accepted > n * 0.2  # proposals are accepted often enough for the rule to matter
+    p1 = exact_next(model, PROMPT, params)
+    joint = torch.stack([p1[t] * exact_next(model, PROMPT + [t], params) if p1[t] > 0 else torch.zeros(V,
+                         dtype=torch.float64) for t in range(V)])
+    assert observed[joint == 0].sum() == 0, "sampled a pair the processors exclude"
+    ok, why = chi_square_ok(observed[joint > 0], joint[joint > 0] * n)
+    assert ok, why
+
+
+def test_blind_acceptance_would_fail(small_vocab_target):
+    """The statistic has power: accepting every proposal (a wrong rule) is rejected by the same bound."""
+    model = small_vocab_target
+    params = SamplingParams(temperature=1.0)
+    n = 600
+    observed = torch.zeros(V, V, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    p1 = exact_next(model, PROMPT, params)
+    for t1 in torch.multinomial(p1, n, replacement=True, generator=gen).tolist():
+        with torch.no_grad():
+            t2 = int(model(torch.tensor([PROMPT + [t1]])).logits[0, -1].argmax())  # the proposal, taken blindly
+        observed[t1, t2] += 1
+    joint = torch.stack([p1[t] * exact_next(model, PROMPT + [t], params) for t in range(V)])
+    ok, _ = chi_square_ok(observed[joint > 0], joint[joint > 0] * n)
+    assert not ok
+
+
+def test_same_seed_same_tokens(small_vocab_target):
+    torch.manual_seed(2)
+    drafter = DFlashDrafter(tiny.draft_spec_for(small_vocab_target.name_or_path, num_layers=1, block_size=4,
+                                                mask_token_id=V - 1)).eval()
+    backend = TorchBackend(small_vocab_target, drafter, block_size=4)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=123)
+    a = generate(backend, PROMPT, max_new_tokens=40, sampling=params).tokens
+    b = generate(backend, PROMPT, max_new_tokens=40, sampling=params).tokens
+    assert a == b
