@@ -1,0 +1,225 @@
+"""python -m dflash.bench cost-model: what one speculative cycle costs next to one autoregressive step.
+
+    speedup(B) = tau(B) * T_step / (T_draft(B) + T_verify(B))
+
+Times come from the real backend methods (draft / verify / commit), at a given model shape with random weights,
+so no download is needed: a hub or local config.json (e.g. Qwen3-8B) with an N-layer drafter on a GPU, or the tiny
+default on a CPU. With a per-position acceptance curve (from `dflash.bench` or `/stats`) it also names the block
+size that maximises the speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from . import cli
+from .errors import DFlashError
+
+TINY = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=768, vocab_size=4096)
+
+
+def expected_tau(per_position: list[float], block_size: int) -> float:
+    """tau(B) = 1 + sum_{k < B} P(the k-th proposal is accepted), from a per-position acceptance curve."""
+    return 1.0 + sum(per_position[: block_size - 1])
+
+
+def _timeit(fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def measure(make_backend, block_sizes, context: int, iters: int, warmup: int, vocab: int) -> dict:
+    """Median seconds of an autoregressive step and of draft / verify at each block size, at `context` tokens."""
+    import random
+
+    prompt = [random.Random(0).randrange(vocab) for _ in range(context)]
+
+    def setup(block_size):
+        be = make_backend(block_size)
+        be.prefill(prompt)
+        return be
+
+    ar = setup(None)
+    state = {"anchor": 1}
+
+    def step(be):
+        be.draft(state["anchor"])
+        be.verify()
+        be.commit(1)
+        be.crop(context)  # keep the context length fixed
+
+    t_step = _timeit(lambda: step(ar), iters, warmup)
+    out = {"context": context, "t_step": t_step, "blocks": {}}
+    for b in block_sizes:
+        be = setup(b)
+        t_cycle = _timeit(lambda: step(be), iters, warmup)
+        be.draft(1)
+
+        def verify_only():
+            be.verify()
+            be.commit(1)
+            be.crop(context)
+
+        t_verify = _timeit(verify_only, iters, warmup)
+        out["blocks"][b] = {"t_cycle": t_cycle, "t_verify": t_verify, "t_draft": max(t_cycle - t_verify, 0.0),
+                            "cycle_over_step": t_cycle / t_step}
+    return out
+
+
+def torch_factory(target_config, draft_layers: int, dtype: str, device: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.backends.torch.backend import TorchBackend
+    from dflash.backends.torch.drafter import DFlashDrafter
+    from dflash.backends.torch.target import resolve_device, resolve_dtype
+    from dflash.spec import DraftSpec, default_target_layer_ids
+
+    device = resolve_device(device)
+    dt = resolve_dtype(dtype, device)
+    cfg = AutoConfig.for_model(**target_config) if isinstance(target_config, dict) else target_config
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="sdpa").eval()
+    text = cfg.get_text_config()
+    spec = DraftSpec(hidden_size=text.hidden_size, num_hidden_layers=draft_layers,
+                     num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
+                     head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+                     intermediate_size=text.intermediate_size, vocab_size=text.vocab_size,
+                     num_target_layers=text.num_hidden_layers,
+                     target_layer_ids=default_target_layer_ids(text.num_hidden_layers, draft_layers),
+                     mask_token_id=text.vocab_size - 1, block_size=max(16, 2))
+    with torch.device(device):
+        drafter = DFlashDrafter(spec).to(dt).eval()
+    return lambda b: TorchBackend(model, drafter if b else None, block_size=b), text.vocab_size
+
+
+def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str, device: str):
+    """Any backend, through checkpoint directories (tiny shapes): what a user's load() would do."""
+    import torch
+
+    from dflash import backends, tiny
+    from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
+
+    root = Path(tempfile.mkdtemp(prefix="dflash-cost-"))
+    cfg = dict(target_config)
+    family = cfg.pop("model_type", "qwen3")
+    tiny.build_target(root / "target", family=family, **cfg)
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(tiny.draft_spec_for(root / "target", num_layers=draft_layers, block_size=16)),
+                 root / "draft")
+    mod = backends.get(backend)
+    loaded = {}
+
+    def make(b):
+        key = b is not None
+        if key not in loaded:
+            loaded[key] = mod.load(root / "target", root / "draft" if key else None, dtype=dtype, device=device)
+        be = loaded[key]
+        if b:
+            be.block_size = b
+        be.reset()
+        return be
+
+    return make, cfg["vocab_size"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash.bench cost-model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target-config", help="config.json path or hub id of the target shape (default: tiny 8x256)")
+    p.add_argument("--draft-layers", type=int, default=3)
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--context", type=int, default=256, help="tokens already in the cache")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--backend", default="torch")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--tau", type=float, nargs="*", default=[], help="tau values to print the implied speedup for")
+    p.add_argument("--acceptance", help="JSON list of per-position acceptance rates (or a bench JSON with one)")
+    p.add_argument("--json", help="write the measurements here")
+    p.add_argument("--debug", action="store_true")
+    args = p.parse_args(argv)
+    from dflash import backends
+
+    name = backends.pick(args.backend)
+    if any(b < 2 or b > 64 for b in args.block_sizes):
+        raise DFlashError(f"--block-sizes: got {args.block_sizes}, expected values in 2..64")
+    if args.target_config:
+        cfg = load_config(args.target_config)
+    else:
+        cfg = dict(TINY, model_type="qwen3")
+    if name == "torch":
+        from transformers import AutoConfig
+
+        conf = AutoConfig.for_model(**cfg) if isinstance(cfg, dict) else cfg
+        make, vocab = torch_factory(conf, args.draft_layers, args.dtype, args.device)
+    else:
+        if not isinstance(cfg, dict):
+            cfg = {k: v for k, v in cfg.to_dict().items() if k in TINY or k == "model_type"}
+        make, vocab = dir_factory(name, cfg, args.draft_layers, args.dtype, args.device)
+    res = measure(make, args.block_sizes, args.context, args.iters, args.warmup, vocab)
+    res.update(backend=name, draft_layers=args.draft_layers,
+               target=args.target_config or "tiny (8 layers, hidden 256)")
+    print(f"{name}: T_step {res['t_step'] * 1e3:.2f} ms at context {args.context}")
+    print(f"{'block':>5} {'T_draft ms':>10} {'T_verify ms':>11} {'cycle/step':>10}" +
+          "".join(f"  x@tau={t:g}" for t in args.tau))
+    for b, r in res["blocks"].items():
+        line = f"{b:>5} {r['t_draft'] * 1e3:>10.2f} {r['t_verify'] * 1e3:>11.2f} {r['cycle_over_step']:>10.2f}"
+        line += "".join(f"  {t / r['cycle_over_step']:>8.2f}" for t in args.tau)
+        print(line)
+    if args.acceptance:
+        curve = load_curve(args.acceptance)
+        best = max(res["blocks"], key=lambda b: expected_tau(curve, b) / res["blocks"][b]["cycle_over_step"])
+        for b, r in res["blocks"].items():
+            r["expected_tau"] = expected_tau(curve, b)
+            r["speedup"] = r["expected_tau"] / r["cycle_over_step"]
+        res["best_block_size"] = best
+        print(f"best block size for this acceptance curve: {best} "
+              f"(tau {res['blocks'][best]['expected_tau']:.2f}, speedup {res['blocks'][best]['speedup']:.2f}x)")
+    if args.json:
+        from .io import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(res, indent=2))
+    return 0
+
+
+def load_config(name: str):
+    from transformers import AutoConfig
+
+    from . import hub
+
+    path = Path(name)
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return AutoConfig.for_model(**data)
+    return AutoConfig.from_pretrained(str(hub.resolve(name, "--target-config")))
+
+
+def load_curve(path: str) -> list[float]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DFlashError(f"--acceptance: cannot read {path} ({e})") from None
+    if isinstance(data, dict):
+        data = data.get("per_position_acceptance")
+    if not isinstance(data, list) or not all(isinstance(x, (int, float)) and 0 <= x <= 1 for x in data):
+        raise DFlashError(f"--acceptance: {path} must hold a list of rates in [0, 1]")
+    return [float(x) for x in data]
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli.run(main))
