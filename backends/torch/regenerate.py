@@ -1,0 +1,196 @@
+"""Answer training prompts with the target itself (the paper's "regenerated responses"), resumably.
+
+Output rows: {"id", "messages": [prompt turns..., {"role": "assistant", "content": answer}], "thinking", "status",
+"finish_reason", "prompt_tokens", "answer_tokens"}. Every input row gets exactly one output row, with status "ok",
+"failed" (generation raised; "error" says why) or "skipped" (no prompt, or the prompt does not fit the context).
+
+Crash safety: each row is appended, flushed and fsynced as soon as its batch is done. On restart the ids already in
+the output are skipped and a torn last line (the process died mid-write) is cut off, so rerunning the same command
+after a SIGKILL at any point loses no finished row and duplicates none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from dflash.datasets import prompt_messages, read_rows, row_id, row_messages
+from dflash.errors import DFlashError
+
+
+def recover_output(path: Path) -> set[str]:
+    """Ids already written; a torn last line (no trailing newline, or not JSON) is truncated away."""
+    if not path.is_file():
+        return set()
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1  # everything after the last newline is a partial write
+    lines = data[:keep].splitlines()
+    done, good = set(), 0
+    for line in lines:
+        try:
+            done.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break  # a garbled line can only be the torn end of an older crash: drop it and what follows
+        good += len(line) + 1
+    if good != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+    return done
+
+
+def _append(f, row: dict) -> None:
+    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def output_stats(path: Path) -> dict:
+    counts = Counter()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            counts[json.loads(line).get("status", "ok")] += 1
+    return {"ok": counts["ok"], "failed": counts["failed"], "skipped": counts["skipped"], "total": sum(counts.values())}
+
+
+def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, temperature: float = 0.0,
+               top_p: float = 1.0, max_new_tokens: int = 512, enable_thinking: bool | None = None,
+               max_prompt_tokens: int | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
+               trust_remote_code: bool = False, progress: bool = True, log=print) -> dict:
+    """Answer every prompt of `input_path` with the target, appending to `output_path`; returns the stats."""
+    from dflash import hub
+    from dflash.api import eos_token_ids, load_tokenizer
+    from dflash.io import atomic_write_text
+
+    from .target import load_target, resolve_device, resolve_dtype
+
+    if batch_size < 1:
+        raise DFlashError(f"--batch-size: got {batch_size}, expected >= 1")
+    if max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens: got {max_new_tokens}, expected >= 1")
+    if temperature < 0:
+        raise DFlashError(f"--temperature: got {temperature}, expected >= 0")
+    output_path = Path(output_path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    done = recover_output(output_path)
+
+    # every input row, with a unique id (a repeated id gets a #k suffix, stable across reruns)
+    rows, seen = [], Counter()
+    for i, row in read_rows(input_path):
+        rid = row_id(row, i)
+        seen[rid] += 1
+        if seen[rid] > 1:
+            rid = f"{rid}#{seen[rid] - 1}"
+        rows.append((i, rid, row))
+    todo = [(i, rid, row) for i, rid, row in rows if rid not in done]
+    log(f"regenerate: {len(rows)} input rows, {len(rows) - len(todo)} already done, {len(todo)} to answer")
+
+    model_dir = hub.resolve(model_dir, "--model")
+    tokenizer = load_tokenizer(model_dir, trust_remote_code)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DFlashError(f"{model_dir}: the tokenizer has no chat_template; regenerate needs the target's template")
+    device = resolve_device(device)
+    model = load_target(model_dir, resolve_dtype(dtype, device), device, trust_remote_code) if todo else None
+    eos = sorted(eos_token_ids(model_dir, tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    limit = max_prompt_tokens
+    if limit is None and model is not None:
+        ctx = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        limit = ctx - max_new_tokens if ctx else None
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+
+    bar = None
+    if progress and todo:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc="regenerate", dynamic_ncols=True)
+    with open(output_path, "a", encoding="utf-8") as out:
+        batch = []
+
+        def run_batch():
+            rows_out = _answer(model, tokenizer, batch, eos, pad, max_new_tokens, temperature, top_p, seed,
+                               enable_thinking)
+            for r in rows_out:
+                _append(out, r)
+            if bar is not None:
+                bar.update(len(batch))
+            batch.clear()
+
+        for i, rid, row in todo:
+            base = {"id": rid, "thinking": bool(enable_thinking), "status": "skipped"}
+            try:
+                messages = prompt_messages(row_messages(row, f"{input_path}:{i + 1}"))
+            except DFlashError as e:
+                _append(out, dict(base, error=str(e)))
+                continue
+            if not messages or messages[-1]["role"] not in ("user", "tool"):
+                _append(out, dict(base, error="no user turn to answer"))
+                continue
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if limit is not None and len(ids) > limit:
+                _append(out, dict(base, error=f"prompt has {len(ids)} tokens, more than {limit} fit"))
+                continue
+            batch.append((rid, messages, ids))
+            if len(batch) == batch_size:
+                run_batch()
+        if batch:
+            run_batch()
+    if bar is not None:
+        bar.close()
+    stats = output_stats(output_path)
+    stats["input_rows"] = len(rows)
+    atomic_write_text(output_path.with_name(output_path.name.removesuffix(".jsonl") + ".stats.json"),
+                      json.dumps(stats, indent=2) + "\n")
+    log(f"regenerate: ok {stats['ok']}, failed {stats['failed']}, skipped {stats['skipped']} -> {output_path}")
+    return stats
+
+
+@torch.no_grad()
+def _generate(model, prompts: list[list[int]], eos, pad, max_new_tokens, temperature, top_p, seed):
+    """Left-padded batch generation; returns the new tokens of each prompt, cut after the first EOS."""
+    device = model.get_input_embeddings().weight.device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        att[i, width - len(p):] = 1
+    if temperature > 0:
+        torch.manual_seed(seed)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=max_new_tokens,
+                         eos_token_id=eos or None, pad_token_id=pad, **sampling)
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((k for k, t in enumerate(row) if t in eos), None)
+        answers.append((row[:cut], "stop") if cut is not None else (row, "length"))
+    return answers
+
+
+def _answer(model, tokenizer, batch, eos, pad, max_new_tokens, temperature, top_p, seed, enable_thinking):
+    try:
+        answers = _generate(model, [ids for _, _, ids in batch], eos, pad, max_new_tokens, temperature, top_p,
+                            seed + zlib.crc32(batch[0][0].encode()))
+    except (RuntimeError, ValueError) as e:
+        if len(batch) > 1:  # find the row that fails; the others still get answered
+            return [r for item in batch for r in _answer(model, tokenizer, [item], eos, pad, max_new_tokens,
+                                                         temperature, top_p, seed, enable_thinking)]
+        rid = batch[0][0]
+        return [{"id": rid, "thinking": bool(enable_thinking), "status": "failed",
+                 "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}]
+    rows = []
+    for (rid, messages, ids), (tokens, finish) in zip(batch, answers):
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        thinking = bool(enable_thinking) if enable_thinking is not None else "<think>" in text
+        rows.append({"id": rid, "messages": messages + [{"role": "assistant", "content": text}],
+                     "thinking": thinking, "status": "ok", "finish_reason": finish, "prompt_tokens": len(ids),
+                     "answer_tokens": len(tokens)})
+    return rows

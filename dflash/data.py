@@ -1,0 +1,120 @@
+"""python -m dflash.data: prepare drafter training data.
+
+  regenerate      answer prompts with the TARGET (the drafter must learn the target's own outputs); resumable:
+                    python -m dflash.data regenerate --model T --input prompts.jsonl --output answers.jsonl
+  cache-features  precompute the target's hidden states for offline training (sharded safetensors):
+                    python -m dflash.data cache-features --model T --data answers.jsonl --out feats/ --num-layers 5
+
+Inputs: chat JSONL ("messages" or ShareGPT "conversations"), prompt JSONL ("prompt"), or a `datasets` directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import cli
+from .errors import DFlashError
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m dflash.data", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("regenerate", help="answer prompts with the target (resumable)")
+    r.add_argument("--model", required=True, help="target: local HF directory or hub id")
+    r.add_argument("--input", required=True, help="prompts / chats: JSONL file or datasets directory")
+    r.add_argument("--output", required=True, help="training JSONL to append to (rerun the same command to resume)")
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--max-new-tokens", type=int, default=2048)
+    r.add_argument("--max-prompt-tokens", type=int, help="skip longer prompts (default: context - max-new-tokens)")
+    think = r.add_mutually_exclusive_group()
+    think.add_argument("--enable-thinking", dest="enable_thinking", action="store_true", default=None,
+                       help="render prompts with enable_thinking=True (serve the drafter the same way)")
+    think.add_argument("--disable-thinking", dest="enable_thinking", action="store_false")
+    r.add_argument("--seed", type=int, default=0)
+    _common(r)
+
+    c = sub.add_parser("cache-features", help="precompute target features for offline training")
+    c.add_argument("--model", required=True, help="target: local HF directory or hub id")
+    c.add_argument("--data", required=True, help="training JSONL (chat or tokenised rows) or datasets directory")
+    c.add_argument("--out", required=True, help="output directory (sharded safetensors + features.index.json)")
+    c.add_argument("--num-layers", type=int, default=5, help="draft layers: picks the default target layer ids")
+    c.add_argument("--target-layer-ids", help="comma-separated target layer ids (overrides --num-layers)")
+    c.add_argument("--max-length", type=int, default=3072)
+    c.add_argument("--feature-dtype", default="bfloat16", help="bfloat16, float16 or float32 on disk")
+    c.add_argument("--shard-gb", type=float, default=1.0, help="approximate shard size in GiB")
+    think = c.add_mutually_exclusive_group()
+    think.add_argument("--enable-thinking", dest="enable_thinking", action="store_true", default=None)
+    think.add_argument("--disable-thinking", dest="enable_thinking", action="store_false")
+    _common(c)
+    return p.parse_args(argv)
+
+
+def _common(p):
+    p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda[:N], mps")
+    p.add_argument("--dtype", default="auto", help="target dtype: auto, float32, bfloat16, float16")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--debug", action="store_true", help="full tracebacks")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.command == "regenerate":
+        from dflash.backends.torch.regenerate import regenerate
+
+        stats = regenerate(args.model, args.input, args.output, batch_size=args.batch_size,
+                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                           enable_thinking=args.enable_thinking, max_prompt_tokens=args.max_prompt_tokens,
+                           device=args.device, dtype=args.dtype, seed=args.seed,
+                           trust_remote_code=args.trust_remote_code, progress=not args.no_progress,
+                           log=lambda m: print(m, file=sys.stderr))
+        print(json.dumps(stats))
+        return 0 if stats["failed"] == 0 else 1
+    return cache_features(args)
+
+
+def cache_features(args) -> int:
+    import torch
+
+    from dflash import hub
+    from dflash.api import load_tokenizer
+    from dflash.backends.torch.features import write_feature_cache
+    from dflash.backends.torch.target import DTYPES, load_target, resolve_device, resolve_dtype
+    from dflash.datasets import load_samples
+    from dflash.spec import default_target_layer_ids
+
+    if args.feature_dtype not in DTYPES:
+        raise DFlashError(f"--feature-dtype: got {args.feature_dtype!r}, expected one of {', '.join(DTYPES)}")
+    model_dir = hub.resolve(args.model, "--model")
+    tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
+    samples = load_samples(args.data, tokenizer, max_length=args.max_length, enable_thinking=args.enable_thinking)
+    device = resolve_device(args.device)
+    model = load_target(model_dir, resolve_dtype(args.dtype, device), device, args.trust_remote_code)
+    n_layers = model.config.get_text_config().num_hidden_layers
+    if args.target_layer_ids:
+        try:
+            layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
+        except ValueError:
+            raise DFlashError(f"--target-layer-ids: expected comma-separated integers, got "
+                              f"{args.target_layer_ids!r}") from None
+        bad = [i for i in layer_ids if not 0 <= i < n_layers]
+        if bad:
+            raise DFlashError(f"--target-layer-ids: {bad} out of range for a target with {n_layers} layers")
+    else:
+        layer_ids = default_target_layer_ids(n_layers, args.num_layers)
+    with torch.inference_mode():
+        write_feature_cache(model, samples, layer_ids, args.out, shard_bytes=int(args.shard_gb * 2**30),
+                            dtype=DTYPES[args.feature_dtype], device=device, target=str(args.model),
+                            log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps({"out": str(args.out), "samples": len(samples), "target_layer_ids": layer_ids}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

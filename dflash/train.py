@@ -1,0 +1,196 @@
+"""python -m dflash.train: train a DFlash drafter for a target, from one CPU process to many GPUs / nodes.
+
+    python -m dflash.train --model Qwen/Qwen3-8B --data answers.jsonl --out runs/q8            # one process
+    torchrun --nproc-per-node 8 -m dflash.train --config q8.yaml --parallel fsdp                 # one node
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m dflash.train --config q8.yaml                                                         # two nodes
+
+Every hyperparameter is a flag and a key of the --config file (YAML or JSON, keys spelled like the flags with
+underscores); flags given explicitly override the file. Rerunning the same command resumes from the newest
+checkpoint in --out. Output: OUT/draft (canonical checkpoint), OUT/train_log.jsonl, OUT/curves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+
+from . import cli
+from .errors import DFlashError
+
+HELP = {
+    "target": "target model: local HF directory or hub id (flag: --model)",
+    "data": "training data: JSONL (chat, ShareGPT or tokenised rows) or a datasets directory",
+    "features": "offline features directory from `python -m dflash.data cache-features` (replaces --data)",
+    "out": "run directory: checkpoints, log, plots, exported drafter",
+    "enable_thinking": "render chats with enable_thinking (default: each row's 'thinking' field)",
+    "max_length": "truncate sequences to this many tokens",
+    "init_from": "start from an existing drafter directory instead of --init-from-target",
+    "num_layers": "draft decoder layers (new drafter)",
+    "block_size": "block size B trained for (new drafter)",
+    "mask_token_id": "mask token id (default: first unused embedding row past the tokenizer vocabulary)",
+    "target_layer_ids": "comma-separated target layer ids (default: evenly spaced from 1 to L-3)",
+    "init_layers": "target: copy the target's last decoder layers where shapes match; random: HF-style init",
+    "num_anchors": "random anchors (blocks) per sequence per epoch",
+    "gamma": "loss position decay w_k = exp(-(k-1)/gamma) (default 7/5/4 for block 16/10/8)",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr_ratio": "cosine floor as a fraction of --lr",
+    "warmup_ratio": "linear warmup as a fraction of the steps",
+    "weight_decay": "AdamW weight decay",
+    "betas": "AdamW betas, e.g. 0.9,0.95",
+    "grad_clip": "gradient-norm clip",
+    "epochs": "epochs over the data (ignored with --max-steps)",
+    "max_steps": "optimizer steps (overrides --epochs)",
+    "batch_size": "sequences per micro-batch per process",
+    "grad_accum": "micro-batches per optimizer step (global batch = batch x accum x world)",
+    "seed": "seed of the data order, anchors and initialisation",
+    "dtype": "auto (bf16 autocast + bf16 target on CUDA, fp32 elsewhere), float32 or bfloat16",
+    "activation_checkpointing": "recompute draft layers in backward (less memory)",
+    "parallel": "ddp or fsdp (FSDP2 fully_shard) when run under torchrun",
+    "device": "auto, cpu, cuda, mps",
+    "trust_remote_code": "allow model code from the target checkpoint",
+    "save_every": "checkpoint every N steps (0: none; the final state is always exported)",
+    "keep_checkpoints": "checkpoints to keep",
+    "resume": "resume from the newest checkpoint in --out",
+    "eval_every": "measure real acceptance (speculative loop) every N steps",
+    "eval_data": "held-out prompts (JSONL / datasets dir) for the acceptance measurement",
+    "eval_holdout": "hold out this many training samples and evaluate on their prompts",
+    "eval_max_prompts": "prompts per evaluation",
+    "eval_max_new_tokens": "tokens generated per evaluation prompt",
+    "log_every": "write a log row every N steps",
+    "progress": "tqdm progress bar",
+    "plot": "write curves.png (loss and tau) at the end",
+    "push_to_hub": "upload the exported drafter to this hub repo at the end",
+    "quiet": "no console output",
+}
+
+
+def _field_types():
+    from dflash.backends.torch.trainer import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    return TrainConfig, [(f, hints[f.name]) for f in dataclasses.fields(TrainConfig)
+                         if f.name not in ("samples", "eval_prompts")]
+
+
+def _scalar(tp):
+    """The scalar parser of a (possibly Optional) annotation."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    base = args[0] if args else tp
+    return typing.get_origin(base) or base
+
+
+def _convert(name: str, tp, value):
+    kind = _scalar(tp)
+    flag = "--" + name.replace("_", "-")
+    if value is None:
+        return None
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind in (list, tuple):
+            items = value if isinstance(value, (list, tuple)) else [x for x in str(value).split(",") if x.strip()]
+            inner = int if name == "target_layer_ids" else float
+            return kind(inner(x) for x in items)
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return kind(value)
+    except (TypeError, ValueError):
+        raise DFlashError(f"{flag}: cannot read {value!r} as {getattr(kind, '__name__', kind)}") from None
+
+
+def parse_args(argv=None):
+    _, fields = _field_types()
+    p = argparse.ArgumentParser(prog="python -m dflash.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="torch", help="training backend (torch)")
+    p.add_argument("--config", help="YAML or JSON file of hyperparameters (flags override it)")
+    p.add_argument("--init-from-target", action="store_true", help="new drafter shaped from the target (default)")
+    p.add_argument("--debug", action="store_true", help="full tracebacks")
+    for f, tp in fields:
+        flag = "--model" if f.name == "target" else "--" + f.name.replace("_", "-")
+        if _scalar(tp) is bool:
+            p.add_argument(flag, dest=f.name, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL",
+                           help=f"{HELP.get(f.name, '')} (default {f.default})")
+            if f.default is True:
+                p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const", const="false",
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else None
+            p.add_argument(flag, dest=f.name, default=argparse.SUPPRESS,
+                           help=f"{HELP.get(f.name, '')} (default {default})")
+    return p.parse_args(argv)
+
+
+def load_config_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise DFlashError(f"--config: {p} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # yaml.YAMLError / json.JSONDecodeError
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DFlashError(f"{p}: cannot parse ({first})") from None
+    if not isinstance(data, dict):
+        raise DFlashError(f"{p}: expected a mapping of hyperparameters")
+    return data
+
+
+def config_from_args(args):
+    TrainConfig, fields = _field_types()
+    types = {f.name: tp for f, tp in fields}
+    values = {}
+    if args.config:
+        for key, value in load_config_file(args.config).items():
+            name = key.replace("-", "_")
+            name = "target" if name == "model" else name
+            if name not in types:
+                raise DFlashError(f"{args.config}: unknown key '{key}' (see python -m dflash.train --help)")
+            values[name] = _convert(name, types[name], value)
+    for name in types:
+        if hasattr(args, name):
+            values[name] = _convert(name, types[name], getattr(args, name))
+    if args.init_from_target and values.get("init_from"):
+        raise DFlashError("--init-from-target: conflicts with --init-from; pick one")
+    return TrainConfig(**values)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.backend != "torch":
+        raise DFlashError(f"--backend: training supports torch only, got {args.backend!r}")
+    cfg = config_from_args(args)
+    from dflash.backends.torch.trainer import train
+
+    try:
+        result = train(cfg)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    if not cfg.quiet and int(__import__("os").environ.get("RANK", "0")) == 0:
+        print(json.dumps({"draft": str(result.draft_dir), "steps": result.steps,
+                          "final_loss": result.losses[-1] if result.losses else None, "tau": result.tau,
+                          "seconds": round(result.seconds, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
