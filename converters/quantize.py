@@ -56,6 +56,9 @@ def quantize_drafter(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, b
         raise DFlashError("quantize: needs the 'mlx' package (pip install 'dflash[mlx]')") from None
     from dflash.io import atomic_directory
 
+    from .draft import check_out
+
+    out_dir = check_out(out_dir, draft_dir)
     spec = DraftSpec.load(draft_dir)
     if spec.extra.get("quantization") is not None:
         raise DFlashError(f"{Path(draft_dir) / 'config.json'}: the drafter is already quantized")
@@ -63,20 +66,18 @@ def quantize_drafter(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, b
     weights = {}
     for f in files:
         weights.update(mx.load(str(f)))
-    dtype = next(v.dtype for k, v in weights.items() if k.endswith("norm.weight"))
     out = {}
     for name, w in weights.items():
         if w.ndim == 2 and w.shape[-1] % group_size == 0:
             q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
             prefix = name[: -len(".weight")]
-            out[name], out[prefix + ".scales"], out[prefix + ".biases"] = q, scales.astype(dtype), biases.astype(dtype)
+            out[name], out[prefix + ".scales"], out[prefix + ".biases"] = q, scales, biases
         else:
             out[name] = w
     mx.eval(out)
     quant = {"group_size": group_size, "bits": bits, "mode": "affine"}
     spec.extra["quantization"] = quant
     spec.extra["quantization_config"] = dict(quant)
-    out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
         mx.save_safetensors(str(tmp / WEIGHTS_NAME), out, metadata={"format": "mlx"})
         spec.save(tmp)

@@ -98,7 +98,8 @@ class DFlashDrafter(nn.Module):
         n, bsz = features.shape[1], block.shape[1]
         start = cache.position
         cache.reserve(n + bsz)
-        ctx = self.project_context(features)
+        # (quantized matmuls must not see an empty input: no new context, no projection)
+        ctx = self.project_context(features) if n else mx.zeros((block.shape[0], 0, block.shape[2]), block.dtype)
         x = block
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, self.rope, start, cache, i)

@@ -1,0 +1,111 @@
+"""Does a drafter fit a target? Read both checkpoints' configs and weight headers only (no model is built)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from dflash.errors import DFlashError
+from dflash.spec import DraftSpec, TargetInfo
+
+from .checkpoint import INDEX_NAME, read_header, validate_weights
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DFlashError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{path}: not valid JSON ({e})") from None
+
+
+def embedding_rows(model_dir: Path) -> int | None:
+    """Rows of the target's input embedding table, from the safetensors headers (quantized tables keep their rows)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    index = model_dir / INDEX_NAME
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map", {})
+        files = sorted({model_dir / f for k, f in weight_map.items() if k.endswith("embed_tokens.weight")}) or files
+    for f in files:
+        for name, (_, shape) in read_header(f).items():
+            if name.endswith("embed_tokens.weight"):
+                return shape[0]
+    return None
+
+
+def tokenizer_size(model_dir: Path) -> int | None:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        tok = json.loads(path.read_text())
+        ids = list(tok.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in tok.get("added_tokens", [])]
+        return max(ids) + 1 if ids else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def target_summary(model_dir: str | os.PathLike) -> tuple[TargetInfo, dict]:
+    model_dir = Path(model_dir)
+    cfg = _read_json(model_dir / "config.json")
+    cfg = cfg.get("text_config", cfg)
+    for key in ("hidden_size", "num_hidden_layers"):
+        if not isinstance(cfg.get(key), int):
+            raise DFlashError(f"{model_dir / 'config.json'}: missing integer field '{key}' (is this a target model?)")
+    rows = embedding_rows(model_dir) or cfg.get("vocab_size")
+    rope = cfg.get("rope_parameters") or {}
+    info = TargetInfo(hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"], vocab_size=rows,
+                      model_type=cfg.get("model_type", ""), rope_theta=rope.get("rope_theta", cfg.get("rope_theta")))
+    quant = cfg.get("quantization") or {}
+    return info, {"tokenizer_size": tokenizer_size(model_dir), "quantization_bits": quant.get("bits")}
+
+
+def check(model_dir: str | os.PathLike, draft_dir: str | os.PathLike) -> dict:
+    """Validate the pair (DFlashError with one line on the first mismatch) and return the compatibility report."""
+    spec = DraftSpec.load(draft_dir)
+    validate_weights(spec, draft_dir, allow_quantized=True)
+    info, extra = target_summary(model_dir)
+    spec.validate_against(info, source=str(draft_dir))
+    notes = []
+    if info.rope_theta is not None and float(info.rope_theta) != spec.rope_theta:
+        notes.append(f"rope_theta differs (drafter {spec.rope_theta:g}, target {float(info.rope_theta):g}); fine "
+                     "if the drafter was trained that way")
+    tok = extra["tokenizer_size"]
+    if tok is not None and spec.mask_token_id < tok:
+        notes.append(f"mask_token_id {spec.mask_token_id} is an ordinary token of the tokenizer (size {tok}); "
+                     "public drafters use the first spare row past it")
+    return {
+        "compatible": True,
+        "target": {"dir": str(model_dir), "model_type": info.model_type, "hidden_size": info.hidden_size,
+                   "num_hidden_layers": info.num_hidden_layers, "embedding_rows": info.vocab_size,
+                   "tokenizer_size": tok, "rope_theta": info.rope_theta, "quantization_bits": extra["quantization_bits"]},
+        "draft": {"dir": str(draft_dir), "num_hidden_layers": spec.num_hidden_layers, "hidden_size": spec.hidden_size,
+                  "target_layer_ids": spec.target_layer_ids, "num_target_layers": spec.num_target_layers,
+                  "vocab_size": spec.vocab_size, "mask_token_id": spec.mask_token_id, "block_size": spec.block_size,
+                  "rope_theta": spec.rope_theta, "rope_scaling": spec.rope_scaling,
+                  "quantization_bits": (spec.extra.get("quantization") or {}).get("bits")},
+        "notes": notes,
+    }
+
+
+def report_lines(r: dict) -> list[str]:
+    t, d = r["target"], r["draft"]
+    tq = f", {t['quantization_bits']}-bit" if t["quantization_bits"] else ""
+    dq = f", {d['quantization_bits']}-bit" if d["quantization_bits"] else ""
+    return [
+        f"target  {t['dir']}: {t['model_type'] or '?'}{tq}, {t['num_hidden_layers']} layers, hidden "
+        f"{t['hidden_size']}, {t['embedding_rows']} embedding rows"
+        + (f" (tokenizer {t['tokenizer_size']})" if t["tokenizer_size"] else ""),
+        f"draft   {d['dir']}: {d['num_hidden_layers']} layers{dq}, block {d['block_size']}",
+        f"  hidden size      {d['hidden_size']} = {t['hidden_size']}",
+        f"  target layers    {d['target_layer_ids']} of {t['num_hidden_layers']}"
+        + (f" (draft expects {d['num_target_layers']})" if d["num_target_layers"] != -1 else ""),
+        f"  vocabulary       {d['vocab_size']} = {t['embedding_rows']} embedding rows",
+        f"  mask token       {d['mask_token_id']}",
+        f"  rope             theta {d['rope_theta']:g} (target {t['rope_theta'] if t['rope_theta'] is None else format(float(t['rope_theta']), 'g')})"
+        + (f", scaling {d['rope_scaling']}" if d["rope_scaling"] else ""),
+        *[f"note: {n}" for n in r["notes"]],
+        "compatible",
+    ]
