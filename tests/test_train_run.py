@@ -1,0 +1,137 @@
+"""Training runs as users start them: the CLI, 2-process CPU runs (gloo) against 1 process, SIGKILL + resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash.backends.torch.trainer import TrainConfig, train
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+
+
+@pytest.fixture(scope="module")
+def data_file(tiny_target_dir, tmp_path_factory):
+    """Tokenised rows of varied lengths (prompt unsupervised, answer supervised)."""
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    with open(path, "w") as f:
+        for i in range(16):
+            n = int(torch.randint(20, 40, (1,), generator=g))
+            ids = torch.randint(3, 500, (n,), generator=g).tolist()
+            p = int(torch.randint(3, 8, (1,), generator=g))
+            f.write(json.dumps({"id": f"s{i}", "input_ids": ids, "loss_mask": [0] * p + [1] * (n - p)}) + "\n")
+    return path
+
+
+def base_args(target, data, out, **extra):
+    args = dict(model=target, data=data, out=out, num_layers=2, block_size=4, num_anchors=8, lr=3e-3,
+                progress="false", plot="false", seed=1)
+    args.update(extra)
+    return [x for k, v in args.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def losses(out) -> list[float]:
+    rows = [json.loads(line) for line in open(os.path.join(out, "train_log.jsonl"))]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def torchrun(args, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "dflash.train"] + args
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def one_process_curve(tiny_target_dir, data_file, tmp_path_factory):
+    """1 process, micro-batch 1 x 2 accumulation = the global batch of 2 processes x micro-batch 1."""
+    out = tmp_path_factory.mktemp("one")
+    cfg = TrainConfig(target=str(tiny_target_dir), data=str(data_file), out=str(out), num_layers=2, block_size=4,
+                      num_anchors=8, lr=3e-3, progress=False, plot=False, seed=1, batch_size=1, grad_accum=2,
+                      max_steps=6, save_every=0, quiet=True, device="cpu")
+    return train(cfg).losses
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_process_loss_curve_matches_one_process(parallel, tiny_target_dir, data_file, tmp_path,
+                                                    one_process_curve):
+    out = tmp_path / parallel
+    torchrun(base_args(tiny_target_dir, data_file, out, batch_size=1, grad_accum=1, max_steps=6, save_every=0,
+                       parallel=parallel))
+    two = losses(out)
+    assert len(two) == len(one_process_curve) == 6
+    assert two == pytest.approx(one_process_curve, rel=1e-4, abs=1e-5)
+    assert two[-1] < two[0]
+    assert (out / "draft" / "model.safetensors").is_file()
+
+
+def test_sigkill_mid_run_then_resume_gives_identical_weights(tiny_target_dir, data_file, tmp_path):
+    from safetensors.torch import load_file
+
+    steps, every = 30, 4
+    # uninterrupted reference, in-process
+    ref = tmp_path / "ref"
+    train(TrainConfig(target=str(tiny_target_dir), data=str(data_file), out=str(ref), num_layers=2, block_size=4,
+                      num_anchors=8, lr=3e-3, progress=False, plot=False, seed=1, batch_size=2, max_steps=steps,
+                      save_every=every, quiet=True, device="cpu"))
+    # the same run as a CLI subprocess, killed with SIGKILL right after its second checkpoint, then rerun
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "dflash.train"] + base_args(tiny_target_dir, data_file, out, batch_size=2,
+                                                             max_steps=steps, save_every=every)
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckpt = out / "checkpoints" / f"step_{2 * every:08d}"
+    deadline = time.time() + 120
+    while not ckpt.is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "draft").exists()
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout
+    a = load_file(str(ref / "draft" / "model.safetensors"))
+    b = load_file(str(out / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in open(out / "train_log.jsonl")]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, steps + 1))  # replayed, not duplicated
+    assert losses(out) == losses(ref)
+    # the resume state is loadable with weights_only=True (RNG states stored as tensors / lists)
+    last = sorted((out / "checkpoints").iterdir())[-1]
+    for f in ("model.pt", "optimizer.pt", "trainer.pt", "rng_rank0.pt"):
+        torch.load(last / f, weights_only=True)
+
+
+def test_cli_config_file_and_errors(tiny_target_dir, data_file, tmp_path):
+    from dflash.train import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("num_layers: 1\nblock_size: 4\nmax_steps: 2\nnum_anchors: 4\nsave_every: 0\nplot: false\n"
+                   "progress: false\nquiet: true\n")
+    out = tmp_path / "o"
+    assert main(["--config", str(cfg), "--model", str(tiny_target_dir), "--data", str(data_file), "--out", str(out),
+                 "--lr", "1e-3"]) == 0
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["num_layers"] == 1 and saved["lr"] == 1e-3 and saved["max_steps"] == 2
+    spec = json.loads((out / "draft" / "config.json").read_text())
+    from transformers import AutoTokenizer
+
+    n_tok = len(AutoTokenizer.from_pretrained(str(tiny_target_dir)))
+    assert spec["vocab_size"] > n_tok and spec["dflash_config"]["mask_token_id"] == n_tok  # first unused row
+    r = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(cfg), "--model", str(tiny_target_dir),
+                        "--data", str(data_file), "--out", str(out), "--block-size", "x"], env=ENV,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --block-size: cannot read 'x' as int"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nonsense_key: 3\n")
+    r = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(bad), "--model", str(tiny_target_dir),
+                        "--data", str(data_file)], env=ENV, capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown key 'nonsense_key'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
