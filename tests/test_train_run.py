@@ -135,3 +135,15 @@ def test_cli_config_file_and_errors(tiny_target_dir, data_file, tmp_path):
     r = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(bad), "--model", str(tiny_target_dir),
                         "--data", str(data_file)], env=ENV, capture_output=True, text=True)
     assert r.returncode == 2 and "unknown key 'nonsense_key'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tiny_target_dir, data_file, tmp_path):
+    from safetensors.torch import load_file
+
+    common = dict(target=str(tiny_target_dir), data=str(data_file), num_layers=2, block_size=4, num_anchors=8,
+                  max_steps=3, batch_size=2, save_every=0, progress=False, plot=False, quiet=True, device="cpu")
+    plain = train(TrainConfig(out=str(tmp_path / "a"), **common))
+    ckpt = train(TrainConfig(out=str(tmp_path / "b"), activation_checkpointing=True, **common))
+    assert ckpt.losses == plain.losses
+    a, b = (load_file(str(r.draft_dir / "model.safetensors")) for r in (plain, ckpt))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # and the canonical key names survive the wrapping

@@ -294,8 +294,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def _state_dicts(module, optimizer, fsdp: bool):
+    """Full (unsharded, unwrapped) model and optimiser state; keys as in PackedDrafter ("drafter.layers.0...")."""
     if not fsdp:
-        return module.state_dict(), optimizer.state_dict()
+        return getattr(module, "module", module).state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
@@ -349,7 +350,7 @@ def load_checkpoint(path: Path, module, optimizer, fsdp: bool, d: Dist) -> int:
         set_model_state_dict(module, model_sd, options=opts)
         set_optimizer_state_dict(module, optimizer, optim_sd, options=opts)
     else:
-        module.load_state_dict(model_sd)
+        getattr(module, "module", module).load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
     rng = path / f"rng_rank{d.rank}.pt"
     if rng.is_file():  # a run resumed on a different world size keeps fresh RNG on the new ranks
@@ -523,11 +524,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     def run_eval(at: int):
         if not eval_prompts:
             return
-        sd = _state_dicts(module, optimizer, fsdp)[0] if fsdp else None  # collective: every rank joins
+        state = _state_dicts(module, optimizer, fsdp)[0] if fsdp else drafter.state_dict()  # FSDP: collective
         if d.main:
             probe = DFlashDrafter(spec)
-            state = sd if fsdp else module.state_dict()
-            probe.load_state_dict({k.removeprefix("module.").removeprefix("drafter."): v for k, v in state.items()})
+            probe.load_state_dict({k.removeprefix("drafter."): v for k, v in state.items()})
             r = evaluate(target, probe.to(device), eval_prompts, cfg.eval_max_new_tokens, eos)
             features.capture.outputs.clear() if hasattr(features, "capture") else None
             row = {"step": at, **r}
@@ -610,11 +610,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     # --- final checkpoint, export, evaluation, plots ------------------------------------------------------------------
     if cfg.save_every and not (checkpoint_dirs(out) and checkpoint_dirs(out)[-1].name == f"step_{total:08d}"):
         save_checkpoint(out, step, module, optimizer, fsdp, d, cfg.keep_checkpoints)
-    state = _state_dicts(module, optimizer, fsdp)[0] if fsdp else module.state_dict()
+    state = _state_dicts(module, optimizer, fsdp)[0] if fsdp else drafter.state_dict()
     draft_dir = out / "draft"
     if d.main:
         final = DFlashDrafter(spec)
-        final.load_state_dict({k.removeprefix("module.").removeprefix("drafter."): v.cpu() for k, v in state.items()})
+        final.load_state_dict({k.removeprefix("drafter."): v.cpu() for k, v in state.items()})
         save_drafter(final, draft_dir)
         _log(cfg, d, f"exported drafter to {draft_dir}")
     if eval_prompts and not (evals and evals[-1]["step"] == step):

@@ -102,8 +102,21 @@ def attention_fn(mask):
         return lambda i, q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     from torch.nn.attention.flex_attention import flex_attention
 
-    flex = torch.compile(flex_attention) if mask.kv_indices.is_cuda else flex_attention
+    flex = _compiled_flex() if mask.kv_indices.is_cuda else flex_attention
     return lambda i, q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+_COMPILED_FLEX = None
+
+
+def _compiled_flex():
+    """One compiled flex_attention per process (compiling per call would recompile on every step)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED_FLEX
 
 
 def packed_forward(drafter: DFlashDrafter, embed, features, block_ids, positions, mask):
