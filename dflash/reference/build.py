@@ -33,8 +33,9 @@ class BuildConfig:
     pretrain: dict = field(default_factory=dict)  # PretrainConfig overrides
     train_prompts: int = 1200  # prompts answered by the target for drafter training
     benchmark_prompts: int = 32
-    benchmark_max_chars: int = 600
-    answer_tokens: int = 192  # max new tokens per regenerated answer
+    train_prompt_max_chars: int = 400  # prompt + answer stay inside the target's trained context (seq_len)
+    benchmark_max_chars: int = 500
+    answer_tokens: int = 160  # max new tokens per regenerated answer
     drafter: dict = field(default_factory=lambda: dict(num_layers=3, block_size=16))  # TrainConfig overrides
     tau_prompts: int = 32
     tau_new_tokens: int = 128
@@ -43,11 +44,12 @@ class BuildConfig:
     def fast(cls) -> "BuildConfig":
         return cls(limit_bytes=250_000, vocab_size=376,
                    pretrain=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-                                 head_dim=32, intermediate_size=128, steps=30, batch_size=4, seq_len=128,
-                                 warmup_steps=3, eval_every=15, eval_batches=1, compile=False, log_every=5),
-                   train_prompts=24, benchmark_prompts=4, answer_tokens=24,
-                   drafter=dict(num_layers=1, block_size=4, max_steps=6, num_anchors=16, batch_size=2),
-                   tau_prompts=2, tau_new_tokens=16)
+                                 head_dim=32, intermediate_size=128, steps=12, batch_size=4, seq_len=128,
+                                 warmup_steps=2, eval_every=100, eval_batches=1, compile=False, log_every=4,
+                                 max_seconds=None),
+                   train_prompts=8, benchmark_prompts=4, answer_tokens=16,
+                   drafter=dict(num_layers=1, block_size=4, max_steps=4, num_anchors=16, batch_size=2),
+                   tau_prompts=2, tau_new_tokens=12)
 
 
 def _log(msg: str) -> None:
@@ -61,7 +63,7 @@ def build(out: str | Path, cfg: BuildConfig | None = None) -> dict:
 
     from . import prompts as P
     from .corpus import source_files, split
-    from .pretrain import PretrainConfig, pretrain
+    from .pretrain import PretrainConfig, plot_curve, pretrain
 
     cfg = cfg or BuildConfig()
     out = Path(out)
@@ -88,9 +90,11 @@ def build(out: str | Path, cfg: BuildConfig | None = None) -> dict:
     summary = timed("pretrain", pretrain, train_files, heldout_files, tok, pcfg, out / "target_f32",
                     out / "pretrain.jsonl", progress=True)
     report["target"] = {k: v for k, v in summary.items() if k != "config"}
+    plot_curve(out / "pretrain.jsonl", out / "pretrain.png")
 
     # 3. prompts: training prompts from train files, benchmark prompts from held-out files
-    train_prompts = P.training_prompts(train_files, limit=cfg.train_prompts, seed=cfg.seed, max_chars=800)
+    train_prompts = P.training_prompts(train_files, limit=cfg.train_prompts, seed=cfg.seed,
+                                         max_chars=cfg.train_prompt_max_chars)
     P.write_jsonl(train_prompts, out / "train_prompts.jsonl")
     bench = P.benchmark_prompts(heldout_files, [f.text for f in train_files] + [p.prompt for p in train_prompts],
                                 n=cfg.benchmark_prompts, seed=cfg.seed, max_chars=cfg.benchmark_max_chars)
@@ -99,11 +103,11 @@ def build(out: str | Path, cfg: BuildConfig | None = None) -> dict:
 
     # 4. the target's own answers (greedy), then 5. the drafter
     export_target(out / "target_f32", out / "assets" / "target")
-    samples = timed("regenerate", regenerate, out / "assets" / "target", train_prompts, out / "answers.jsonl",
-                    cfg.answer_tokens)
-    report["answers"] = {"samples": len(samples), "answer_tokens": sum(sum(s["loss_mask"]) for s in samples)}
-    result = timed("drafter", train_drafter, out / "assets" / "target", samples, out / "drafter", cfg)
-    report["drafter"] = {"steps": result.steps, "final_loss": result.losses[-1] if result.losses else None}
+    report["answers"] = timed("regenerate", regenerate, out / "assets" / "target", train_prompts,
+                              out / "answers.jsonl", cfg.answer_tokens)
+    result = timed("drafter", train_drafter, out / "assets" / "target", out / "answers.jsonl", out / "drafter", cfg)
+    report["drafter"] = {"steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
+                         "seconds": round(result.seconds, 1)}
 
     # 6. export (float16) and 7. acceptance on the benchmark prompts with the real loop
     export_drafter(result.draft_dir, out / "assets" / "draft")
@@ -118,15 +122,28 @@ def build(out: str | Path, cfg: BuildConfig | None = None) -> dict:
     return report
 
 
-def regenerate(target_dir: Path, prompts: list, path: Path, max_new_tokens: int) -> list[dict]:
-    """The target's greedy answers to the training prompts, as tokenised completion samples."""
-    raise DFlashError("regenerate: not wired yet")
+def regenerate(target_dir: Path, prompts: list, path: Path, max_new_tokens: int, batch_size: int = 32) -> dict:
+    """The target's greedy answers to the training prompts (`python -m dflash.data regenerate`, in process): each
+    prompt is the user turn of a ChatML conversation, the target writes the assistant turn."""
+    from dflash.backends.torch.regenerate import regenerate as answer
+    from dflash.io import atomic_write_text
+
+    inp = path.with_name("regenerate_input.jsonl")
+    atomic_write_text(inp, "".join(json.dumps({"id": f"p{i}", "prompt": p.prompt}) + "\n"
+                                   for i, p in enumerate(prompts)))
+    if path.exists():
+        path.unlink()  # a fresh build answers everything again (regenerate itself would resume)
+    return answer(target_dir, inp, path, batch_size=batch_size, temperature=0.0, max_new_tokens=max_new_tokens,
+                  device="cpu", dtype="float32", progress=False, log=_log)
 
 
-def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildConfig):
+def train_drafter(target_dir: Path, data: Path, out: Path, cfg: BuildConfig):
+    """`python -m dflash.train`, in process, on the regenerated answers (loss on the assistant tokens only)."""
     from dflash.backends.torch.trainer import TrainConfig, train
 
-    tc = TrainConfig(target=str(target_dir), samples=samples, out=str(out), seed=cfg.seed, dtype="float32",
+    if out.exists():
+        shutil.rmtree(out)  # no resuming from an older build's checkpoints
+    tc = TrainConfig(target=str(target_dir), data=str(data), out=str(out), seed=cfg.seed, dtype="float32",
                      device="cpu", save_every=0, plot=True, progress=False, resume=False, **cfg.drafter)
     return train(tc)
 

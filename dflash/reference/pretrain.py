@@ -38,12 +38,14 @@ class PretrainConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     # optimisation
-    steps: int = 180
-    batch_size: int = 8
+    steps: int = 1200
+    batch_size: int = 4
     seq_len: int = 512
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 15
+    warmup_steps: int = 30
+    decay_fraction: float = 0.25
+    max_seconds: float | None = 22 * 60  # wall-clock guard on the training loop (see Schedule)
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -52,7 +54,7 @@ class PretrainConfig:
     # data
     chat_fraction: float = 0.1  # ChatML examples (prompt in, whole function out), as a share of documents
     seed: int = 0
-    eval_every: int = 30
+    eval_every: int = 100
     eval_batches: int = 4
     log_every: int = 10
     threads: int = 2
@@ -97,11 +99,37 @@ def batch(stream: torch.Tensor, batch_size: int, seq_len: int, generator: torch.
     return rows[:, :-1], rows[:, 1:]
 
 
-def lr_at(step: int, cfg: PretrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+class Schedule:
+    """Warmup, a constant plateau, then a cosine decay over the last `decay_fraction` of the steps (WSD).
+
+    With a wall-clock budget (`max_seconds`), a run on a slower or busier machine than planned starts its decay early:
+    once the plateau has used its share of the budget, the decay begins at once and lasts as many steps as fit in
+    the rest of the budget. On a machine fast enough for the planned steps nothing changes, so the build stays
+    reproducible there; when the guard fires, the summary records at which step."""
+
+    def __init__(self, cfg: "PretrainConfig"):
+        self.cfg = cfg
+        self.decay_start = int(cfg.steps * (1 - cfg.decay_fraction))
+        self.end = cfg.steps
+        self.guard_step: int | None = None
+
+    def lr(self, step: int) -> float:
+        cfg = self.cfg
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        if step < self.decay_start:
+            return cfg.lr
+        t = min(1.0, (step - self.decay_start) / max(1, self.end - self.decay_start))
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    def check_time(self, step: int, elapsed: float) -> None:
+        cfg = self.cfg
+        if not cfg.max_seconds or self.guard_step is not None or step >= self.decay_start or step == 0:
+            return
+        if elapsed > (1 - cfg.decay_fraction) * cfg.max_seconds:
+            per_step = elapsed / step
+            self.guard_step = self.decay_start = step
+            self.end = min(cfg.steps, step + max(1, int(cfg.decay_fraction * cfg.max_seconds / per_step)))
 
 
 def make_model(cfg: PretrainConfig, tokenizer, vocab_size: int):
@@ -170,9 +198,13 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
     model.train()
     t_train = time.time()
     seen = 0
-    for step in range(cfg.steps):
+    sched = Schedule(cfg)
+    step = 0
+    while step < sched.end:
+        sched.check_time(step, time.time() - t_train)
+        lr = sched.lr(step)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr
         x, y = batch(train, cfg.batch_size, cfg.seq_len, g)
         loss = step_loss(x, y)
         opt.zero_grad(set_to_none=True)
@@ -180,9 +212,9 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
         opt.step()
         seen += x.numel()
-        last = step == cfg.steps - 1
+        last = step == sched.end - 1
         if step % cfg.log_every == 0 or last or (cfg.eval_every and step % cfg.eval_every == 0):
-            rec = {"step": step, "loss": round(loss.item(), 4), "lr": round(lr_at(step, cfg), 6),
+            rec = {"step": step, "loss": round(loss.item(), 4), "lr": round(lr, 6),
                    "grad_norm": round(gnorm, 3), "tokens": seen, "seconds": round(time.time() - t_train, 1)}
             if cfg.eval_every and (step % cfg.eval_every == 0 or last):
                 rec["heldout_loss"] = round(evaluate(model, heldout, cfg), 4)
@@ -192,13 +224,15 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
                 log.flush()
             if progress:
                 print(json.dumps(rec), flush=True)
+        step += 1
     train_seconds = time.time() - t_train
     out_dir = Path(out_dir)
     model.eval()
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     summary.update(train_seconds=round(train_seconds, 1), total_seconds=round(time.time() - t0, 1),
-                   tokens_seen=seen, final_loss=rec["loss"], final_heldout_loss=rec.get("heldout_loss"))
+                   tokens_seen=seen, steps=step, time_guard_step=sched.guard_step, final_loss=rec["loss"],
+                   final_heldout_loss=rec.get("heldout_loss"))
     atomic_write_text(out_dir / "pretrain_summary.json", json.dumps(summary, indent=2) + "\n")
     if log:
         log.close()
@@ -230,8 +264,30 @@ def main(argv=None) -> int:
     train, heldout = split(source_files(limit_bytes=args.limit_bytes))
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     print(json.dumps(pretrain(train, heldout, tok, cfg, args.out, args.log)))
+    if args.log:
+        plot_curve(args.log, Path(args.log).with_suffix(".png"))
     return 0
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def plot_curve(log_path: str | Path, png: str | Path) -> None:
+    """Training and held-out loss against tokens seen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+    ev = [r for r in rows if "heldout_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], label="train (batch)")
+    ax.plot([r["tokens"] for r in ev], [r["heldout_loss"] for r in ev], marker="o", label="held-out files")
+    ax.set(xlabel="tokens seen", ylabel="cross-entropy (nats/token)", title="reference target pretraining")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
