@@ -118,3 +118,28 @@ def test_incompatible_config_fails_before_loading(tmp_path, tiny_target_dir, ran
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match=r"target_layer_ids \[9\] out of range"):
         load(tiny_target_dir, bad, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def trained(trained_pair):
+    target_dir, draft_dir = trained_pair
+    model = load_target(target_dir, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(123)  # fresh prompts, not the training ones
+    prompts = torch.randint(3, 500, (20, 8), generator=g).tolist()
+    baseline = [generate(TorchBackend(model), p, max_new_tokens=128).tokens for p in prompts]
+    return model, load_drafter(draft_dir), prompts, baseline
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_greedy_lossless_trained_drafter(trained, block_size):
+    model, drafter, prompts, baseline = trained
+    backend = TorchBackend(model, drafter, block_size=block_size)
+    lengths = []
+    for p, ref in zip(prompts, baseline):
+        r = generate(backend, p, max_new_tokens=128)
+        assert r.tokens == ref
+        lengths += r.acceptance_lengths
+    # long and partial acceptances both happen, so every crop path is exercised
+    assert sum(lengths) / len(lengths) > (1.6 if block_size == 2 else 2.5)
+    if block_size > 2:
+        assert {1, block_size} <= set(lengths) and any(1 < n < block_size for n in lengths)
