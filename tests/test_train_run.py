@@ -110,7 +110,7 @@ def test_sigkill_mid_run_then_resume_gives_identical_weights(tiny_target_dir, da
         torch.load(last / f, weights_only=True)
 
 
-def test_cli_config_file_and_errors(tiny_target_dir, data_file, tmp_path):
+def test_cli_config_file_and_errors(tiny_target_dir, data_file, tmp_path, capsys):
     from dflash.train import main
 
     cfg = tmp_path / "c.yaml"
@@ -126,15 +126,21 @@ def test_cli_config_file_and_errors(tiny_target_dir, data_file, tmp_path):
 
     n_tok = len(AutoTokenizer.from_pretrained(str(tiny_target_dir)))
     assert spec["vocab_size"] > n_tok and spec["dflash_config"]["mask_token_id"] == n_tok  # first unused row
-    r = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(cfg), "--model", str(tiny_target_dir),
-                        "--data", str(data_file), "--out", str(out), "--block-size", "x"], env=ENV,
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --block-size: cannot read 'x' as int"]
+    from dflash.cli import run
+
+    def one_line_error(argv):
+        assert run(main, argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ")
+        return err[0]
+
+    common = ["--config", str(cfg), "--model", str(tiny_target_dir), "--data", str(data_file), "--out", str(out)]
+    assert one_line_error(common + ["--block-size", "x"]) == "error: --block-size: cannot read 'x' as int"
     bad = tmp_path / "bad.yaml"
     bad.write_text("nonsense_key: 3\n")
-    r = subprocess.run([sys.executable, "-m", "dflash.train", "--config", str(bad), "--model", str(tiny_target_dir),
-                        "--data", str(data_file)], env=ENV, capture_output=True, text=True)
-    assert r.returncode == 2 and "unknown key 'nonsense_key'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "unknown key 'nonsense_key'" in one_line_error(["--config", str(bad), "--model", str(tiny_target_dir)])
+    assert "--mask-token-id" in one_line_error(common + ["--mask-token-id", "100000"])
+    assert "--backend" in one_line_error(common + ["--backend", "mlx"])
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(tiny_target_dir, data_file, tmp_path):
