@@ -542,6 +542,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=step, desc="train", dynamic_ncols=True)
+    if cfg.eval_every and step == 0:
+        run_eval(0)  # the untrained drafter's tau: the baseline the curve starts from
     module.train()
     b, accum = cfg.batch_size, cfg.grad_accum
     while step < total:
