@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto", block_size: int | None = None,
-         draft_window: int | None = None, trust_remote_code: bool = False, prefill_chunk: int = 2048):
+         draft_window: int | None = None, trust_remote_code: bool = False, prefill_chunk: int = 2048,
+         cache_len: int | None = None, compile: bool = False):
     from dflash.spec import DraftSpec
 
     from .backend import TorchBackend
@@ -20,4 +21,5 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
     if draft_dir is not None:
         spec.validate_against(target_info(model), source=str(draft_dir))
         drafter = load_drafter(draft_dir, dtype=torch_dtype, device=device, spec=spec)
-    return TorchBackend(model, drafter, block_size=block_size, draft_window=draft_window, prefill_chunk=prefill_chunk)
+    return TorchBackend(model, drafter, block_size=block_size, draft_window=draft_window, prefill_chunk=prefill_chunk,
+                        cache_len=cache_len, compile=compile)

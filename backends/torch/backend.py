@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from dflash.errors import DFlashError
 from dflash.sampling import SamplingParams
@@ -20,7 +20,8 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, model, drafter: DFlashDrafter | None = None, block_size: int | None = None,
-                 draft_window: int | None = None, prefill_chunk: int = 2048):
+                 draft_window: int | None = None, prefill_chunk: int = 2048, cache_len: int | None = None,
+                 compile: bool = False):
         self.model, self.drafter = model, drafter
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -39,7 +40,15 @@ class TorchBackend:
             self.capture = LayerCapture(model, spec.target_layer_ids)
             self.draft_cache = DraftCache(spec, self.dtype, self.device, window=draft_window)
             self._block = torch.full((1, self.block_size), spec.mask_token_id, dtype=torch.long, device=self.device)
-        self.cache = DynamicCache(config=model.config)
+        # cache_len: a preallocated StaticCache (fixed addresses, what torch.compile / CUDA graphs want); its crop
+        # only moves the write position, and stale entries past it are masked by causality until overwritten
+        self.cache_len = cache_len
+        self.cache = self._new_cache()
+        # compile: the fixed-shape decode forwards (1 token, one block) go through torch.compile; prefill stays eager
+        self._decode_model = model
+        if compile:
+            self._decode_model = torch.compile(model, dynamic=False, fullgraph=False,
+                                               mode="reduce-overhead" if self.device.type == "cuda" else None)
         self.tokens: list[int] = []  # ids whose K/V is in the target cache
         self.pending: torch.Tensor | None = None  # target features not yet in the draft cache
         self.sampler = TorchSampler(SamplingParams(), self.device)
@@ -120,8 +129,16 @@ class TorchBackend:
         elif self.pending is not None and length < have:
             self.pending = self.pending[:, : length - self.draft_cache.position]
 
+    def _new_cache(self):
+        if self.cache_len is None:
+            return DynamicCache(config=self.model.config)
+        return StaticCache(config=self.model.config, max_cache_len=self.cache_len)
+
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        if self.cache_len is not None and self.tokens:
+            self.cache.crop(-len(self.tokens))  # keep the static buffers (and any captured graphs) alive
+        else:
+            self.cache = self._new_cache()
         self.tokens = []
         self.pending = None
         if self.drafter is not None:
@@ -133,7 +150,11 @@ class TorchBackend:
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        if self.cache_len is not None and len(self.tokens) + ids.shape[1] > self.cache_len:
+            raise DFlashError(f"context: {len(self.tokens) + ids.shape[1]} tokens exceed the static cache "
+                              f"({self.cache_len}); raise cache_len")
+        model = self.model if last_only else self._decode_model
+        out = model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
         if self.capture is not None:
             self._features = self.capture.pop()
             if last_only:

@@ -1,0 +1,84 @@
+"""The fast path (preallocated StaticCache, torch.compile of the fixed-shape decode forwards) stays lossless."""
+
+import pytest
+import torch
+
+from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.drafter import load_drafter
+from dflash.backends.torch.target import load_target
+from dflash.loop import generate
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def pair(trained_pair):
+    target_dir, draft_dir = trained_pair
+    prompts = torch.randint(3, 500, (4, 8), generator=torch.Generator().manual_seed(7)).tolist()
+    return target_dir, draft_dir, prompts
+
+
+def _check(model, drafter, prompts, n=64, **fast):
+    baseline = [generate(TorchBackend(model), p, max_new_tokens=n).tokens for p in prompts]
+    ar_fast = TorchBackend(model, **fast)
+    spec_fast = TorchBackend(model, drafter, **fast)
+    taus = []
+    for p, ref in zip(prompts, baseline):
+        assert generate(ar_fast, p, max_new_tokens=n).tokens == ref  # target-only on the fast path
+        r = generate(spec_fast, p, max_new_tokens=n)
+        assert r.tokens == ref
+        taus.append(r.mean_acceptance_length)
+    assert max(taus) > 2  # long acceptances: crop of the static cache is exercised
+
+
+def test_static_cache_lossless(pair):
+    target_dir, draft_dir, prompts = pair
+    _check(load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir), prompts, cache_len=256)
+
+
+def test_static_cache_overflow_is_one_line(pair):
+    from dflash.errors import DFlashError
+
+    target_dir, draft_dir, prompts = pair
+    be = TorchBackend(load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir), cache_len=24)
+    with pytest.raises(DFlashError, match="static cache"):
+        generate(be, prompts[0], max_new_tokens=64)
+
+
+@pytest.mark.slow
+def test_compiled_decode_lossless_cpu(pair):
+    target_dir, draft_dir, prompts = pair
+    _check(load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir), prompts[:2], n=32,
+           cache_len=128, compile=True)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_graphs_bf16_lossless(pair):
+    target_dir, draft_dir, prompts = pair
+    model = load_target(target_dir, torch.bfloat16, "cuda")
+    _check(model, load_drafter(draft_dir, dtype=torch.bfloat16, device="cuda"), prompts, cache_len=256, compile=True)
+
+
+@pytest.mark.gpu
+@cuda
+def test_flex_mask_equals_dense_on_cuda():
+    from dflash.backends.torch import training as T
+    from dflash.backends.torch.drafter import DFlashDrafter
+    from dflash.spec import DraftSpec
+
+    spec = DraftSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=256, vocab_size=1000, num_target_layers=8, target_layer_ids=[1, 5],
+                     mask_token_id=999, block_size=16)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(spec).cuda()
+    embed = torch.nn.Embedding(1000, 128).cuda()
+    s = 300
+    feats = torch.randn(2, s, 256, device="cuda")
+    ids = torch.randint(0, 990, (2, s), device="cuda")
+    loss_mask = torch.rand(2, s, device="cuda") > 0.3
+    anchors, valid = T.sample_anchors(loss_mask, 12)
+    bids, pos, _, _ = T.build_blocks(ids, loss_mask, anchors, valid, 16, 999, 7.0)
+    dense = T.packed_forward(drafter, embed, feats, bids, pos, T.dense_mask(anchors, s, 16))
+    flex = T.packed_forward(drafter, embed, feats, bids, pos, T.flex_mask(anchors, s, 16))
+    torch.testing.assert_close(flex, dense, atol=2e-4, rtol=2e-4)
