@@ -78,7 +78,8 @@ def measure(make_backend, block_sizes, context: int, iters: int, warmup: int, vo
     return out
 
 
-def torch_factory(target_config, draft_layers: int, dtype: str, device: str):
+def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cache_len: int | None = None,
+                  compile: bool = False):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -103,7 +104,16 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str):
                      mask_token_id=text.vocab_size - 1, block_size=max(16, 2))
     with torch.device(device):
         drafter = DFlashDrafter(spec).to(dt).eval()
-    return lambda b: TorchBackend(model, drafter if b else None, block_size=b), text.vocab_size
+    built = {}
+
+    def make(b):
+        if b not in built:  # one backend per block size (compiled graphs are per shape)
+            built[b] = TorchBackend(model, drafter if b else None, block_size=b, cache_len=cache_len, compile=compile)
+        be = built[b]
+        be.reset()
+        return be
+
+    return make, text.vocab_size
 
 
 def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str, device: str):
@@ -148,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="torch")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--compile", action="store_true", help="torch: StaticCache + torch.compile (CUDA graphs on GPU)")
     p.add_argument("--tau", type=float, nargs="*", default=[], help="tau values to print the implied speedup for")
     p.add_argument("--acceptance", help="JSON list of per-position acceptance rates (or a bench JSON with one)")
     p.add_argument("--json", help="write the measurements here")
@@ -166,7 +177,8 @@ def main(argv=None) -> int:
         from transformers import AutoConfig
 
         conf = AutoConfig.for_model(**cfg) if isinstance(cfg, dict) else cfg
-        make, vocab = torch_factory(conf, args.draft_layers, args.dtype, args.device)
+        cache_len = args.context + 4 * max(args.block_sizes) + 8 if args.compile else None
+        make, vocab = torch_factory(conf, args.draft_layers, args.dtype, args.device, cache_len, args.compile)
     else:
         if not isinstance(cfg, dict):
             cfg = {k: v for k, v in cfg.to_dict().items() if k in TINY or k == "model_type"}
@@ -198,11 +210,13 @@ def main(argv=None) -> int:
 
 
 def load_config(name: str):
+    """A config.json path, a bundled shape (qwen3-8b, qwen3-4b), or a hub id / model directory."""
     from transformers import AutoConfig
 
     from . import hub
 
-    path = Path(name)
+    bundled = Path(__file__).parent / "configs" / f"{name.lower()}.json"
+    path = bundled if bundled.is_file() else Path(name)
     if path.is_file():
         data = json.loads(path.read_text())
         return AutoConfig.for_model(**data)

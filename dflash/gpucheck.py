@@ -1,0 +1,154 @@
+"""python -m dflash.gpucheck: the prepared GPU check (scripts/gpu_check.sh), one report in JSON + Markdown.
+
+  1. the GPU-marked tests (CUDA graphs + bf16 losslessness, FlexAttention mask == dense mask)
+  2. bf16 training steps of a drafter at a real shape (Qwen3-8B, 5 layers, block 16): tokens/s, peak memory
+  3. the cost model at Qwen3-8B and Qwen3-4B shapes, blocks 8 and 16: (T_draft + T_verify) / T_step
+
+`--small` runs the same pipeline at tiny shapes on whatever device is there (CPU here), so it stays runnable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import cli
+from .io import atomic_write_text
+
+
+def run_gpu_tests() -> dict:
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/"], capture_output=True, text=True)
+    tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr.strip()[-300:]
+    return {"returncode": p.returncode, "summary": tail, "seconds": time.perf_counter() - t}
+
+
+def training_steps(config: dict, draft_layers: int, block_size: int, seq_len: int, anchors: int, steps: int,
+                   device: str) -> dict:
+    """Drafter training steps on random target features: the drafter's own cost, without a target forward."""
+    import torch
+
+    from dflash.backends.torch.drafter import DFlashDrafter
+    from dflash.backends.torch.training import dflash_loss
+    from dflash.spec import DraftSpec, default_target_layer_ids
+
+    h, v = config["hidden_size"], config["vocab_size"]
+    spec = DraftSpec(hidden_size=h, num_hidden_layers=draft_layers, num_attention_heads=config["num_attention_heads"],
+                     num_key_value_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
+                     intermediate_size=config["intermediate_size"], vocab_size=v,
+                     num_target_layers=config["num_hidden_layers"],
+                     target_layer_ids=default_target_layer_ids(config["num_hidden_layers"], draft_layers),
+                     mask_token_id=v - 1, block_size=block_size)
+    torch.manual_seed(0)
+    cuda = device.startswith("cuda")
+    drafter = DFlashDrafter(spec).to(device)
+    embed = torch.nn.Embedding(v, h).to(device, torch.bfloat16 if cuda else torch.float32).requires_grad_(False)
+    lm_head = torch.nn.Linear(h, v, bias=False).to(device, embed.weight.dtype).requires_grad_(False)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
+    feats = torch.randn(1, seq_len, h * spec.num_context_layers, device=device, dtype=embed.weight.dtype)
+    ids = torch.randint(0, v - 1, (1, seq_len), device=device)
+    loss_mask = torch.ones(1, seq_len, dtype=torch.bool, device=device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps + 2):
+        t = time.perf_counter()
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=cuda):
+            loss, _ = dflash_loss(drafter, embed, lm_head, feats, ids, loss_mask, block_size=block_size,
+                                  num_anchors=anchors, mask_token_id=v - 1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 2:  # the first steps compile FlexAttention
+            times.append(time.perf_counter() - t)
+    step = sorted(times)[len(times) // 2]
+    return {"draft_layers": draft_layers, "block_size": block_size, "seq_len": seq_len, "anchors": anchors,
+            "step_seconds": step, "sequence_tokens_per_second": seq_len / step,
+            "block_tokens_per_second": anchors * block_size / step,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "final_loss": float(loss)}
+
+
+def cost_model(shape: str, draft_layers: int, device: str, compile: bool, context: int) -> dict:
+    from .costmodel import main as cm
+
+    out = Path("/tmp") / f"dflash-cost-{shape}.json"
+    args = ["--target-config", shape, "--draft-layers", str(draft_layers), "--block-sizes", "8", "16",
+            "--context", str(context), "--iters", "20", "--warmup", "5", "--device", device, "--json", str(out)]
+    cm(args + (["--compile"] if compile else []))
+    return json.loads(out.read_text())
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# GPU check ({report['device_name']})", "",
+             f"torch {report['torch']}, transformers {report['transformers']}, {report['when']}", "",
+             f"GPU tests: `{report['gpu_tests']['summary']}`", "", "## Cost model (batch 1)", "",
+             "| shape | compile | block | T_step ms | T_draft ms | T_verify ms | (T_draft+T_verify)/T_step |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["cost_model"]:
+        for b, x in r["blocks"].items():
+            lines.append(f"| {r['target']} | {r['compile']} | {b} | {r['t_step'] * 1e3:.2f} | {x['t_draft'] * 1e3:.2f} "
+                         f"| {x['t_verify'] * 1e3:.2f} | {x['cycle_over_step']:.2f} |")
+    t = report["training"]
+    lines += ["", "## Drafter training steps (bf16 autocast, FlexAttention on CUDA)", "",
+              f"{t['draft_layers']} layers, block {t['block_size']}, {t['seq_len']} tokens x {t['anchors']} anchors: "
+              f"{t['step_seconds'] * 1e3:.0f} ms/step, {t['sequence_tokens_per_second']:.0f} sequence tokens/s, "
+              f"peak memory {t['peak_memory_gib'] if t['peak_memory_gib'] is None else round(t['peak_memory_gib'], 1)} GiB",
+              ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash.gpucheck", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="tiny shapes (runs on CPU)")
+    p.add_argument("--out", default="docs/gpu_check", help="report path prefix (.json and .md are written)")
+    p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--debug", action="store_true")
+    args = p.parse_args(argv)
+    import torch
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report = {"device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    report["gpu_tests"] = {"summary": "skipped"} if args.skip_tests else run_gpu_tests()
+    print("gpu tests:", report["gpu_tests"]["summary"], flush=True)
+    if args.small:
+        tiny = json.loads((Path(__file__).parent / "configs" / "qwen3-8b.json").read_text())
+        tiny.update(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    intermediate_size=256, vocab_size=2048)
+        small_path = Path("/tmp/dflash-tiny-shape.json")
+        small_path.write_text(json.dumps(tiny))
+        report["training"] = training_steps(tiny, 2, 16, 256, 16, 2, device)
+        shapes, context = [str(small_path)], 64
+    else:
+        cfg8 = json.loads((Path(__file__).parent / "configs" / "qwen3-8b.json").read_text())
+        report["training"] = training_steps(cfg8, 5, 16, 3072, 512, 5, device)
+        shapes, context = ["qwen3-8b", "qwen3-4b"], 1024
+    print("training:", {k: v for k, v in report["training"].items()}, flush=True)
+    report["cost_model"] = []
+    for shape in shapes:
+        for compile in ([False, True] if device == "cuda" else [False]):
+            r = cost_model(shape, 2 if args.small else 5, device, compile, context)
+            r["target"], r["compile"] = Path(shape).stem, compile
+            report["cost_model"].append(r)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    atomic_write_text(args.out + ".json", json.dumps(report, indent=2))
+    atomic_write_text(args.out + ".md", markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

@@ -1,0 +1,12 @@
+import json
+
+from dflash.gpucheck import main
+
+
+def test_small_shape_mode_runs_here(tmp_path):
+    out = tmp_path / "report"
+    assert main(["--small", "--skip-tests", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["training"]["step_seconds"] > 0
+    assert {"8", "16"} <= set(report["cost_model"][0]["blocks"])
+    assert "(T_draft+T_verify)/T_step" in out.with_suffix(".md").read_text()
