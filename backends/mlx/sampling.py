@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from dflash.sampling import SamplingParams
 
-_WHOLE_HISTORY = 1 << 40
+_WHOLE_HISTORY = 2**31 - 1  # slice bounds must fit int32
 
 
 class MLXSampler:

@@ -1,0 +1,190 @@
+"""MLX backend: lossless greedy decoding against its own --no-draft run, every acceptance length, layer taps that
+leave the shared model untouched, quantized targets and drafters, sampling, the generate CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from dflash.backends.mlx import load  # noqa: E402
+from dflash.backends.mlx.backend import MLXBackend  # noqa: E402
+from dflash.backends.mlx.drafter import load_drafter  # noqa: E402
+from dflash.backends.mlx.target import _Tap, decoder_layers, embedding, load_target  # noqa: E402
+from dflash.errors import DFlashError  # noqa: E402
+from dflash.loop import generate  # noqa: E402
+from dflash.sampling import SamplingParams  # noqa: E402
+
+N = 48  # new tokens per prompt
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir):
+    return load_target(tiny_target_dir, mx.float32)
+
+
+@pytest.fixture(scope="module")
+def few(prompts):
+    return prompts[:4]
+
+
+@pytest.fixture(scope="module")
+def baseline(target, few):
+    ar = MLXBackend(*target)
+    return [generate(ar, p, max_new_tokens=N + 16).tokens for p in few]
+
+
+def save_random_drafter(directory, target_dir, seed=1, **spec):
+    import torch
+
+    from dflash import tiny
+    from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
+
+    torch.manual_seed(seed)
+    save_drafter(DFlashDrafter(tiny.draft_spec_for(target_dir, **spec)), directory)
+    return directory
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_greedy_lossless(target, random_draft_dir, few, baseline, block_size):
+    backend = MLXBackend(*target, load_drafter(random_draft_dir), block_size=block_size)
+    for p, ref in zip(few, baseline):
+        r = generate(backend, p, max_new_tokens=N, trace=True)  # one backend for all prompts: caches are cropped
+        assert r.tokens == ref[:N]
+        assert all(len(d) == block_size - 1 for d in r.drafted)
+
+
+class OracleDraft:
+    """Runs the real drafter, then replaces its proposals by the known continuation with slot `k` made wrong, k
+    cycling through 0..B-1 (B-1: nothing wrong): every acceptance length 1..B is committed in turn."""
+
+    def __init__(self, backend, truth, prompt_len):
+        self.be, self.truth, self.prompt_len, self.cycle = backend, truth, prompt_len, 0
+
+    def __getattr__(self, name):
+        return getattr(self.be, name)
+
+    def draft(self, anchor):
+        self.be.draft(anchor)
+        b = self.be.block_size
+        done = len(self.be.tokens) - self.prompt_len  # generated tokens before the anchor (anchor = truth[done])
+        props = list(self.truth[done + 1:done + b])
+        wrong = self.cycle % b
+        if wrong < b - 1:
+            props[wrong] = (props[wrong] + 1) % self.be.info.vocab_size
+        self.cycle += 1
+        self.be._verify_ids = mx.array([[anchor] + props], dtype=mx.int32)
+
+
+def test_every_acceptance_length_is_exact(target, random_draft_dir, few, baseline):
+    backend = MLXBackend(*target, load_drafter(random_draft_dir), block_size=8)
+    for p, ref in zip(few[:2], baseline):
+        r = generate(OracleDraft(backend, ref, len(p)), p, max_new_tokens=N)
+        assert r.tokens == ref[:N]
+        assert set(r.acceptance_lengths[:8]) == set(range(1, 9))
+        # the drafter's context tracks exactly the committed positions
+        assert backend.draft_cache.position + backend.pending.shape[1] == len(backend.tokens)
+
+
+def test_repetition_penalty_rows_see_their_own_history(target, random_draft_dir, few):
+    """Greedy + repetition penalty: row i of a verified block is penalised with history + block[:i+1]."""
+    params = SamplingParams(repetition_penalty=1.5)
+    p = few[0]
+    ref = generate(MLXBackend(*target), p, max_new_tokens=N + 16, sampling=params).tokens
+    backend = MLXBackend(*target, load_drafter(random_draft_dir), block_size=8)
+    r = generate(OracleDraft(backend, ref, len(p)), p, max_new_tokens=N, sampling=params)
+    assert r.tokens == ref[:N]
+    assert max(r.acceptance_lengths) == 8
+
+
+def test_two_drafters_with_different_layers_share_one_model(tmp_path, tiny_target_dir, target, few, baseline):
+    model, config = target
+    layers = list(decoder_layers(model))
+    a = load_drafter(save_random_drafter(tmp_path / "a", tiny_target_dir, num_layers=2, target_layer_ids=[0, 2]))
+    b = load_drafter(save_random_drafter(tmp_path / "b", tiny_target_dir, seed=2, num_layers=2,
+                                         target_layer_ids=[1, 3]))
+    ba, bb = MLXBackend(model, config, a), MLXBackend(model, config, b)
+    for backend in (ba, bb, ba):
+        assert generate(backend, few[0], max_new_tokens=32).tokens == baseline[0][:32]
+    assert all(x is y for x, y in zip(decoder_layers(model), layers))  # no tap left behind
+    assert not any(isinstance(x, _Tap) for x in decoder_layers(model))
+
+    # the features are the outputs of decoder layers [0, 2] and [1, 3] (HF hidden_states[i + 1])
+    ids = mx.array([few[1]], dtype=mx.int32)
+    h, outs = embedding(model)(ids), []
+    for layer in decoder_layers(model):
+        h = layer(h, "causal", None)
+        outs.append(h)
+    for backend, want in ((ba, [0, 2]), (bb, [1, 3])):
+        _, feats = backend.runner(ids, backend._new_cache(), last_only=True)
+        ref = mx.concatenate([outs[i] for i in want], axis=-1)
+        assert mx.allclose(feats, ref, atol=1e-5).item()
+
+
+def test_quantized_target_loads_and_runs(tmp_path, tiny_target_dir, random_draft_dir, few):
+    from dflash.converters.target import target_to_mlx
+
+    q = target_to_mlx(tiny_target_dir, tmp_path / "q4", quantize=True, bits=4, group_size=64, quiet=True)
+    backend = load(q, random_draft_dir)
+    assert type(backend.embed).__name__ == "QuantizedEmbedding"
+    ref = generate(load(q), few[0], max_new_tokens=32).tokens
+    assert generate(backend, few[0], max_new_tokens=32).tokens == ref
+
+
+def test_quantized_drafter_loads_and_is_lossless(tmp_path, target, random_draft_dir, few, baseline):
+    from dflash.converters.quantize import quantize_drafter
+
+    q = quantize_drafter(random_draft_dir, tmp_path / "dq8", bits=8, group_size=64)
+    drafter = load_drafter(q)
+    assert type(drafter.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    assert generate(MLXBackend(*target, drafter), few[0], max_new_tokens=32).tokens == baseline[0][:32]
+
+
+def test_seeded_sampling_is_reproducible(target, random_draft_dir, few):
+    backend = MLXBackend(*target, load_drafter(random_draft_dir))
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3)
+    one = generate(backend, few[0], max_new_tokens=24, sampling=params).tokens
+    assert generate(backend, few[0], max_new_tokens=24, sampling=params).tokens == one
+    other = generate(backend, few[0], max_new_tokens=24, sampling=SamplingParams(temperature=0.8, seed=4)).tokens
+    assert other != one
+
+
+def test_chunked_prefill_prefix_reuse_and_window(target, random_draft_dir, prompts):
+    long = sum(prompts[:6], [])
+    ref = generate(MLXBackend(*target), long, max_new_tokens=56).tokens
+    chunked = MLXBackend(*target, load_drafter(random_draft_dir), prefill_chunk=7, draft_window=16)
+    assert generate(chunked, long, max_new_tokens=56).tokens == ref
+    follow = long + ref + prompts[7]
+    fresh = generate(MLXBackend(*target), follow, max_new_tokens=24).tokens
+    assert chunked.cached_tokens[:len(long)] == long
+    assert generate(chunked, follow, max_new_tokens=24).tokens == fresh
+
+
+def test_bad_options_fail_with_one_line(tmp_path, tiny_target_dir, random_draft_dir):
+    with pytest.raises(DFlashError, match="--block-size"):
+        load(tiny_target_dir, random_draft_dir, block_size=17)
+    with pytest.raises(DFlashError, match="--device"):
+        load(tiny_target_dir, random_draft_dir, device="cuda")
+    with pytest.raises(DFlashError, match="--dtype"):
+        load(tiny_target_dir, random_draft_dir, dtype="int8")
+    cfg = json.loads((random_draft_dir / "config.json").read_text())
+    cfg["hidden_size"] = 32
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes((random_draft_dir / "model.safetensors").read_bytes())
+    with pytest.raises(DFlashError, match="hidden_size 32"):
+        load(tiny_target_dir, tmp_path)
+
+
+def test_generate_cli_json(tiny_target_dir, random_draft_dir):
+    p = subprocess.run([sys.executable, "-m", "dflash.generate", "--backend", "mlx", "--model", str(tiny_target_dir),
+                        "--draft", str(random_draft_dir), "--prompt", "def f(", "--max-new-tokens", "16", "--json",
+                        "--trace"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert {"tokens", "text", "prompt_tokens", "generation_tokens", "acceptance_lengths", "mean_acceptance_length",
+            "prefill_seconds", "decode_seconds", "decode_tokens_per_second", "finish_reason", "block_size",
+            "drafted"} <= out.keys()
+    assert out["generation_tokens"] == len(out["tokens"]) and out["block_size"] == 16
