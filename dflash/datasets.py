@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 from pathlib import Path
 from typing import Iterator
 
@@ -153,7 +154,7 @@ def tokenize_conversation(tokenizer, messages: list[dict], enable_thinking: bool
 
 
 def load_samples(path, tokenizer=None, *, max_length: int | None = None, enable_thinking: bool | None = None):
-    """Training samples [{"id", "input_ids", "loss_mask"}] from JSONL / datasets rows. Rows without an assistant turn
+    """Training samples [{"id", "input_ids": array('i'), "loss_mask": array('b')}] from JSONL / datasets rows. Rows without an assistant turn
     are an error (train on the target's own answers: run `python -m dflash.data regenerate` first); rows whose status
     is not "ok" are skipped; rows with no supervised token left after truncation are dropped."""
     samples, skipped = [], 0
@@ -186,7 +187,8 @@ def load_samples(path, tokenizer=None, *, max_length: int | None = None, enable_
         if sum(mask[:-1]) == 0:
             skipped += 1
             continue
-        samples.append({"id": row_id(row, i), "input_ids": ids, "loss_mask": mask})
+        # compact: 4 + 1 bytes per token (Python lists cost ~40), for datasets of many long samples
+        samples.append({"id": row_id(row, i), "input_ids": array("i", ids), "loss_mask": array("b", mask)})
     if not samples:
         raise DFlashError(f"{path}: no usable training rows ({skipped} skipped)")
     return samples

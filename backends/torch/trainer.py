@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
 import random
 import shutil
 import time
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,6 +153,7 @@ def anchor_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_000_000_007 + index)
 
 
+@functools.lru_cache(maxsize=2)
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
 
@@ -168,8 +171,8 @@ def collate(samples: list[dict], anchors: list, device) -> tuple:
     ids = torch.zeros(len(samples), s, dtype=torch.long)
     mask = torch.zeros(len(samples), s, dtype=torch.bool)
     for i, x in enumerate(samples):
-        ids[i, :len(x["input_ids"])] = torch.tensor(x["input_ids"])
-        mask[i, :len(x["loss_mask"])] = torch.tensor(x["loss_mask"], dtype=torch.bool)
+        ids[i, :len(x["input_ids"])] = torch.as_tensor(x["input_ids"], dtype=torch.long)
+        mask[i, :len(x["loss_mask"])] = torch.as_tensor(x["loss_mask"], dtype=torch.bool)
     n = max(1, max(int(v.sum()) for _, v in anchors))
     a = torch.stack([a[:n] for a, _ in anchors])
     v = torch.stack([v[:n] for _, v in anchors])
@@ -178,7 +181,7 @@ def collate(samples: list[dict], anchors: list, device) -> tuple:
 
 def sample_weight(sample: dict, anchors, valid, block_size: int, gamma: float) -> float:
     """sum of loss weights of one sample's blocks (for the global normaliser), without building the blocks."""
-    mask = torch.tensor(sample["loss_mask"], dtype=torch.bool)
+    mask = torch.as_tensor(sample["loss_mask"], dtype=torch.bool)
     s = mask.shape[0]
     k = torch.arange(1, block_size)
     pos = anchors[valid][:, None] + k
@@ -291,6 +294,16 @@ def set_rng_state(state: dict) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _model_state(module, drafter, fsdp: bool) -> dict:
+    """The drafter's full weights with canonical names (collective under FSDP: every rank must call it)."""
+    if not fsdp:
+        return drafter.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("drafter."): v for k, v in sd.items()}
 
 
 def _state_dicts(module, optimizer, fsdp: bool):
@@ -432,8 +445,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         samples = load_samples(cfg.data, tokenizer, max_length=cfg.max_length, enable_thinking=cfg.enable_thinking)
     else:
         raise DFlashError("--data: training data is required (JSONL / datasets dir, or --features DIR)")
-    samples = [dict(x, input_ids=list(x["input_ids"])[:cfg.max_length],
-                    loss_mask=[bool(m) for m in x["loss_mask"]][:cfg.max_length]) for x in samples]
+    # compact storage (4 + 1 bytes per token instead of Python lists): 800K x 3K-token samples fit in memory
+    samples = [dict(x, input_ids=array("i", x["input_ids"][:cfg.max_length]),
+                    loss_mask=array("b", x["loss_mask"][:cfg.max_length])) for x in samples]
     eval_prompts = [list(p) for p in cfg.eval_prompts] if cfg.eval_prompts else []
     if cfg.eval_holdout:
         from dflash.datasets import prompt_of
@@ -524,10 +538,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     def run_eval(at: int):
         if not eval_prompts:
             return
-        state = _state_dicts(module, optimizer, fsdp)[0] if fsdp else drafter.state_dict()  # FSDP: collective
+        state = _model_state(module, drafter, fsdp)
         if d.main:
             probe = DFlashDrafter(spec)
-            probe.load_state_dict({k.removeprefix("drafter."): v for k, v in state.items()})
+            probe.load_state_dict(state)
             r = evaluate(target, probe.to(device), eval_prompts, cfg.eval_max_new_tokens, eos)
             features.capture.outputs.clear() if hasattr(features, "capture") else None
             row = {"step": at, **r}
@@ -550,7 +564,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         # 1. this rank's share of the global batch, and its anchors
         epoch, idx = step_indices(step, len(samples), global_batch, cfg.seed)
         mine = idx[d.rank * b * accum:(d.rank + 1) * b * accum]
-        anchors = [sample_anchors(torch.tensor(samples[i]["loss_mask"])[None], cfg.num_anchors,
+        anchors = [sample_anchors(torch.as_tensor(samples[i]["loss_mask"], dtype=torch.bool)[None], cfg.num_anchors,
                                   anchor_generator(cfg.seed, epoch, i)) for i in mine]
         anchors = [(a[0], v[0]) for a, v in anchors]
         # 2. the global normaliser: sum of loss weights over the whole global batch
@@ -612,11 +626,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     # --- final checkpoint, export, evaluation, plots ------------------------------------------------------------------
     if cfg.save_every and not (checkpoint_dirs(out) and checkpoint_dirs(out)[-1].name == f"step_{total:08d}"):
         save_checkpoint(out, step, module, optimizer, fsdp, d, cfg.keep_checkpoints)
-    state = _state_dicts(module, optimizer, fsdp)[0] if fsdp else drafter.state_dict()
+    state = _model_state(module, drafter, fsdp)
     draft_dir = out / "draft"
     if d.main:
         final = DFlashDrafter(spec)
-        final.load_state_dict({k.removeprefix("drafter."): v.cpu() for k, v in state.items()})
+        final.load_state_dict({k: v.cpu() for k, v in state.items()})
         save_drafter(final, draft_dir)
         _log(cfg, d, f"exported drafter to {draft_dir}")
     if eval_prompts and not (evals and evals[-1]["step"] == step):
