@@ -153,3 +153,27 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_target_dir, da
     assert ckpt.losses == plain.losses
     a, b = (load_file(str(r.draft_dir / "model.safetensors")) for r in (plain, ckpt))
     assert all(torch.equal(a[k], b[k]) for k in a)  # and the canonical key names survive the wrapping
+
+
+def test_mask_token_needs_a_free_embedding_row():
+    from dflash.backends.torch.trainer import first_free_embedding_row, new_draft_spec
+    from dflash.errors import DFlashError
+    from dflash.tiny import target_config
+    from transformers import AutoModelForCausalLM
+
+    class Tok:
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+    assert first_free_embedding_row(Tok(500), 512) == 500
+    model = AutoModelForCausalLM.from_config(target_config(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                           num_attention_heads=2, num_key_value_heads=1,
+                                                           intermediate_size=64))
+    cfg = TrainConfig(num_layers=1, block_size=4)
+    with pytest.raises(DFlashError, match="--mask-token-id: .*no unused row"):
+        new_draft_spec(cfg, model, Tok(64))
+    assert new_draft_spec(cfg, model, Tok(60)).mask_token_id == 60
+    assert new_draft_spec(TrainConfig(num_layers=1, block_size=4, mask_token_id=7), model, Tok(64)).mask_token_id == 7
