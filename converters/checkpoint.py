@@ -135,18 +135,29 @@ def validate_weights(spec: DraftSpec, directory: str | os.PathLike, allow_quanti
     return files
 
 
+def common_prefix(names) -> str:
+    """The stack of known wrapper prefixes every name starts with ('_orig_mod.model.' counts), or ''."""
+    names, stack = list(names), ""
+    while names:
+        p = next((p for p in _KNOWN_PREFIXES if all(n.startswith(p) for n in names)), None)
+        if p is None:
+            break
+        names = [n[len(p):] for n in names]
+        stack += p
+    return stack
+
+
 def check_names_and_shapes(spec: DraftSpec, found: dict[str, tuple[int, ...]], source: str,
                            want: dict[str, tuple[int, ...]] | None = None) -> None:
     want = want if want is not None else expected_shapes(spec)
     missing = [k for k in want if k not in found]
     unexpected = [k for k in found if k not in want]
     if missing or unexpected:
-        for prefix in _KNOWN_PREFIXES:
-            if missing and all(k.startswith(prefix) for k in found) and \
-                    set(k[len(prefix):] for k in found) >= set(missing):
-                raise DFlashError(f"{source}: weight names carry the prefix '{prefix}' left by a trainer (e.g. "
-                                  f"'{prefix}{missing[0]}'); expected canonical names like '{missing[0]}' "
-                                  f"(fix: python -m dflash.convert strip-prefix)")
+        prefix = common_prefix(found)
+        if prefix and missing and set(k[len(prefix):] for k in found) >= set(missing):
+            raise DFlashError(f"{source}: weight names carry the prefix '{prefix}' left by a trainer (e.g. "
+                              f"'{prefix}{missing[0]}'); expected canonical names like '{missing[0]}' "
+                              f"(fix: python -m dflash.convert strip-prefix)")
         if any(k.startswith(("embed_tokens", "lm_head", "model.embed_tokens")) for k in unexpected):
             name = next(k for k in unexpected if k.startswith(("embed_tokens", "lm_head", "model.embed_tokens")))
             raise DFlashError(f"{source}: unexpected weight '{name}'; a DFlash drafter shares the target's "

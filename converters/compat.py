@@ -65,9 +65,9 @@ def target_summary(model_dir: str | os.PathLike) -> tuple[TargetInfo, dict]:
 def check(model_dir: str | os.PathLike, draft_dir: str | os.PathLike) -> dict:
     """Validate the pair (DFlashError with one line on the first mismatch) and return the compatibility report."""
     spec = DraftSpec.load(draft_dir)
-    validate_weights(spec, draft_dir, allow_quantized=True)
     info, extra = target_summary(model_dir)
-    spec.validate_against(info, source=str(draft_dir))
+    spec.validate_against(info, source=str(draft_dir))  # the pair first: a config mismatch says the most
+    validate_weights(spec, draft_dir, allow_quantized=True)
     notes = []
     if info.rope_theta is not None and float(info.rope_theta) != spec.rope_theta:
         notes.append(f"rope_theta differs (drafter {spec.rope_theta:g}, target {float(info.rope_theta):g}); fine "

@@ -13,7 +13,7 @@ from dflash.errors import DFlashError
 from dflash.io import atomic_directory
 from dflash.spec import WEIGHTS_NAME, DraftSpec
 
-from .checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, expected_shapes, weight_files
+from .checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, common_prefix, weight_files
 from .tensors import DTYPE_NAMES, convert, read_tensors, write_tensors
 
 
@@ -61,15 +61,10 @@ def strip_prefix(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, prefi
     out = check_out(out_dir, draft_dir)
     spec = DraftSpec.load(draft_dir)
     tensors = load_all(draft_dir)
-    want = set(expected_shapes(spec))
-    names, stripped = list(tensors), ""
-    candidates = (prefix,) if prefix else _KNOWN_PREFIXES
-    while not want <= set(names):
-        p = next((p for p in candidates if all(n.startswith(p) for n in names)), None)
-        if p is None:
-            break
-        names = [n[len(p):] for n in names]
-        stripped += p
+    if prefix:
+        stripped = prefix if all(k.startswith(prefix) for k in tensors) else ""
+    else:
+        stripped = common_prefix(tensors)
     if not stripped:
         what = f"the prefix '{prefix}'" if prefix else f"a known prefix ({', '.join(_KNOWN_PREFIXES)})"
         raise DFlashError(f"{weight_files(draft_dir)[0]}: not every weight name starts with {what}; nothing to "

@@ -1,0 +1,149 @@
+"""`python -m dflash.convert`: each subcommand, one-line errors, and no partial output when a conversion fails."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash import cli
+from dflash.convert import main
+from dflash.errors import DFlashError
+
+
+def convert(*args):
+    return cli.run(main, [str(a) for a in args])
+
+
+def siblings(path):
+    """What exists beside `path` (temporary directories of a failed write would show up here)."""
+    return sorted(p.name for p in path.parent.iterdir())
+
+
+def test_check_reports_the_pair(tiny_target_dir, random_draft_dir, capsys):
+    assert convert("check", "--model", tiny_target_dir, "--draft", random_draft_dir) == 0
+    out = capsys.readouterr().out
+    assert "hidden size      64 = 64" in out and "mask token       519" in out and out.rstrip().endswith("compatible")
+    assert convert("check", "--model", tiny_target_dir, "--draft", random_draft_dir, "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["compatible"] and report["draft"]["target_layer_ids"] == [1, 1]
+    assert report["target"]["embedding_rows"] == 520 and report["target"]["tokenizer_size"] == 512
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("hidden_size", 32, "hidden_size 32 does not match"),
+    ("vocab_size", 600, "vocab_size 600 does not match"),
+    ("num_target_layers", 6, "num_target_layers 6 does not match"),
+])
+def test_check_mismatch_is_one_line_and_non_zero(tmp_path, tiny_target_dir, random_draft_dir, capsys, field, value,
+                                                  message):
+    cfg = json.loads((random_draft_dir / "config.json").read_text())
+    cfg[field] = value
+    if field == "hidden_size":
+        cfg["head_dim"] = 16
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes((random_draft_dir / "model.safetensors").read_bytes())
+    code = convert("check", "--model", tiny_target_dir, "--draft", tmp_path)
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_dtype_matches_torch_rounding(tmp_path, random_draft_dir, dtype):
+    out = tmp_path / dtype
+    assert convert("dtype", "--draft", random_draft_dir, "--out", out, "--dtype", dtype) == 0
+    ref = load_file(random_draft_dir / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert got[k].dtype == getattr(torch, dtype) and torch.equal(got[k], ref[k].to(getattr(torch, dtype))), k
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["mask_token_id"] == 519
+    from dflash.backends.torch.drafter import load_drafter
+
+    load_drafter(out)  # canonical: the strict loader accepts it
+
+
+def test_strip_prefix_restores_canonical_names(tmp_path, random_draft_dir):
+    from dflash.backends.torch.drafter import load_drafter
+
+    src = tmp_path / "wrapped"
+    src.mkdir()
+    state = load_file(random_draft_dir / "model.safetensors")
+    save_file({f"_orig_mod.model.{k}": v for k, v in state.items()}, src / "model.safetensors")
+    (src / "config.json").write_text((random_draft_dir / "config.json").read_text())
+    with pytest.raises(DFlashError, match="strip-prefix"):
+        load_drafter(src)  # the loader names the fix
+    assert convert("strip-prefix", "--draft", src, "--out", tmp_path / "clean") == 0
+    got = load_file(tmp_path / "clean" / "model.safetensors")
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+    load_drafter(tmp_path / "clean")
+
+
+def test_failures_leave_no_partial_output(tmp_path, random_draft_dir, capsys, monkeypatch):
+    # nothing to strip
+    out = tmp_path / "out"
+    assert convert("strip-prefix", "--draft", random_draft_dir, "--out", out) == 2
+    assert "nothing to strip" in capsys.readouterr().err
+    # names still wrong after stripping: validated before anything is written
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    state = load_file(random_draft_dir / "model.safetensors")
+    state.pop("norm.weight")
+    save_file({f"model.{k}": v for k, v in state.items()}, bad / "model.safetensors")
+    (bad / "config.json").write_text((random_draft_dir / "config.json").read_text())
+    assert convert("strip-prefix", "--draft", bad, "--out", out) == 2
+    assert "missing weight 'norm.weight'" in capsys.readouterr().err
+    # the writer dies half-way through
+    import dflash.converters.draft as draft
+
+    def dies(path, tensors, metadata=None):
+        path.write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(draft, "write_tensors", dies)
+    with pytest.raises(OSError):
+        draft.convert_dtype(random_draft_dir, out, "bfloat16")
+    assert not out.exists() and siblings(out) == ["bad"]
+    # an existing output is never overwritten
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    monkeypatch.undo()
+    assert convert("dtype", "--draft", random_draft_dir, "--out", out, "--dtype", "float16") == 2
+    assert "already exists" in capsys.readouterr().err and (out / "keep.txt").read_text() == "mine"
+
+
+def test_quantize_for_mlx_and_torch_refuses_it(tmp_path, random_draft_dir, capsys):
+    pytest.importorskip("mlx.core")
+    out = tmp_path / "q4"
+    assert convert("quantize", "--draft", random_draft_dir, "--out", out, "--bits", 4, "--group-size", 64) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert convert("check", "--model", tmp_path / "nowhere", "--draft", out) == 2  # missing target: one line
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    from dflash.backends.mlx.drafter import load_drafter as load_mlx
+    from dflash.backends.torch.drafter import load_drafter as load_torch
+
+    assert type(load_mlx(out).fc).__name__ == "QuantizedLinear"
+    with pytest.raises(DFlashError, match="MLX-quantized"):
+        load_torch(out)
+    assert convert("quantize", "--draft", random_draft_dir, "--out", tmp_path / "q3", "--bits", 7) == 2
+    assert "--bits" in capsys.readouterr().err and not (tmp_path / "q3").exists()
+
+
+def test_target_to_mlx(tmp_path, tiny_target_dir, capsys):
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "mlx8"
+    p = subprocess.run([sys.executable, "-m", "dflash.convert", "target-to-mlx", "--model", str(tiny_target_dir),
+                        "--out", str(out), "--quantize", "--bits", "8"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
+    # a directory that is not a model: one line, and no output directory
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    assert convert("target-to-mlx", "--model", empty, "--out", tmp_path / "never") == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
