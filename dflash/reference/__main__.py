@@ -1,4 +1,5 @@
-"""python -m dflash.reference build [--out DIR] [--fast] [--install]: rebuild the bundled reference pair."""
+"""python -m dflash.reference build [--out DIR] [--fast] [--install]: rebuild the bundled reference pair.
+python -m dflash.reference build-ar-draft [--install]: distil the small autoregressive draft the benchmark's peers use."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ from dflash import cli
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in ("build",):
-        print("usage: python -m dflash.reference build [--out DIR] [--fast] [--install]", file=sys.stderr)
+    if not argv or argv[0] not in ("build", "build-ar-draft"):
+        print("usage: python -m dflash.reference build [--out DIR] [--fast] [--install]\n"
+              "       python -m dflash.reference build-ar-draft [--build-dir DIR] [--out DIR] [--install]",
+              file=sys.stderr)
         return 2
+    if argv[0] == "build-ar-draft":
+        from .ar_draft import main as ar_main
+
+        return ar_main(argv[1:])
     from .build import main as build_main
 
     return build_main(argv[1:])
