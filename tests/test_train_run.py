@@ -177,3 +177,15 @@ def test_mask_token_needs_a_free_embedding_row():
         new_draft_spec(cfg, model, Tok(64))
     assert new_draft_spec(cfg, model, Tok(60)).mask_token_id == 60
     assert new_draft_spec(TrainConfig(num_layers=1, block_size=4, mask_token_id=7), model, Tok(64)).mask_token_id == 7
+
+
+def test_init_from_an_existing_drafter(tiny_target_dir, random_draft_dir, data_file, tmp_path):
+    from safetensors.torch import load_file
+
+    r = train(TrainConfig(target=str(tiny_target_dir), data=str(data_file), out=str(tmp_path / "o"),
+                          init_from=str(random_draft_dir), max_steps=2, num_anchors=4, save_every=0, progress=False,
+                          plot=False, quiet=True, device="cpu"))
+    before, after = (json.loads((d / "config.json").read_text()) for d in (random_draft_dir, r.draft_dir))
+    assert after["dflash_config"] == before["dflash_config"] and after["num_hidden_layers"] == 2
+    a, b = (load_file(str(d / "model.safetensors")) for d in (random_draft_dir, r.draft_dir))
+    assert a.keys() == b.keys() and not torch.equal(a["fc.weight"], b["fc.weight"])  # it trained from there
