@@ -75,14 +75,16 @@ def read_header(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (a, b) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            dtype, shape, (a, b) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
             want = _DTYPE_BYTES[dtype]
             for d in shape:
                 want *= d
+            ok = isinstance(a, int) and isinstance(b, int) and 0 <= a <= b and min(shape, default=0) >= 0
         except (KeyError, TypeError, ValueError):
-            raise DFlashError(f"{path}: corrupted safetensors entry for '{name}'") from None
-        if b - a != want:
-            raise DFlashError(f"{path}: corrupted safetensors entry for '{name}' ({b - a} bytes, expected {want})")
+            raise DFlashError(f"{path}: corrupted safetensors entry for {name!r}") from None
+        if not ok or b - a != want:
+            raise DFlashError(f"{path}: corrupted safetensors entry for {name!r} (offsets {a}..{b}, expected "
+                              f"{want} bytes)")
         end = max(end, b)
         out[name] = (dtype, shape)
     if 8 + n + end > size:
@@ -160,12 +162,12 @@ def check_names_and_shapes(spec: DraftSpec, found: dict[str, tuple[int, ...]], s
                               f"(fix: python -m dflash.convert strip-prefix)")
         if any(k.startswith(("embed_tokens", "lm_head", "model.embed_tokens")) for k in unexpected):
             name = next(k for k in unexpected if k.startswith(("embed_tokens", "lm_head", "model.embed_tokens")))
-            raise DFlashError(f"{source}: unexpected weight '{name}'; a DFlash drafter shares the target's "
+            raise DFlashError(f"{source}: unexpected weight {name!r}; a DFlash drafter shares the target's "
                               "embedding and LM head and must not contain its own")
         if missing:
-            raise DFlashError(f"{source}: missing weight '{missing[0]}'" +
+            raise DFlashError(f"{source}: missing weight {missing[0]!r}" +
                               (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        raise DFlashError(f"{source}: unexpected weight '{unexpected[0]}'" +
+        raise DFlashError(f"{source}: unexpected weight {unexpected[0]!r}" +
                           (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
     for k, shape in want.items():
         if tuple(found[k]) != shape:

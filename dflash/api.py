@@ -69,12 +69,18 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     tokenizer = load_tokenizer(target_dir, trust_remote_code)
     be = backends.get(name).load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
                                  draft_window=draft_window, trust_remote_code=trust_remote_code)
+    if len(tokenizer) > be.info.vocab_size:
+        raise DFlashError(f"{target_dir}: the tokenizer has {len(tokenizer)} tokens but the target's embedding table "
+                          f"has {be.info.vocab_size} rows (a tokenizer of another model?)")
     return Pipeline(be, tokenizer, Path(target_dir), draft_dir, name)
 
 
 def load_tokenizer(target_dir, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    if not any((Path(target_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                           "tokenizer.model", "vocab.json")):
+        raise DFlashError(f"{target_dir}: no tokenizer files (expected tokenizer.json or tokenizer_config.json)")
     try:
         return AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:

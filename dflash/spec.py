@@ -76,7 +76,7 @@ class DraftSpec:
         if not isinstance(cfg, dict):
             raise DFlashError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures")
-        if archs is not None and ARCHITECTURE not in archs:
+        if archs is not None and (not isinstance(archs, list) or ARCHITECTURE not in archs):
             raise DFlashError(f"{source}: architectures is {archs}, expected [\"{ARCHITECTURE}\"] (is this a target "
                               "model rather than a DFlash drafter?)")
         for key in _REQUIRED:
@@ -96,11 +96,14 @@ class DraftSpec:
         rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 1_000_000.0))
         rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise DFlashError(f"{source}: field 'rope_scaling' must be an object or null, got {rope_scaling!r}")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         num_layers = _int(cfg, "num_hidden_layers", source)
         layer_types = cfg.get("layer_types")
-        if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != num_layers):
+        if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != num_layers
+                                        or not all(isinstance(t, str) for t in layer_types)):
             raise DFlashError(f"{source}: field 'layer_types' must list one type per draft layer ({num_layers})")
         if not isinstance(layer_ids, list) or not layer_ids or not all(_is_int(i) for i in layer_ids):
             raise DFlashError(f"{source}: field 'dflash_config.target_layer_ids' must be a non-empty list of ints, "
@@ -124,7 +127,7 @@ class DraftSpec:
             rope_scaling=rope_scaling,
             max_position_embeddings=_int(cfg, "max_position_embeddings", source, default=40960),
             attention_bias=bool(cfg.get("attention_bias", False)),
-            sliding_window=cfg.get("sliding_window"),
+            sliding_window=_optional_int(cfg, "sliding_window", source),
             use_sliding_window=bool(cfg.get("use_sliding_window", False)),
             layer_types=layer_types,
             extra={k: v for k, v in cfg.items() if k not in owned},
@@ -252,6 +255,10 @@ def _int(cfg: dict, key: str, source: str, default: int | None = None) -> int:
     if not _is_int(value):
         raise DFlashError(f"{source}: field '{key}' must be an integer, got {value!r}")
     return value
+
+
+def _optional_int(cfg: dict, key: str, source: str) -> int | None:
+    return None if cfg.get(key) is None else _int(cfg, key, source)
 
 
 def _float(cfg: dict, key: str, source: str, default: float) -> float:
