@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DFlashError
@@ -15,17 +17,55 @@ from .errors import DFlashError
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
-# target model id -> public DFlash drafter id (z-lab); --draft overrides
-REGISTRY: dict[str, str] = {
-    "Qwen/Qwen3-4B": "z-lab/Qwen3-4B-DFlash-b16",
-    "Qwen/Qwen3-8B": "z-lab/Qwen3-8B-DFlash-b16",
-    "Qwen/Qwen3-Coder-30B-A3B-Instruct": "z-lab/Qwen3-Coder-30B-A3B-DFlash",
-    "meta-llama/Llama-3.1-8B-Instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
-}
+
+@dataclass(frozen=True)
+class Pair:
+    target: str
+    draft: str
+    backends: tuple[str, ...]  # which of our backends run this target family (empty: none yet)
+    note: str = ""
+
+
+# Known public pairs: target id -> z-lab DFlash drafter (https://huggingface.co/collections/z-lab/dflash). The ids
+# must match the hub exactly (they are passed to snapshot_download as is); `--draft` overrides the lookup.
+# Backends: dense Qwen3, Qwen3-MoE and Llama targets run on torch (transformers DynamicCache) and mlx (mlx-lm KV
+# caches), both of which can rewind a rejected block. The Qwen3.5 family is hybrid (Gated DeltaNet linear attention +
+# full attention): its recurrent state cannot be cropped back by either backend yet, so it is listed, not supported.
+PAIRS: tuple[Pair, ...] = (
+    Pair("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", ("torch", "mlx")),
+    Pair("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", ("torch", "mlx")),
+    Pair("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash", ("torch", "mlx"), "MoE"),
+    Pair("meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", ("torch", "mlx"),
+         "gated: accept the license, set HF_TOKEN"),
+    Pair("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", (), "none yet (hybrid linear attention)"),
+    Pair("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", (), "none yet (hybrid linear attention)"),
+    Pair("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", (), "none yet (hybrid linear attention)"),
+    Pair("Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash", (), "none yet (hybrid linear attention)"),
+)
+
+# target model id -> public DFlash drafter id; --draft overrides
+REGISTRY: dict[str, str] = {p.target: p.draft for p in PAIRS}
 
 
 def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.match(name)) and ".." not in name and not name.endswith((".", "-"))
+
+
+def download_command(name: str) -> str:
+    """The `hf` CLI line that fetches exactly what resolve() would (for users who pre-fetch)."""
+    return f"hf download {name} --include " + " ".join(f"'{p}'" for p in ALLOW_PATTERNS)
+
+
+def cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def resolve(name_or_path: str | os.PathLike, flag: str = "--model") -> Path:
@@ -41,21 +81,75 @@ def resolve(name_or_path: str | os.PathLike, flag: str = "--model") -> Path:
     if not is_repo_id(name):
         raise DFlashError(f"{flag}: {name!r} is neither an existing directory nor a hub id like 'org/name'")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError)
 
+    fetch = f"fetch it with: {download_command(name)}"
+    if not offline() and cached_snapshot(name) is None:
+        print(f"dflash: downloading {name} into {cache_dir()} (config, tokenizer and *.safetensors only)",
+              file=sys.stderr, flush=True)
     try:
-        return Path(snapshot_download(name, allow_patterns=ALLOW_PATTERNS))
+        snapshot = Path(snapshot_download(name, allow_patterns=ALLOW_PATTERNS))
+    except IncompleteSnapshotError:
+        raise DFlashError(f"{flag}: {name} is only partly in the HF cache ({cache_dir()}) and the hub cannot be "
+                          f"reached; {fetch}") from None
     except LocalEntryNotFoundError:
-        raise DFlashError(f"{flag}: {name} is not in the local HF cache and the hub is unreachable or offline; "
-                          f"fetch it first with: huggingface-cli download {name}") from None
+        why = "HF_HUB_OFFLINE is set" if offline() else "the hub is unreachable"
+        raise DFlashError(f"{flag}: {name} is not in the HF cache ({cache_dir()}) and {why}; {fetch}") from None
     except RepositoryNotFoundError:
-        raise DFlashError(f"{flag}: {name} was not found on the hub (private repos need HF_TOKEN)") from None
+        raise DFlashError(f"{flag}: {name} was not found on the hub (private or gated repos need HF_TOKEN)") from None
     except HfHubHTTPError as e:
         raise DFlashError(f"{flag}: downloading {name} failed ({str(e).splitlines()[0]})") from None
+    check_snapshot(snapshot, name, flag)
+    return snapshot
+
+
+def check_snapshot(snapshot: Path, name: str, flag: str) -> None:
+    """A cached snapshot must hold config.json and weights (an interrupted or partial fetch may not)."""
+    missing = "config.json" if not (snapshot / "config.json").is_file() else \
+        "*.safetensors" if not any(snapshot.glob("*.safetensors")) else None
+    if missing:
+        raise DFlashError(f"{flag}: {name} in the HF cache ({snapshot}) has no {missing} (an incomplete or "
+                          f"non-safetensors download); fetch it with: {download_command(name)}")
+
+
+def cached_snapshot(name: str) -> Path | None:
+    """The cached snapshot directory of a hub id (no network), or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=ALLOW_PATTERNS, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
+
+
+def cached_models() -> dict[str, "object"]:
+    """repo id -> huggingface_hub CachedRepoInfo for every model in the HF cache (empty if there is no cache)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir()
+    except (CacheNotFound, ValueError, OSError):
+        return {}
+    return {r.repo_id: r for r in info.repos if r.repo_type == "model"}
+
+
+def pair_for(model: str) -> Pair | None:
+    """The registered pair of a target id (also matches ids or directories whose last component matches)."""
+    for p in PAIRS:
+        if p.target == model:
+            return p
+    tail = str(model).rstrip("/").split("/")[-1].lower()
+    for p in PAIRS:
+        if p.target.split("/")[-1].lower() == tail:
+            return p
+    return None
 
 
 def draft_for(model: str) -> str | None:
-    """The registered drafter for a target id (also matches ids whose last component matches)."""
+    """The registered drafter for a target id (also matches ids or directories whose last component matches)."""
     if model in REGISTRY:
         return REGISTRY[model]
     tail = str(model).rstrip("/").split("/")[-1].lower()

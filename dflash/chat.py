@@ -1,0 +1,373 @@
+"""python -m dflash.chat: a multi-turn chat in the terminal, DFlash-accelerated (or one piped prompt, answered).
+
+    python -m dflash.chat                                    # the bundled reference pair, offline
+    python -m dflash.chat --model Qwen/Qwen3-8B              # drafter from the registry (python -m dflash.models)
+    echo "Explain KV caches" | python -m dflash.chat --model Qwen/Qwen3-8B
+
+Every turn re-renders the whole conversation with the tokenizer's chat template (a model without one gets the
+turns appended as plain text) and hands it to the backend, whose prefill keeps the longest common prefix of the
+target and drafter caches: only the new turn is computed ("prefill N new tokens (reused M)"). Templates that
+rewrite history (Qwen3 drops old <think> blocks) re-prefill from the first rewritten token.
+
+Ctrl-C stops a reply at the end of the current draft/verify cycle; the part already shown stays in the
+conversation (and in the cache). A second Ctrl-C stops at once and resets the caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from . import cli
+from .errors import DFlashError
+from .stats import mean_acceptance_length, per_position_acceptance
+
+PROMPT = ">> "
+HELP = """commands:
+  /reset   start a new conversation (keeps --system; clears /stats)
+  /stats   acceptance (tau, per draft position), tokens/s and the speedup DFlash buys
+  /help    this list
+  /exit    quit (also /quit or Ctrl-D)
+Ctrl-C stops a reply; the part already shown stays in the conversation."""
+HINT = ("bundled reference pair: a small model of Python source (try: def fibonacci(n):). For a real model: "
+        "--model Qwen/Qwen3-8B (python -m dflash.models lists the known pairs)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m dflash.chat", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_model_args(p)
+    cli.add_sampling_args(p)
+    p.add_argument("--system", help="system message")
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--enable-thinking", dest="thinking", action="store_const", const=True, default=None,
+                       help="pass enable_thinking=True to the chat template (Qwen3 and similar)")
+    think.add_argument("--disable-thinking", dest="thinking", action="store_const", const=False,
+                       help="pass enable_thinking=False to the chat template")
+    p.add_argument("--max-context", type=int,
+                   help="drop the oldest turns to keep prompt + reply within N tokens (default: the model's context)")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens: got {args.max_new_tokens}, expected >= 1")
+    if args.max_context is not None and args.max_context < 2:
+        raise DFlashError(f"--max-context: got {args.max_context}, expected >= 2")
+    return args
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Conversation:
+    """The turns so far as (user, reply) pairs, rendered to prompt ids with the chat template (or, without one, as
+    plain text: each user turn on a new line, its reply continuing it).
+
+    The last reply is kept as the very tokens the model produced, so the cache covers it: while the template only
+    appends (the rendered history still starts with the text the model saw and wrote), the next prompt is those
+    ids plus the rendered tail; a template that rewrites history (or a reply cut by a stop string) falls back to
+    rendering everything afresh."""
+
+    def __init__(self, tokenizer, system: str | None = None, thinking: bool | None = None):
+        self.tokenizer, self.system, self.thinking = tokenizer, system, thinking
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+        self.turns: list[tuple[str, str]] = []
+        self.exact: tuple[str, list[int]] | None = None  # (text, ids) through the last reply, as generated
+
+    def text(self, user: str, turns: list[tuple[str, str]]) -> str:
+        if self.templated:
+            messages = [{"role": "system", "content": self.system}] if self.system else []
+            for u, r in turns:
+                messages += [{"role": "user", "content": u}, {"role": "assistant", "content": r}]
+            kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking}
+            return self.tokenizer.apply_chat_template(messages + [{"role": "user", "content": user}],
+                                                      add_generation_prompt=True, tokenize=False, **kwargs)
+        text = self.system + "\n" if self.system else ""
+        for u, r in turns + [(user, "")]:
+            if text and not text.endswith("\n"):
+                text += "\n"
+            text += u + r
+        return text
+
+    def encode(self, text: str, start: bool) -> list[int]:
+        # a rendered template carries its own BOS; plain text gets the tokenizer's at the start only
+        return self.tokenizer(text, add_special_tokens=start and not self.templated)["input_ids"]
+
+    def ids(self, user: str, turns: list[tuple[str, str]] | None = None) -> list[int]:
+        exact = self.exact if turns is None else None
+        text = self.text(user, self.turns if turns is None else turns)
+        if exact and text.startswith(exact[0]):
+            return exact[1] + self.encode(text[len(exact[0]):], start=False)
+        return self.encode(text, start=True)
+
+    def add(self, user: str, prompt_ids: list[int], reply: str, reply_ids: list[int]) -> None:
+        prompt = self.text(user, self.turns)
+        self.turns.append((user, reply))
+        same = self.tokenizer.decode(reply_ids, skip_special_tokens=False) == reply
+        self.exact = (prompt + reply, list(prompt_ids) + list(reply_ids)) if same else None
+
+    def drop(self, n: int) -> None:
+        """Forget the oldest n turns (or all of them)."""
+        del self.turns[:n]
+        self.exact = None if n else self.exact
+
+    def fit(self, user: str, max_context: int | None, reserve: int) -> tuple[list[int], int]:
+        """(prompt ids, oldest turns to drop) so that prompt + reserve fits max_context (when it can)."""
+        ids, drop = self.ids(user), 0
+        while max_context and len(ids) + reserve > max_context and drop < len(self.turns):
+            drop += 1
+            ids = self.ids(user, self.turns[drop:])
+        return ids, drop
+
+
+@dataclass
+class Stats:
+    replies: int = 0
+    tokens: int = 0
+    lengths: list[int] = field(default_factory=list)  # committed tokens per draft/verify cycle
+    decode_tokens: int = 0  # tokens after each reply's first (which comes out of the prefill)
+    decode_seconds: float = 0.0
+    prefilled: int = 0
+    reused: int = 0
+
+
+class StopOnSigint:
+    """While a reply streams, the first Ctrl-C only asks it to stop after the current cycle (the caches stay
+    consistent); a second one raises KeyboardInterrupt at once."""
+
+    def __enter__(self):
+        self.requested = False
+        try:
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: leave Ctrl-C alone
+            self._old = None
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
+
+
+class Chat:
+    def __init__(self, pipe, args, out=None, err=None):
+        self.pipe, self.args = pipe, args
+        self.out, self.err = out or sys.stdout, err or sys.stderr
+        self.sampling = cli.sampling_from(args)
+        self.conv = Conversation(pipe.tokenizer, args.system, args.thinking)
+        self.max_context = args.max_context or getattr(pipe.backend, "max_context", None)
+        self.stats = Stats()
+
+    def note(self, line: str) -> None:
+        """A side line (summaries, notes) on stderr, dimmed on a terminal."""
+        self.out.flush()
+        dim = self.err.isatty()
+        print(f"\033[2m{line}\033[0m" if dim else line, file=self.err, flush=True)
+
+    # ---- one turn ------------------------------------------------------------------------------------------------
+    def turn(self, user: str) -> str:
+        args, backend = self.args, self.pipe.backend
+        reserve = min(args.max_new_tokens, self.max_context // 2) if self.max_context else 0
+        ids, drop = self.conv.fit(user, self.max_context, reserve)
+        max_new = args.max_new_tokens
+        if self.max_context:
+            if len(ids) >= self.max_context:
+                raise DFlashError(f"--max-context: this message needs {len(ids)} tokens, more than the "
+                                  f"{self.max_context} allowed")
+            max_new = min(max_new, self.max_context - len(ids))
+        self.conv.drop(drop)
+        reused = min(common_prefix(backend.cached_tokens, ids), len(ids) - 1)  # prefill keeps >= 1 token to run
+        gen = self.pipe.stream(ids, max_new_tokens=max_new, sampling=self.sampling, stop=args.stop)
+
+        steps, parts, token_parts, interrupted = [], [], [], None
+        t0 = time.perf_counter()
+        t1 = None
+        with StopOnSigint() as sigint:
+            try:
+                for inc in gen:
+                    t1 = t1 or time.perf_counter()
+                    steps.append(len(inc.tokens))
+                    token_parts.append(inc.tokens)
+                    parts.append(inc.text)
+                    self.out.write(inc.text)
+                    self.out.flush()
+                    if sigint.requested:
+                        interrupted = "stopped"
+                        break
+            except KeyboardInterrupt:  # mid-cycle: the caches may be half-updated
+                interrupted = "stopped at once, caches reset"
+                getattr(backend, "reset", lambda: backend.crop(0))()
+        t2 = time.perf_counter()
+        text = "".join(parts)
+        if text and not text.endswith("\n"):
+            self.out.write("\n")
+        if interrupted:
+            self.out.write("[interrupted]\n")
+
+        # the prefill's token is not a cycle; every later increment is one cycle (its committed tokens)
+        lengths = gen.result.acceptance_lengths if gen.result else steps[1:]
+        n = sum(steps)
+        prefill_s, decode_s = (t1 or t2) - t0, t2 - (t1 or t2)
+        s = self.stats
+        s.replies += 1
+        s.tokens += n
+        s.lengths += lengths
+        s.decode_tokens += max(n - 1, 0)
+        s.decode_seconds += decode_s
+        s.prefilled += len(ids) - reused
+        s.reused += reused
+        tps = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
+        line = (f"tau {mean_acceptance_length(lengths):.2f} | {tps:.1f} tok/s | {n} tokens | "
+                f"prefill {len(ids) - reused} new tokens (reused {reused}) {prefill_s * 1000:.0f} ms")
+        if drop:
+            line += f" | dropped the {drop} oldest turn(s) for --max-context {self.max_context}"
+        if interrupted:
+            line += f" | {interrupted}"
+        self.note(line)
+        if text or not interrupted:
+            tokens = [t for inc_tokens in token_parts for t in inc_tokens]
+            while tokens and tokens[-1] in self.pipe.eos_token_ids:  # the template writes its own end of turn
+                tokens.pop()
+            self.conv.add(user, ids, text, tokens)
+        return text
+
+    # ---- /stats --------------------------------------------------------------------------------------------------
+    def report(self) -> list[str]:
+        s, backend = self.stats, self.pipe.backend
+        if not s.replies:
+            return ["no replies yet"]
+        per_token = s.decode_seconds / s.decode_tokens if s.decode_tokens else 0.0
+        lines = [f"{s.replies} replies, {s.tokens} tokens, {len(s.lengths)} cycles; decode "
+                 f"{1 / per_token if per_token else 0:.1f} tok/s; prefill computed {s.prefilled} tokens, "
+                 f"reused {s.reused} from the cache"]
+        b = backend.block_size
+        if b <= 1:
+            return lines + ["no drafter (--no-draft): this is the autoregressive baseline"]
+        tau = mean_acceptance_length(s.lengths)
+        rates = per_position_acceptance(s.lengths, b)
+        lines += [f"tau {tau:.2f} tokens per draft/verify cycle (block {b})",
+                  f"acceptance by draft position 1..{b - 1}: " + " ".join(f"{r:.2f}" for r in rates),
+                  f"speedup <= {tau:.2f}x tau-based (if a draft+verify cycle cost one target step)"]
+        step = measure_step(backend)
+        if step and per_token:
+            lines.append(f"speedup {step / per_token:.2f}x measured: a target step takes {step * 1000:.1f} ms at the "
+                         f"current context ({len(backend.cached_tokens)} tokens), DFlash {per_token * 1000:.1f} ms "
+                         "per token (session average)")
+        return lines
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def command(self, line: str) -> bool:
+        """Run a /command; False means exit."""
+        name = line.split()[0].lower()
+        if name in ("/exit", "/quit"):
+            return False
+        if name == "/reset":
+            self.conv.drop(len(self.conv.turns))
+            self.stats = Stats()
+            self.note("new conversation")
+        elif name == "/stats":
+            for x in self.report():
+                print(x, file=self.out)
+        elif name == "/help":
+            print(HELP, file=self.out)
+        else:
+            self.note(f"unknown command {name}; /help lists them")
+        return True
+
+    def repl(self) -> int:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        while True:
+            try:
+                line = input(PROMPT)
+            except EOFError:
+                self.out.write("\n")
+                return 0
+            except KeyboardInterrupt:
+                self.out.write("\n")
+                self.note("(Ctrl-D or /exit quits)")
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    return 0
+                continue
+            if not line.strip():
+                continue
+            try:
+                self.turn(line.strip())
+            except DFlashError as e:
+                self.note(f"error: {e}")
+
+
+def describe(pipe, args) -> str:
+    from . import hub
+
+    target = args.model or "bundled reference target"
+    draft = "no drafter"
+    if pipe.draft_dir is not None:
+        name = args.draft or (hub.draft_for(str(args.model)) if args.model else "bundled reference drafter")
+        draft = f"{name} (block {pipe.backend.block_size})"
+    mode = "chat template" if getattr(pipe.tokenizer, "chat_template", None) else "plain completion (no chat template)"
+    return f"dflash chat | {pipe.backend_name} | {target} + {draft} | {mode}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    interactive = sys.stdin.isatty()
+    prompt = None
+    if not interactive:
+        prompt = sys.stdin.read().strip()
+        if not prompt:
+            raise DFlashError("stdin: empty prompt; pipe a message (echo 'hi' | python -m dflash.chat) or run "
+                              "python -m dflash.chat in a terminal")
+    pipe = cli.load_pipeline(args)
+    chat = Chat(pipe, args)
+    if args.thinking is not None and not chat.conv.templated:
+        chat.note("--enable-thinking/--disable-thinking: ignored, this tokenizer has no chat template")
+    if not interactive:
+        chat.turn(prompt)
+        return 0
+    chat.note(describe(pipe, args) + " | /help, Ctrl-D quits")
+    if args.model is None:
+        chat.note(HINT)
+    return chat.repl()
+
+
+def measure_step(backend, repeats: int = 3) -> float | None:
+    """Seconds of one autoregressive target step at the current context, through the protocol: a prefill of the
+    cached tokens plus one computes exactly one new position; crop() then forgets it. (It includes the drafter's
+    one-position context update, so the measured speedup leans slightly high.)"""
+    cached = list(backend.cached_tokens)
+    if not cached:
+        return None
+    probe = cached + [cached[-1]]
+    times = []
+    try:
+        for i in range(repeats + 1):  # the first also absorbs the last cycle's pending features: not timed
+            t = time.perf_counter()
+            backend.prefill(probe)
+            times.append(time.perf_counter() - t)
+            backend.crop(len(cached))
+    except DFlashError:  # no room left in the context
+        backend.crop(len(cached))
+        return None
+    return statistics.median(times[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
