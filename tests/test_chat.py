@@ -246,6 +246,20 @@ def test_plain_completion_without_template(tiny_target_dir):
     assert conv.ids("def g(y):")[:len(conv.exact[1])] == conv.exact[1]
 
 
+def test_thinking_flag_reaches_the_template(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    from dflash.chat import Conversation, parse_args
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    for flags, thinking in (([], None), (["--enable-thinking"], True), (["--disable-thinking"], False)):
+        assert parse_args(flags).thinking is thinking
+    assert Conversation(tok, "be brief", False).text("hi", []) == "system: be brief\nuser: hi\n<think></think>"
+    assert Conversation(tok, None, True).text("hi", []) == "user: hi\n"
+
+
 def test_max_context_drops_oldest_turns(pipe):
     from dflash.chat import Chat, parse_args
 
