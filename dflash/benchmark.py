@@ -266,10 +266,20 @@ class Worker:
         self.send({"i": i, "prompt_ids": ids, "seed": seed})
         return self.recv()
 
+    def request_exit(self) -> None:
+        """Ask for the final memory report without waiting (workers shut down in parallel)."""
+        try:
+            if self.proc.poll() is None and not self.proc.stdin.closed:
+                self.send({"cmd": "exit"})
+                self._exit_sent = True
+        except WorkerFailed:
+            pass
+
     def close(self) -> None:
         try:
-            if self.proc.poll() is None:
-                self.send({"cmd": "exit"})
+            if not getattr(self, "_exit_sent", False):
+                self.request_exit()
+            if getattr(self, "_exit_sent", False):
                 self.done = self.recv()
         except WorkerFailed:
             pass
@@ -382,6 +392,8 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
                         bar.update(len(prompts) - i)
                         live.remove(w)
                         w.close()
+            for w in live:
+                w.request_exit()
             for w in live:
                 finish(w)
     finally:

