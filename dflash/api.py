@@ -58,6 +58,11 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         target_dir, default_draft = reference_dirs()
         draft = draft if draft is not None else default_draft
     else:
+        pair = hub.pair_for(str(model))  # refuse a known-unsupported family before downloading it
+        if pair is not None and not no_draft and backends.pick(backend) not in pair.backends:
+            raise DFlashError(f"--model: {pair.target} is not supported by the {backends.pick(backend)} backend "
+                              f"for speculative decoding ({pair.note or 'see python -m dflash.models'}); "
+                              "--no-draft runs it without a drafter")
         target_dir = hub.resolve(model, "--model")
         if draft is None and not no_draft:
             draft = hub.draft_for(str(model))
