@@ -41,8 +41,8 @@ class MLXBackend:
             check_block_size(self.block_size, spec)
             self.runner = TargetRunner(model, config, spec.target_layer_ids)
             self.draft_cache = DraftCache(spec, self.dtype, window=draft_window)
-            # slots 1..B-1 of every block are the mask token: embed them once
-            self._mask_embeds = self.embed(mx.full((1, self.block_size - 1), spec.mask_token_id, dtype=mx.int32))
+            # slots 1..B-1 of every block are the mask token: embed them once (for any block size up to the trained)
+            self._mask_embeds = self.embed(mx.full((1, spec.block_size - 1), spec.mask_token_id, dtype=mx.int32))
             self._context_width = spec.hidden_size * spec.num_context_layers
             mx.eval(self._mask_embeds)
         self.cache = self._new_cache()
@@ -87,7 +87,7 @@ class MLXBackend:
         if self.drafter is None:
             self._verify_ids = anchor_ids
             return
-        block = mx.concatenate([self.embed(anchor_ids), self._mask_embeds], axis=1)
+        block = mx.concatenate([self.embed(anchor_ids), self._mask_embeds[:, : self.block_size - 1]], axis=1)
         hidden = self.drafter.step(block, self._take_pending(), self.draft_cache)
         proposals = mx.argmax(self.lm_head(hidden[:, 1:]), axis=-1).astype(mx.int32)
         self._verify_ids = mx.concatenate([anchor_ids, proposals], axis=1)
