@@ -82,7 +82,7 @@ def cycles_from_draft_flags(from_draft: list[bool]) -> list[int]:
     return lengths
 
 
-# ---- runners --------------------------------------------------------------------------------------------------------
+# ---- runners ---------------------------------------------------------------------------------------------------------
 class DFlashRunner:
     """This project's loop (dflash.load) on the torch or MLX backend; the drafter-less pipeline is the baseline."""
 
@@ -251,7 +251,7 @@ def make_runner(cfg: dict):
     return RUNNERS[method.family](cfg, method)
 
 
-# ---- memory -----------------------------------------------------------------------------------------------------------
+# ---- memory ----------------------------------------------------------------------------------------------------------
 def peak_rss_bytes() -> int:
     import resource
 
@@ -273,7 +273,7 @@ def accelerator_peak_bytes(runner) -> dict:
     return out
 
 
-# ---- worker process -----------------------------------------------------------------------------------------------
+# ---- worker process --------------------------------------------------------------------------------------------------
 def worker(stdin=None, stdout=None) -> int:
     """Protocol, one JSON object per line. In: the config, then {"i", "prompt_ids", "seed"} per prompt, then
     {"cmd": "exit"}. Out: {"ready", "load_seconds", "load_rss_bytes", "info"} (or {"error"}), one record per prompt

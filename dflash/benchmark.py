@@ -55,6 +55,8 @@ def parse_args(argv=None):
                    "(the bundled held-out prompts) or a JSONL file with a 'prompt' string or 'messages' list per line; "
                    "repeatable (default: humaneval)")
     p.add_argument("--num-prompts", type=int, help="the first N prompts of each source (default: all)")
+    p.add_argument("--raw-prompts", action="store_true", help="keep HumanEval prompts' trailing newline (default: "
+                   "right-stripped, as bigcode-evaluation-harness does)")
     p.add_argument("--chat", action="store_true", help="wrap 'prompt' prompts in the chat template ('messages' "
                    "prompts always are)")
     p.add_argument("--methods", help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)")
@@ -124,10 +126,12 @@ def _read_jsonl(path: Path, flag: str) -> list[tuple[int, dict]]:
     return rows
 
 
-def prompt_rows(source: str) -> list[dict]:
+def prompt_rows(source: str, raw: bool = False) -> list[dict]:
     """[{"id", "source", "prompt" | "messages"}] of one --prompts source, in file order."""
     if source == "humaneval":
-        return [{"id": r["task_id"], "source": "humaneval", "prompt": r["prompt"]}
+        # right-stripped, as bigcode-evaluation-harness does: a trailing newline would split the newline +
+        # indentation token byte-level BPE tokenizers learn (the model continues from the closing docstring quotes)
+        return [{"id": r["task_id"], "source": "humaneval", "prompt": r["prompt"] if raw else r["prompt"].rstrip()}
                 for _, r in _read_jsonl(humaneval_path(), "--prompts humaneval")]
     if source == "reference":
         from .reference.prompts import BENCHMARK_FILE
@@ -160,13 +164,13 @@ def prompt_rows(source: str) -> list[dict]:
 
 
 def load_prompts(sources: list[str], tokenizer, num: int | None, chat: bool, max_context: int | None,
-                 max_new_tokens: int) -> tuple[list[dict], list[dict]]:
+                 max_new_tokens: int, raw: bool = False) -> tuple[list[dict], list[dict]]:
     """(prompts with their token ids, skipped prompts): every method gets exactly these ids."""
     from .api import chat_ids
 
     prompts, skipped = [], []
     for source in sources:
-        rows = prompt_rows(source)
+        rows = prompt_rows(source, raw)
         if not rows:
             raise DFlashError(f"--prompts {source}: no prompts")
         for row in rows[:num] if num else rows:
@@ -528,9 +532,10 @@ def markdown(report: dict) -> str:
         spx = (f"{sp['median']:.2f}x [{sp['q25']:.2f}-{sp['q75']:.2f}]" if sp.get("median") is not None else "—")
         vt = (sp if s["backend"] == "torch" else s.get("speedup_vs_torch_baseline")) or {}
         vtx = f"{vt['median']:.2f}x" if vt.get("median") is not None else "—"
+        tps = _fmt(s.get("tokens_per_second"), "{:.1f}")
         lines.append(f"| {name} | {s['backend']} | {check} | {_fmt(s.get('tau'))} | "
-                     f"{_fmt(s.get('decode_tokens_per_second'), '{:.1f}')} | {_fmt(s.get('tokens_per_second'), '{:.1f}')}"
-                     f" | {spx} | {vtx} | {_fmt(s.get('peak_rss_mb'), '{:.0f}')} |")
+                     f"{_fmt(s.get('decode_tokens_per_second'), '{:.1f}')} | {tps} | {spx} | {vtx} | "
+                     f"{_fmt(s.get('peak_rss_mb'), '{:.0f}')} |")
     notes = []
     for name, s in summary.items():
         if s.get("greedy_mismatches"):
@@ -640,7 +645,7 @@ def main(argv=None) -> int:
         tcfg = {}
     max_context = tcfg.get("text_config", tcfg).get("max_position_embeddings")
     prompts, skipped = load_prompts(sources, tokenizer, args.num_prompts, args.chat, max_context,
-                                    args.max_new_tokens)
+                                    args.max_new_tokens, args.raw_prompts)
     eos = [] if args.ignore_eos else sorted(eos_token_ids(target, tokenizer))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -666,7 +671,8 @@ def main(argv=None) -> int:
     report = {
         "config": {k: v for k, v in base_cfg.items() if k != "warmup_ids"} | {
             "methods": [m.name for m in methods], "prompt_sources": sources, "num_prompts": len(prompts),
-            "chat": args.chat, "sequential": args.sequential, "openblas_preloaded_for_mlx": openblas,
+            "chat": args.chat, "raw_prompts": args.raw_prompts, "sequential": args.sequential,
+            "openblas_preloaded_for_mlx": openblas,
             "command": "python -m dflash.bench " + " ".join(argv if argv is not None else sys.argv[1:])},
         "machine": machine_info() | {"loadavg_start": load_start,
                                      "loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None},

@@ -8,8 +8,8 @@ of the target's and its layers as copies of evenly spaced target layers, then ev
 next-token distribution (KL to the target's softmax over every position of prompt + answer) plus cross-entropy on
 the answer tokens, with AdamW, warmup and cosine decay. Float16 safetensors, loadable by transformers and mlx-lm.
 
-    python -m dflash.reference build-ar-draft                       # from runs/reference (answers regenerated if absent)
-    python -m dflash.reference build-ar-draft --install             # ... and store it in the package assets
+    python -m dflash.reference build-ar-draft               # from runs/reference (answers regenerated if absent)
+    python -m dflash.reference build-ar-draft --install     # ... and store it in the package assets
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def ensure_ar_draft(build_dir: str | Path = "runs/reference") -> Path:
     return cached
 
 
-# ---- data -------------------------------------------------------------------------------------------------------------
+# ---- data ------------------------------------------------------------------------------------------------------------
 def answers_for(target_dir: Path, build_dir: Path) -> Path:
     """The build's answers.jsonl, regenerated from the target (same prompts, same settings as the build) if absent."""
     path = build_dir / "answers.jsonl"
@@ -115,7 +115,7 @@ def answers_for(target_dir: Path, build_dir: Path) -> Path:
     return path
 
 
-# ---- model ------------------------------------------------------------------------------------------------------------
+# ---- model -----------------------------------------------------------------------------------------------------------
 def make_draft(target, num_layers: int, seed: int):
     """A Qwen3 of the target's shape with `num_layers` layers, initialised from the target."""
     import copy
