@@ -102,34 +102,41 @@ def batch(stream: torch.Tensor, batch_size: int, seq_len: int, generator: torch.
 class Schedule:
     """Warmup, a constant plateau, then a cosine decay over the last `decay_fraction` of the steps (WSD).
 
-    With a wall-clock budget (`max_seconds`), a run on a slower or busier machine than planned starts its decay early:
-    once the plateau has used its share of the budget, the decay begins at once and lasts as many steps as fit in
-    the rest of the budget. On a machine fast enough for the planned steps nothing changes, so the build stays
-    reproducible there; when the guard fires, the summary records at which step."""
+    With a wall-clock budget (`max_seconds`), a run on a slower or busier machine than planned decays early: once
+    the plateau has used its share of the budget, the decay starts at once and follows the clock, ending when the
+    budget is spent. On a machine fast enough for the planned steps nothing changes, so the build stays reproducible
+    there; when the guard fires, the summary records at which step."""
 
     def __init__(self, cfg: "PretrainConfig"):
         self.cfg = cfg
         self.decay_start = int(cfg.steps * (1 - cfg.decay_fraction))
-        self.end = cfg.steps
         self.guard_step: int | None = None
+        self.guard_time: float | None = None
 
-    def lr(self, step: int) -> float:
+    def lr(self, step: int, elapsed: float = 0.0) -> float:
         cfg = self.cfg
         if step < cfg.warmup_steps:
             return cfg.lr * (step + 1) / cfg.warmup_steps
-        if step < self.decay_start:
+        if self.guard_time is not None:
+            t = (elapsed - self.guard_time) / max(1e-9, cfg.max_seconds - self.guard_time)
+        elif step < self.decay_start:
             return cfg.lr
-        t = min(1.0, (step - self.decay_start) / max(1, self.end - self.decay_start))
+        else:
+            t = (step - self.decay_start) / max(1, cfg.steps - self.decay_start)
+        t = min(1.0, max(0.0, t))
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
-    def check_time(self, step: int, elapsed: float) -> None:
+    def done(self, step: int, elapsed: float) -> bool:
+        """Check the clock before each step; True when the run is over."""
         cfg = self.cfg
-        if not cfg.max_seconds or self.guard_step is not None or step >= self.decay_start or step == 0:
-            return
-        if elapsed > (1 - cfg.decay_fraction) * cfg.max_seconds:
-            per_step = elapsed / step
-            self.guard_step = self.decay_start = step
-            self.end = min(cfg.steps, step + max(1, int(cfg.decay_fraction * cfg.max_seconds / per_step)))
+        if step >= cfg.steps:
+            return True
+        if not cfg.max_seconds or step == 0:
+            return False
+        if self.guard_time is None and step < self.decay_start and \
+                elapsed > (1 - cfg.decay_fraction) * cfg.max_seconds:
+            self.guard_step, self.guard_time = step, elapsed
+        return self.guard_time is not None and elapsed >= cfg.max_seconds
 
 
 def make_model(cfg: PretrainConfig, tokenizer, vocab_size: int):
@@ -200,9 +207,8 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
     seen = 0
     sched = Schedule(cfg)
     step = 0
-    while step < sched.end:
-        sched.check_time(step, time.time() - t_train)
-        lr = sched.lr(step)
+    while not sched.done(step, time.time() - t_train):
+        lr = sched.lr(step, time.time() - t_train)
         for group in opt.param_groups:
             group["lr"] = lr
         x, y = batch(train, cfg.batch_size, cfg.seq_len, g)
@@ -212,7 +218,7 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
         opt.step()
         seen += x.numel()
-        last = step == sched.end - 1
+        last = step == cfg.steps - 1 or (sched.guard_time is not None and time.time() - t_train >= cfg.max_seconds)
         if step % cfg.log_every == 0 or last or (cfg.eval_every and step % cfg.eval_every == 0):
             rec = {"step": step, "loss": round(loss.item(), 4), "lr": round(lr, 6),
                    "grad_norm": round(gnorm, 3), "tokens": seen, "seconds": round(time.time() - t_train, 1)}
@@ -269,9 +275,6 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
 
 def plot_curve(log_path: str | Path, png: str | Path) -> None:
     """Training and held-out loss against tokens seen."""
@@ -291,3 +294,7 @@ def plot_curve(log_path: str | Path, png: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
