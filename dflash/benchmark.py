@@ -649,8 +649,9 @@ def main(argv=None) -> int:
     eos = [] if args.ignore_eos else sorted(eos_token_ids(target, tokenizer))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base_cfg = {"target": str(target), "draft": str(draft) if draft else None,
-                "ar_draft": str(ar_draft) if ar_draft else None, "dtype": args.dtype, "device": args.device,
+    base_cfg = {"target": str(Path(target).resolve()), "draft": str(Path(draft).resolve()) if draft else None,
+                "ar_draft": str(Path(ar_draft).resolve()) if ar_draft else None, "dtype": args.dtype,
+                "device": args.device,
                 "threads": threads, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "seed": args.seed, "eos_token_ids": eos, "ignore_eos": args.ignore_eos,
                 "pad_token_id": tokenizer.pad_token_id, "lookup_tokens": args.lookup_tokens,
