@@ -113,6 +113,37 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
     raise DFlashError(f"{single}: missing; a DFlash drafter directory needs config.json and model.safetensors")
 
 
+def check_target_dir(directory: str | os.PathLike) -> dict:
+    """A target model directory, before any framework reads it: config.json is a JSON object and the weights are
+    complete safetensors (model.safetensors, shards named by an index, or any *.safetensors); pickle-only weights
+    are refused. Returns the config."""
+    directory = Path(directory)
+    path = directory / "config.json"
+    if not path.is_file():
+        raise DFlashError(f"{path}: missing; a target model directory needs config.json and *.safetensors weights")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise DFlashError(f"{path}: cannot read ({e.strerror})") from None
+    if not isinstance(cfg, dict):
+        raise DFlashError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    if (directory / WEIGHTS_NAME).is_file() or (directory / INDEX_NAME).is_file():
+        files = weight_files(directory)
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        if any(any(directory.glob(pattern)) for pattern in ("*.bin", "*.pt", "*.pth")):
+            raise DFlashError(f"{directory}: only pickle weights (*.bin/*.pt) found; DFlash loads safetensors only "
+                              "(convert them with safetensors first)")
+        raise DFlashError(f"{directory}: no *.safetensors weights; a target model directory needs config.json and "
+                          "*.safetensors weights")
+    for f in files:
+        read_header(f)
+    return cfg
+
+
 def validate_weights(spec: DraftSpec, directory: str | os.PathLike, allow_quantized: bool = False) -> list[Path]:
     """Check names and shapes of every tensor against the spec; return the files to load.
 

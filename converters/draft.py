@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from dflash.errors import DFlashError
-from dflash.io import atomic_directory
+from dflash.io import atomic_directory, check_output_dir
 from dflash.spec import WEIGHTS_NAME, DraftSpec
 
 from .checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, common_prefix, weight_files
@@ -24,7 +24,7 @@ def check_out(out_dir: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
         raise DFlashError(f"--out: {out} is the input directory; write the converted checkpoint somewhere new")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DFlashError(f"--out: {out} already exists and is not empty; choose a new directory")
-    return out
+    return check_output_dir(out, "--out")
 
 
 def load_all(draft_dir: str | os.PathLike) -> dict:

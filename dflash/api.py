@@ -52,6 +52,11 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
          draft_window: int | None = None, trust_remote_code: bool = False) -> Pipeline:
     from dflash import backends
 
+    from dflash.converters.checkpoint import check_target_dir
+
+    from .spec import DraftSpec
+
+    name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load
     if model is None:
         from .reference import reference_dirs
 
@@ -70,10 +75,13 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
                 raise DFlashError(f"--draft: no known DFlash drafter for {model}; pass --draft DIR_OR_ID "
                                   "(or --no-draft for plain decoding)")
     draft_dir = None if no_draft else hub.resolve(draft, "--draft")
-    name = backends.pick(backend)
+    check_target_dir(target_dir)  # config.json and safetensors headers, before any framework reads them
+    if draft_dir is not None:
+        DraftSpec.load(draft_dir)  # the drafter's config.json, before any framework is imported
+    package = backends.get(name)  # one line if its library is missing
     tokenizer = load_tokenizer(target_dir, trust_remote_code)
-    be = backends.get(name).load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
-                                 draft_window=draft_window, trust_remote_code=trust_remote_code)
+    be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
+                      draft_window=draft_window, trust_remote_code=trust_remote_code)
     if len(tokenizer) > be.info.vocab_size:
         raise DFlashError(f"{target_dir}: the tokenizer has {len(tokenizer)} tokens but the target's embedding table "
                           f"has {be.info.vocab_size} rows (a tokenizer of another model?)")

@@ -87,10 +87,12 @@ def cache_features(args) -> int:
     from dflash.backends.torch.features import write_feature_cache
     from dflash.backends.torch.target import DTYPES, load_target, resolve_device, resolve_dtype
     from dflash.datasets import load_samples
+    from dflash.io import check_output_dir
     from dflash.spec import default_target_layer_ids
 
     if args.feature_dtype not in DTYPES:
         raise DFlashError(f"--feature-dtype: got {args.feature_dtype!r}, expected one of {', '.join(DTYPES)}")
+    check_output_dir(args.out, "--out")
     model_dir = hub.resolve(args.model, "--model")
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
     samples = load_samples(args.data, tokenizer, max_length=args.max_length, enable_thinking=args.enable_thinking)

@@ -11,7 +11,23 @@ from pathlib import Path
 from .errors import DFlashError
 
 
+def check_output_dir(directory: str | os.PathLike, flag: str = "--out") -> Path:
+    """Fail fast, creating nothing: `directory` exists as a writable directory, or can be created (its nearest
+    existing ancestor is a writable directory). Run before slow work so a bad path costs nothing and leaves
+    nothing behind."""
+    directory = Path(directory)
+    probe = directory
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise DFlashError(f"{flag}: cannot create {directory}: {probe} is a file, expected a directory")
+    if not os.access(probe, os.W_OK):
+        raise DFlashError(f"{flag}: cannot create {directory}: {probe} is not writable")
+    return directory
+
+
 def _check_writable(directory: Path) -> None:
+    check_output_dir(directory, "output")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -43,6 +43,9 @@ def resolve_dtype(name: str | None, device):
 def load_target(path, dtype=None, trust_remote_code: bool = False):
     from mlx_lm.utils import load_model
 
+    from dflash.converters.checkpoint import check_target_dir
+
+    check_target_dir(path)  # missing / broken config.json, pickle-only or truncated weights: one line
     try:
         model, config = load_model(Path(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -57,13 +60,20 @@ def load_target(path, dtype=None, trust_remote_code: bool = False):
 
 
 def trunk(model) -> nn.Module:
-    """The module holding embed_tokens / layers / norm (mlx-lm's `Model.model` for decoder-only families)."""
+    """The module holding embed_tokens / layers / norm (mlx-lm's `Model.model` for decoder-only families,
+    `Model.language_model.model` for multimodal checkpoints such as Qwen3.5)."""
+    model = _language_model(model)
     inner = model["model"] if "model" in model else model
     for name in ("embed_tokens", "layers"):
         if name not in inner:
             raise DFlashError(f"{type(model).__module__}: the MLX target has no '{name}'; DFlash needs a decoder "
                               "with embed_tokens and layers")
     return inner
+
+
+def _language_model(model) -> nn.Module:
+    """The text model of a multimodal mlx-lm Model (qwen3_5, qwen3_5_moe: `language_model`), else the model."""
+    return model["language_model"] if "language_model" in model else model
 
 
 def decoder_layers(model) -> list:
@@ -76,6 +86,7 @@ def embedding(model):
 
 def lm_head(model):
     """The output projection: lm_head, or the tied embedding used as a linear layer (both may be quantized)."""
+    model = _language_model(model)
     if "lm_head" in model:
         return model.lm_head
     return trunk(model).embed_tokens.as_linear

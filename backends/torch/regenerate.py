@@ -12,6 +12,7 @@ after a SIGKILL at any point loses no finished row and duplicates none.
 from __future__ import annotations
 
 import json
+import math
 import os
 import zlib
 from collections import Counter
@@ -66,7 +67,7 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
     """Answer every prompt of `input_path` with the target, appending to `output_path`; returns the stats."""
     from dflash import hub
     from dflash.api import eos_token_ids, load_tokenizer
-    from dflash.io import atomic_write_text
+    from dflash.io import atomic_write_text, check_output_dir
 
     from .target import load_target, resolve_device, resolve_dtype
 
@@ -74,10 +75,14 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
         raise DFlashError(f"--batch-size: got {batch_size}, expected >= 1")
     if max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens: got {max_new_tokens}, expected >= 1")
-    if temperature < 0:
-        raise DFlashError(f"--temperature: got {temperature}, expected >= 0")
+    if not temperature >= 0 or math.isinf(temperature):  # NaN fails every comparison
+        raise DFlashError(f"--temperature: got {temperature}, expected a finite number >= 0")
+    if not 0 < top_p <= 1:
+        raise DFlashError(f"--top-p: got {top_p}, expected 0 < top_p <= 1")
     output_path = Path(output_path)
-    output_path.parent.mkdir(parents=True, exist_ok=True)
+    if output_path.is_dir():
+        raise DFlashError(f"--output: {output_path} is a directory, expected a JSONL file")
+    check_output_dir(output_path.parent, "--output")  # created only once the inputs are validated
     done = recover_output(output_path)
 
     # every input row, with a unique id (a repeated id gets a #k suffix, stable across reruns)
@@ -110,6 +115,7 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
         from tqdm import tqdm
 
         bar = tqdm(total=len(todo), desc="regenerate", dynamic_ncols=True)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
     with open(output_path, "a", encoding="utf-8") as out:
         batch = []
 

@@ -31,14 +31,41 @@ def resolve_device(name: str | None) -> str:
 
 
 def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool = False):
+    """A transformers causal LM from safetensors only, refused with one line when its config or weights are broken,
+    when it needs custom code and --trust-remote-code was not given, or when a weight is missing or mis-shaped
+    (transformers would otherwise initialise it randomly and only warn)."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.utils import logging as hf_logging
 
+    from dflash.converters.checkpoint import check_target_dir
+
+    cfg = check_target_dir(path)
+    auto_map = cfg.get("auto_map")
+    if auto_map and not trust_remote_code and cfg.get("model_type") not in CONFIG_MAPPING:
+        code = auto_map.get("AutoModelForCausalLM", auto_map) if isinstance(auto_map, dict) else auto_map
+        raise DFlashError(f"{path}/config.json: model_type {cfg.get('model_type')!r} needs custom code from the "
+                          f"checkpoint (auto_map: {code}); pass --trust-remote-code to run it")
+    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True,
+                  ignore_mismatched_sizes=True, output_loading_info=True)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would precede our one line
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code,
-                                                     attn_implementation="sdpa")
-    except (OSError, ValueError, KeyError) as e:
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DFlashError(f"{path}: cannot load the target model ({first})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched:
+        name, found, want = mismatched[0]
+        raise DFlashError(f"{path}: weight '{name}' has shape {list(found)}, but config.json implies {list(want)} "
+                          "(a config.json of another model, or a missing field?)")
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise DFlashError(f"{path}: missing weight '{missing[0]}'{more} in the checkpoint")
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -22,6 +22,7 @@ import functools
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import time
@@ -352,8 +353,23 @@ def save_checkpoint(out: Path, step: int, module, optimizer, fsdp: bool, d: Dist
     d.barrier()
 
 
+def _load_weights_only(path: Path):
+    """torch.load restricted to tensors and plain containers: a checkpoint that pickles anything else (code to run on
+    load) is refused with one line, never executed."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        what = next((x.strip().rstrip(".") for x in str(e).splitlines() if "GLOBAL" in x), None)
+        raise DFlashError(f"{path}: not a weights-only checkpoint, refusing to unpickle it (" +
+                          (what or "corrupted, or it holds objects other than tensors") + ")") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DFlashError(f"{path}: cannot read the checkpoint ({first}); delete {path.parent} to start over "
+                          "or pass --resume false") from None
+
+
 def load_checkpoint(path: Path, module, optimizer, fsdp: bool, d: Dist) -> int:
-    load = lambda name: torch.load(path / name, map_location="cpu", weights_only=True)
+    load = lambda name: _load_weights_only(path / name)
     model_sd, optim_sd, state = load("model.pt"), load("optimizer.pt"), load("trainer.pt")
     if fsdp:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
@@ -367,7 +383,7 @@ def load_checkpoint(path: Path, module, optimizer, fsdp: bool, d: Dist) -> int:
         optimizer.load_state_dict(optim_sd)
     rng = path / f"rng_rank{d.rank}.pt"
     if rng.is_file():  # a run resumed on a different world size keeps fresh RNG on the new ranks
-        set_rng_state(torch.load(rng, weights_only=True))
+        set_rng_state(_load_weights_only(rng))
     return int(state["step"])
 
 
@@ -418,7 +434,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         torch.cuda.set_device(device)
     out = Path(cfg.out)
     if d.main:
-        out.mkdir(parents=True, exist_ok=True)
+        from dflash.io import check_output_dir
+
+        check_output_dir(out, "--out")  # created only once the inputs are validated: a refused run leaves nothing
 
     # --- target (frozen), tokenizer, data -------------------------------------------------------------------------
     if not cfg.target:
@@ -522,6 +540,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         step = load_checkpoint(done[-1], module, optimizer, fsdp, d)
         _log(cfg, d, f"resumed from {done[-1]} (step {step})")
     if d.main:
+        out.mkdir(parents=True, exist_ok=True)
         # the log keeps what the checkpoint covers; entries of a killed run past it are replayed
         rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()] \
             if log_path.is_file() and step > 0 else []
