@@ -1,5 +1,4 @@
-"""python -m dflash.reference build [--out DIR] [--fast] [--install]: rebuild the bundled reference pair.
-python -m dflash.reference build-ar-draft [--install]: distil the small autoregressive draft the benchmark's peers use."""
+"""python -m dflash.reference build [--out DIR] [--fast] [--install]: rebuild the bundled pair."""
 
 from __future__ import annotations
 

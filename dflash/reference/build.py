@@ -36,7 +36,9 @@ class BuildConfig:
     train_prompt_max_chars: int = 400  # prompt + answer stay inside the target's trained context (seq_len)
     benchmark_max_chars: int = 500
     answer_tokens: int = 160  # max new tokens per regenerated answer
-    drafter: dict = field(default_factory=lambda: dict(num_layers=3, block_size=16))  # TrainConfig overrides
+    # TrainConfig overrides (dflash.train)
+    drafter: dict = field(default_factory=lambda: dict(num_layers=3, block_size=16, num_anchors=64, batch_size=4,
+                                                       lr=1e-3, max_steps=300, log_every=10))
     tau_prompts: int = 32
     tau_new_tokens: int = 128
 
@@ -56,7 +58,7 @@ def _log(msg: str) -> None:
     print(f"[reference] {msg}", flush=True)
 
 
-def build(out: str | Path, cfg: BuildConfig | None = None) -> dict:
+def build(out: str | Path, cfg: BuildConfig | None = None, reuse_target: bool = False) -> dict:
     import torch
 
     from dflash.tiny import train_tokenizer
@@ -87,8 +89,14 @@ def build(out: str | Path, cfg: BuildConfig | None = None) -> dict:
 
     # 2. target
     pcfg = PretrainConfig(seed=cfg.seed, **cfg.pretrain)
-    summary = timed("pretrain", pretrain, train_files, heldout_files, tok, pcfg, out / "target_f32",
-                    out / "pretrain.jsonl", progress=True)
+    done = out / "target_f32" / "pretrain_summary.json"
+    if reuse_target and done.is_file() and json.loads(done.read_text())["config"] == json.loads(
+            json.dumps(asdict(pcfg))):
+        _log(f"pretrain: reusing {done.parent} (same config)")
+        summary = json.loads(done.read_text())
+    else:
+        summary = timed("pretrain", pretrain, train_files, heldout_files, tok, pcfg, out / "target_f32",
+                        out / "pretrain.jsonl", progress=True)
     report["target"] = {k: v for k, v in summary.items() if k != "config"}
     plot_curve(out / "pretrain.jsonl", out / "pretrain.png")
 
@@ -219,9 +227,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/reference", help="build directory (default: runs/reference)")
     p.add_argument("--fast", action="store_true", help="tiny corpus, model and drafter: tests the pipeline")
     p.add_argument("--install", action="store_true", help="copy the result into the package afterwards")
+    p.add_argument("--reuse-target", action="store_true",
+                   help="keep a target already pretrained in --out with the same config (rerun the later steps)")
     args = p.parse_args(argv)
     cfg = BuildConfig.fast() if args.fast else BuildConfig()
-    build(args.out, cfg)
+    build(args.out, cfg, reuse_target=args.reuse_target)
     if args.install:
         install(Path(args.out))
         _log(f"installed into {PACKAGE_DIR}")

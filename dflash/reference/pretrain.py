@@ -38,12 +38,12 @@ class PretrainConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     # optimisation
-    steps: int = 1200
-    batch_size: int = 4
+    steps: int = 2400
+    batch_size: int = 2
     seq_len: int = 512
-    lr: float = 3e-3
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = 40
     decay_fraction: float = 0.25
     max_seconds: float | None = 22 * 60  # wall-clock guard on the training loop (see Schedule)
     weight_decay: float = 0.1
@@ -54,8 +54,8 @@ class PretrainConfig:
     # data
     chat_fraction: float = 0.1  # ChatML examples (prompt in, whole function out), as a share of documents
     seed: int = 0
-    eval_every: int = 100
-    eval_batches: int = 4
+    eval_every: int = 200
+    eval_batches: int = 8
     log_every: int = 10
     threads: int = 2
     extra: dict = field(default_factory=dict)
