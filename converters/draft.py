@@ -34,9 +34,10 @@ def load_all(draft_dir: str | os.PathLike) -> dict:
     return tensors
 
 
-def write_drafter(out_dir: Path, spec: DraftSpec, tensors: dict) -> Path:
-    """Validate names/shapes, then write config.json + model.safetensors atomically as one directory."""
-    check_names_and_shapes(spec, {k: v.shape for k, (_, v) in tensors.items()}, str(out_dir / WEIGHTS_NAME))
+def write_drafter(out_dir: Path, spec: DraftSpec, tensors: dict, source: str | None = None) -> Path:
+    """Validate names/shapes (errors name `source`, the input), then write config.json + model.safetensors
+    atomically as one directory."""
+    check_names_and_shapes(spec, {k: v.shape for k, (_, v) in tensors.items()}, source or str(out_dir / WEIGHTS_NAME))
     with atomic_directory(out_dir) as tmp:
         write_tensors(tmp / WEIGHTS_NAME, tensors)
         spec.save(tmp)
@@ -53,7 +54,7 @@ def convert_dtype(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
                           "checkpoint instead")
     want = DTYPE_NAMES[dtype]
     tensors = {k: convert(d, a, want) for k, (d, a) in load_all(draft_dir).items()}
-    return write_drafter(out, spec, tensors)
+    return write_drafter(out, spec, tensors, source=str(draft_dir))
 
 
 def strip_prefix(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, prefix: str | None = None) -> Path:
@@ -70,4 +71,4 @@ def strip_prefix(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, prefi
         raise DFlashError(f"{weight_files(draft_dir)[0]}: not every weight name starts with {what}; nothing to "
                           "strip (pass --prefix to name it)")
     tensors = {k[len(stripped):]: v for k, v in tensors.items()}
-    return write_drafter(out, spec, tensors)
+    return write_drafter(out, spec, tensors, source=f"{draft_dir} (names without '{stripped}')")

@@ -11,18 +11,20 @@ from pathlib import Path
 from .errors import DFlashError
 
 
-def check_output_dir(directory: str | os.PathLike, flag: str = "--out") -> Path:
+def check_output_dir(directory: str | os.PathLike, flag: str = "--out", output: str | os.PathLike | None = None) \
+        -> Path:
     """Fail fast, creating nothing: `directory` exists as a writable directory, or can be created (its nearest
     existing ancestor is a writable directory). Run before slow work so a bad path costs nothing and leaves
-    nothing behind."""
+    nothing behind. `output`: the file the message names (default: the directory)."""
     directory = Path(directory)
+    shown = output if output is not None else directory
     probe = directory
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if not probe.is_dir():
-        raise DFlashError(f"{flag}: cannot create {directory}: {probe} is a file, expected a directory")
+        raise DFlashError(f"{flag}: cannot create {shown}: {probe} is a file, expected a directory")
     if not os.access(probe, os.W_OK):
-        raise DFlashError(f"{flag}: cannot create {directory}: {probe} is not writable")
+        raise DFlashError(f"{flag}: cannot create {shown}: {probe} is not writable")
     return directory
 
 

@@ -82,7 +82,7 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
     output_path = Path(output_path)
     if output_path.is_dir():
         raise DFlashError(f"--output: {output_path} is a directory, expected a JSONL file")
-    check_output_dir(output_path.parent, "--output")  # created only once the inputs are validated
+    check_output_dir(output_path.parent, "--output", output_path)  # created only once the inputs are validated
     done = recover_output(output_path)
 
     # every input row, with a unique id (a repeated id gets a #k suffix, stable across reruns)
