@@ -54,6 +54,27 @@ def train_tokenizer(texts: list[str], vocab_size: int, directory: str | os.PathL
     return fast
 
 
+# Per-family settings that keep a random target tiny while keeping what makes the family itself: experts for the MoE
+# families, Gated DeltaNet linear-attention layers (3 of every 4) for Qwen3.5, alternating sliding-window attention
+# with sinks for gpt-oss. Keyword arguments of target_config/build_target override them.
+FAMILY_DEFAULTS: dict[str, dict] = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    "qwen3_5": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4),
+    "qwen3_5_moe": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rms_norm_eps=1e-5),
+}
+# Families whose public checkpoints are multimodal configs (model_type X with the language model in `text_config`,
+# weights under model.language_model.*): built the same way, with a one-layer vision tower, so that transformers'
+# AutoModelForCausalLM and mlx-lm load them exactly as they load the real ones.
+MULTIMODAL: dict[str, dict] = {
+    "qwen3_5": dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2),
+    "qwen3_5_moe": dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2),
+}
+
+
 def target_config(family: str = "qwen3", vocab_size: int = 512, hidden_size: int = 64, num_hidden_layers: int = 4,
                   num_attention_heads: int = 4, num_key_value_heads: int = 2, intermediate_size: int = 128,
                   max_position_embeddings: int = 4096, eos_token_id: int | None = None, **overrides):
@@ -64,13 +85,25 @@ def target_config(family: str = "qwen3", vocab_size: int = 512, hidden_size: int
                intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
                head_dim=hidden_size // num_attention_heads, rms_norm_eps=1e-6, tie_word_embeddings=False,
                rope_theta=10000.0, eos_token_id=eos_token_id)
+    cfg.update(FAMILY_DEFAULTS.get(family, {}))
     cfg.update(overrides)
+    if family in ("qwen3_5", "qwen3_5_moe") and "rope_parameters" not in cfg:
+        # Qwen3.5 rotates a quarter of each head (text-only positions make its multimodal RoPE a plain one)
+        rotary_pairs = int(cfg["head_dim"] * 0.25) // 2
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta"),
+                                  "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                  "mrope_section": [rotary_pairs - rotary_pairs // 2, rotary_pairs // 2, 0]}
+    if family in MULTIMODAL:
+        vision = dict(MULTIMODAL[family], out_hidden_size=cfg["hidden_size"])
+        return AutoConfig.for_model(family, text_config=cfg, vision_config=vision,
+                                    tie_word_embeddings=cfg["tie_word_embeddings"], eos_token_id=eos_token_id)
     return AutoConfig.for_model(family, **cfg)
 
 
 def build_target(directory: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None, seed: int = 0,
                  family: str = "qwen3", init_std: float | None = None, **config):
-    """A random target in HF format (config.json, model.safetensors, generation_config.json, tokenizer)."""
+    """A random target in HF format (config.json, model.safetensors, generation_config.json, tokenizer). Returns the
+    causal LM as transformers loads it from that directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,12 +117,75 @@ def build_target(directory: str | os.PathLike, tokenizer_dir: str | os.PathLike 
     cfg = target_config(family, **config)
     if init_std is not None:
         cfg.initializer_range = init_std
+        if family in MULTIMODAL:
+            cfg.text_config.initializer_range = init_std
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.save_pretrained(str(directory))
+    if family in MULTIMODAL:
+        from transformers import AutoModelForImageTextToText
+
+        AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32).save_pretrained(str(directory))
+        _public_layout(directory, cfg)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.save_pretrained(str(directory))
+        _public_layout(directory, cfg)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
     return model
+
+
+def _public_layout(directory: Path, cfg) -> None:
+    """Write the checkpoint the way the public ones are spelled, which mlx-lm reads (transformers reads both):
+    config keys under their legacy names too (`rope_theta` next to `rope_parameters`, `num_experts` for
+    `num_local_experts`, ...), and Qwen3.5-MoE experts fused (`experts.gate_up_proj` / `experts.down_proj`)."""
+    path = directory / "config.json"
+    data = json.loads(path.read_text())
+    text = data.get("text_config", data)
+    rope = text.get("rope_parameters") or {}
+    if "rope_theta" in rope and "rope_theta" not in text:
+        text["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and "rope_scaling" not in text:
+        text["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}  # e.g. gpt-oss's YaRN
+    for alias, name in getattr(type(cfg.get_text_config()), "attribute_map", {}).items():
+        if name in text and alias not in text:
+            text[alias] = text[name]
+    path.write_text(json.dumps(data, indent=2))
+    if text.get("model_type") == "qwen3_5_moe_text" or data.get("model_type") == "qwen3_5_moe":
+        import re
+
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(directory / "model.safetensors"))
+        experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+        for key in [k for k in weights if re.search(r"\.mlp\.experts\.\d+\.", k)]:
+            prefix, e, proj = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight$", key).groups()
+            experts.setdefault(prefix, {}).setdefault(int(e), {})[proj] = weights.pop(key)
+        for prefix, by_id in experts.items():
+            ids = sorted(by_id)
+            weights[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_id[e]["gate"], by_id[e]["up"]]) for e in ids])
+            weights[f"{prefix}.down_proj"] = torch.stack([by_id[e]["down"] for e in ids])
+        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def mlx_layout(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """The directory mlx-lm loads for a target built here. Same files, except gpt-oss: transformers stores its experts
+    as (experts, in, out) while mlx-lm reads the layout of OpenAI's checkpoint, (experts, out, in) with gate/up
+    interleaved, under `.weight` names (the unquantized form of `*_blocks`). Other families load as they are."""
+    import shutil
+
+    directory, out = Path(directory), Path(out)
+    if json.loads((directory / "config.json").read_text()).get("model_type") != "gpt_oss":
+        return directory
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(directory, out, dirs_exist_ok=True)
+    weights = load_file(str(directory / "model.safetensors"))
+    for key in [k for k in weights if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weights[key + ".weight"] = weights.pop(key).transpose(-1, -2).contiguous()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def draft_spec_for(target_dir: str | os.PathLike, num_layers: int = 2, block_size: int = 16,

@@ -16,6 +16,7 @@ from dflash.sampling import SamplingParams
 from dflash.spec import check_block_size
 
 from .drafter import DFlashDrafter, DraftCache
+from .rewind import MLXRewind, needs_rewind
 from .sampling import MLXSampler
 from .target import TargetRunner, embedding, lm_head, target_info
 
@@ -45,6 +46,7 @@ class MLXBackend:
             self._mask_embeds = self.embed(mx.full((1, spec.block_size - 1), spec.mask_token_id, dtype=mx.int32))
             self._context_width = spec.hidden_size * spec.num_context_layers
             mx.eval(self._mask_embeds)
+        self.rewind: MLXRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
         self.cache = self._new_cache()
         self.tokens: list[int] = []  # ids whose K/V is in the target cache
         self.pending: mx.array | None = None  # target features not yet in the draft cache
@@ -69,7 +71,7 @@ class MLXBackend:
                 break
             reuse += 1
         self.crop(reuse)
-        reuse = len(self.tokens)  # a draft window that dropped needed context starts over from scratch
+        reuse = len(self.tokens)  # a draft window or a bounded target cache may have had to start over
         logits = None
         for start in range(reuse, len(prompt_ids), self.prefill_chunk):
             chunk = prompt_ids[start:start + self.prefill_chunk]
@@ -105,8 +107,8 @@ class MLXBackend:
 
     def commit(self, keep: int) -> None:
         extra = self._verify_ids.shape[1] - keep
-        if extra > 0:
-            self._trim(extra)
+        if extra > 0 and not self._trim(extra):
+            raise AssertionError("a verified block can always be rewound")  # within the last forward
         self.tokens.extend(self._verified[:keep])
         if self.drafter is not None:
             self.pending = self._features[:, :keep]
@@ -115,7 +117,9 @@ class MLXBackend:
         """Forget every position from `length` on, in the target cache and the draft context."""
         drop = len(self.tokens) - length
         if drop > 0:
-            self._trim(drop)
+            if not self._trim(drop):
+                self.reset()  # sliding-window / recurrent state cannot go back past the last forward: start over
+                return
             del self.tokens[length:]
         if self.drafter is None:
             return
@@ -141,19 +145,34 @@ class MLXBackend:
     # ---- internals -----------------------------------------------------------------------------------------------
     def _new_cache(self) -> list:
         cache = make_prompt_cache(self.model)
+        if needs_rewind(cache):
+            if self.rewind is None:
+                self.rewind = MLXRewind(self.runner.layers, cache)
+            self.rewind.attach(cache)
+            return cache
         if not can_trim_prompt_cache(cache):
             raise DFlashError(f"{self.info.model_type}: this target's mlx-lm cache cannot be rewound (recurrent or "
                               "rotating layers), which speculative decoding needs")
         return cache
 
-    def _trim(self, n: int) -> None:
+    def _trim(self, n: int) -> bool:
+        """Forget the last n target positions; False if the cache cannot go back that far (see rewind.py)."""
+        if self.rewind is not None:
+            return self.rewind.rewind(n)
         # a rotating cache stops being trimmable once it wraps; rewinding it silently would corrupt the output
         if trim_prompt_cache(self.cache, n) != n:
             raise DFlashError(f"{self.info.model_type}: the target's mlx-lm cache could not be rewound by {n} "
                               "positions (a rotating/sliding cache that already wrapped)")
+        return True
 
     def _forward(self, ids: mx.array, last_only: bool) -> mx.array:
-        logits, feats = self.runner(ids, self.cache, last_only)
+        if self.rewind is None:
+            logits, feats = self.runner(ids, self.cache, last_only)
+        else:
+            self.rewind.before_forward()
+            with self.rewind.recording():
+                logits, feats = self.runner(ids, self.cache, last_only)
+            self.rewind.after_forward(ids.shape[1])
         if self.drafter is not None:
             self._features = feats
             if last_only:

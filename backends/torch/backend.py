@@ -12,6 +12,7 @@ from dflash.sampling import SamplingParams
 from dflash.spec import check_block_size
 
 from .drafter import DFlashDrafter, DraftCache, extend_context
+from .rewind import CacheRewind, bounded_layers
 from .sampling import TorchSampler
 from .target import LayerCapture, target_info
 
@@ -43,6 +44,8 @@ class TorchBackend:
         # cache_len: a preallocated StaticCache (fixed addresses, what torch.compile / CUDA graphs want); its crop
         # only moves the write position, and stale entries past it are masked by causality until overwritten
         self.cache_len = cache_len
+        # targets with sliding-window or linear-attention layers (gpt-oss, Qwen3.5) rewind through CacheRewind
+        self.rewind: CacheRewind | None = None
         self.cache = self._new_cache()
         # compile: the fixed-shape decode forwards (1 token, one block) go through torch.compile; prefill stays eager
         self._decode_model = model
@@ -73,6 +76,7 @@ class TorchBackend:
                 break
             reuse += 1
         self.crop(reuse)
+        reuse = len(self.tokens)  # a draft window or a bounded target cache may have had to start over
         logits = None
         for start in range(reuse, len(prompt_ids), self.prefill_chunk):
             chunk = torch.tensor([prompt_ids[start:start + self.prefill_chunk]], device=self.device)
@@ -106,8 +110,8 @@ class TorchBackend:
     @torch.inference_mode()
     def commit(self, keep: int) -> None:
         extra = self._verify_ids.shape[1] - keep
-        if extra > 0:
-            self.cache.crop(-extra)
+        if extra > 0 and not self._crop_target(extra):
+            raise AssertionError("a verified block can always be rewound")  # within the last forward
         self.tokens.extend(self._verified[:keep])
         if self.drafter is not None:
             self.pending = self._features[:, :keep]
@@ -116,7 +120,11 @@ class TorchBackend:
         """Forget every position from `length` on, in the target cache and the draft context."""
         drop = len(self.tokens) - length
         if drop > 0:
-            self.cache.crop(-drop)
+            if not self._crop_target(drop):
+                # sliding-window / recurrent state cannot go back past the last forward: start over (the next
+                # prefill feeds the whole prompt again)
+                self.reset()
+                return
             del self.tokens[length:]
         if self.drafter is None:
             return
@@ -131,8 +139,24 @@ class TorchBackend:
 
     def _new_cache(self):
         if self.cache_len is None:
-            return DynamicCache(config=self.model.config)
-        return StaticCache(config=self.model.config, max_cache_len=self.cache_len)
+            cache = DynamicCache(config=self.model.config)
+            if bounded_layers(cache):
+                if self.rewind is None:
+                    self.rewind = CacheRewind(self.model)
+                self.rewind.attach(cache)
+            return cache
+        cache = StaticCache(config=self.model.config, max_cache_len=self.cache_len)
+        if bounded_layers(cache):
+            raise DFlashError(f"{self.info.model_type}: a static cache (cache_len / --compile) cannot rewind this "
+                              "target's sliding-window or linear-attention layers; use the dynamic cache")
+        return cache
+
+    def _crop_target(self, n: int) -> bool:
+        """Forget the last n positions of the target cache; False if its layers cannot go back that far."""
+        if self.rewind is None:
+            self.cache.crop(-n)
+            return True
+        return self.rewind.rewind(n)
 
     def reset(self) -> None:
         if self.cache_len is not None and self.tokens:
@@ -147,6 +171,8 @@ class TorchBackend:
     def close(self) -> None:
         if self.capture is not None:
             self.capture.remove()
+        if self.rewind is not None:
+            self.rewind.remove()
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
@@ -154,7 +180,11 @@ class TorchBackend:
             raise DFlashError(f"context: {len(self.tokens) + ids.shape[1]} tokens exceed the static cache "
                               f"({self.cache_len}); raise cache_len")
         model = self.model if last_only else self._decode_model
+        if self.rewind is not None:
+            self.rewind.before_forward()
         out = model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        if self.rewind is not None:
+            self.rewind.after_forward(ids.shape[1])
         if self.capture is not None:
             self._features = self.capture.pop()
             if last_only:

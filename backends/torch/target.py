@@ -51,7 +51,13 @@ def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool =
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report would precede our one line
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
+        except ValueError as e:
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            # families without an SDPA path (gpt-oss: attention sinks) run transformers' eager attention
+            model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DFlashError(f"{path}: cannot load the target model ({first})") from None
