@@ -42,3 +42,21 @@ class Backend(Protocol):
     @property
     def cached_tokens(self) -> list[int]:
         """Token ids whose target K/V is cached, in order (the prefix a later prefill may reuse)."""
+
+
+def crop_to_cached_prefix(backend, prompt_ids: Sequence[int], max_context: int | None) -> int:
+    """Shared start of every backend's prefill: check that the prompt fits the target's context, crop the caches to
+    the longest cached prefix of the prompt (keeping at least one token, whose logits give the first new token) and
+    return the index prefill must start from (lower than the prefix when a window forced a fresh start)."""
+    from dflash.errors import DFlashError
+
+    if max_context and len(prompt_ids) >= max_context:
+        raise DFlashError(f"prompt: {len(prompt_ids)} tokens do not fit the target's context "
+                          f"(max_position_embeddings {max_context})")
+    reuse = 0
+    for a, b in zip(backend.cached_tokens, prompt_ids[:-1]):
+        if a != b:
+            break
+        reuse += 1
+    backend.crop(reuse)
+    return len(backend.cached_tokens)

@@ -226,10 +226,10 @@ def test_offline_missing_model_is_one_line(hf_home):
     p = run("dflash.chat", "--model", "Qwen/Qwen3-4B", input="hi\n", HF_HOME=hf_home)
     assert p.returncode == 2 and p.stderr.count("\n") == 1
     assert p.stderr.startswith("error: --draft: z-lab/Qwen3-4B-DFlash-b16 is not in the HF cache")
-    # a listed family no backend can draft for yet is refused before anything is fetched
-    p = run("dflash.chat", "--model", "Qwen/Qwen3.5-9B", input="hi\n", HF_HOME=hf_home)
+    # a listed family the chosen backend cannot draft for is refused before anything is fetched
+    p = run("dflash.chat", "--model", "google/gemma-4-12B-it", "--backend", "mlx", input="hi\n", HF_HOME=hf_home)
     assert p.returncode == 2 and p.stderr.count("\n") == 1
-    assert p.stderr.startswith("error: --model: Qwen/Qwen3.5-9B is not supported by the torch backend")
+    assert p.stderr.startswith("error: --model: google/gemma-4-12B-it is not supported by the mlx backend")
     assert sorted(p.name for p in (Path(hf_home) / "hub").iterdir()) == before  # nothing half-written
 
 

@@ -15,6 +15,7 @@ from dflash.errors import DFlashError
 from dflash.sampling import SamplingParams
 from dflash.spec import check_block_size
 
+from ..base import crop_to_cached_prefix
 from .drafter import DFlashDrafter, DraftCache
 from .rewind import MLXRewind, needs_rewind
 from .sampling import MLXSampler
@@ -62,16 +63,7 @@ class MLXBackend:
 
     def prefill(self, prompt_ids: Sequence[int]) -> int:
         prompt_ids = list(prompt_ids)
-        if self.max_context and len(prompt_ids) >= self.max_context:
-            raise DFlashError(f"prompt: {len(prompt_ids)} tokens do not fit the target's context "
-                              f"(max_position_embeddings {self.max_context})")
-        reuse = 0  # longest cached prefix, keeping at least one token to compute logits from
-        for a, b in zip(self.tokens, prompt_ids[:-1]):
-            if a != b:
-                break
-            reuse += 1
-        self.crop(reuse)
-        reuse = len(self.tokens)  # a draft window or a bounded target cache may have had to start over
+        reuse = crop_to_cached_prefix(self, prompt_ids, self.max_context)
         logits = None
         for start in range(reuse, len(prompt_ids), self.prefill_chunk):
             chunk = prompt_ids[start:start + self.prefill_chunk]
