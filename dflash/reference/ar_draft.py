@@ -37,7 +37,7 @@ ASSET_BUDGET_BYTES = 40 * 10**6  # the package's reference assets stay below thi
 @dataclass
 class ARDraftConfig:
     num_layers: int = 2
-    steps: int = 600
+    steps: int = 300
     batch_size: int = 8
     max_length: int = 512
     lr: float = 2e-3
