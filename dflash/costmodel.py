@@ -93,12 +93,17 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cac
     cfg = AutoConfig.for_model(**target_config) if isinstance(target_config, dict) else target_config
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="sdpa").eval()
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="sdpa").eval()
+        except ValueError:  # no SDPA path for this family (gpt-oss: attention sinks)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="eager").eval()
     text = cfg.get_text_config()
     spec = DraftSpec(hidden_size=text.hidden_size, num_hidden_layers=draft_layers,
                      num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
                      head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-                     intermediate_size=text.intermediate_size, vocab_size=text.vocab_size,
+                     # MoE-only configs (Qwen3.5-MoE) have no dense MLP width: a Qwen3-like 3x hidden drafter MLP
+                     intermediate_size=getattr(text, "intermediate_size", None) or 3 * text.hidden_size,
+                     vocab_size=text.vocab_size,
                      num_target_layers=text.num_hidden_layers,
                      target_layer_ids=default_target_layer_ids(text.num_hidden_layers, draft_layers),
                      mask_token_id=text.vocab_size - 1, block_size=max(16, 2))

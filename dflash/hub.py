@@ -28,19 +28,28 @@ class Pair:
 
 # Known public pairs: target id -> z-lab DFlash drafter (https://huggingface.co/collections/z-lab/dflash). The ids
 # must match the hub exactly (they are passed to snapshot_download as is); `--draft` overrides the lookup.
-# Backends: dense Qwen3, Qwen3-MoE and Llama targets run on torch (transformers DynamicCache) and mlx (mlx-lm KV
-# caches), both of which can rewind a rejected block. The Qwen3.5 family is hybrid (Gated DeltaNet linear attention +
-# full attention): its recurrent state cannot be cropped back by either backend yet, so it is listed, not supported.
+# Backends (see README "Supported targets"): dense Qwen3, Qwen3-MoE and Llama targets rewind a rejected block by
+# cropping their K/V caches; the hybrid Qwen3.5 / Qwen3.6 targets (Gated DeltaNet linear attention + full attention)
+# and gpt-oss (sliding-window attention with sinks) rewind their recurrent / windowed state exactly through
+# backends/*/rewind.py. Gemma 4 runs on torch (sliding windows, shared K/V); its MLX path is not verified yet.
 PAIRS: tuple[Pair, ...] = (
     Pair("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", ("torch", "mlx")),
     Pair("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", ("torch", "mlx")),
     Pair("Qwen/Qwen3-Coder-30B-A3B-Instruct", "z-lab/Qwen3-Coder-30B-A3B-DFlash", ("torch", "mlx"), "MoE"),
     Pair("meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", ("torch", "mlx"),
          "gated: accept the license, set HF_TOKEN"),
-    Pair("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", (), "none yet (hybrid linear attention)"),
-    Pair("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", (), "none yet (hybrid linear attention)"),
-    Pair("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", (), "none yet (hybrid linear attention)"),
-    Pair("Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash", (), "none yet (hybrid linear attention)"),
+    Pair("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash", ("torch", "mlx"), "hybrid linear attention"),
+    Pair("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", ("torch", "mlx"), "hybrid linear attention"),
+    Pair("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", ("torch", "mlx"), "hybrid linear attention"),
+    Pair("Qwen/Qwen3.5-35B-A3B", "z-lab/Qwen3.5-35B-A3B-DFlash", ("torch", "mlx"), "hybrid linear attention, MoE"),
+    Pair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", ("torch", "mlx"),
+         "hybrid linear attention; gated drafter: accept its terms, set HF_TOKEN"),
+    Pair("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash", ("torch", "mlx"), "hybrid linear attention, MoE"),
+    Pair("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash", ("torch", "mlx"), "sliding-window attention, MoE"),
+    Pair("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash", ("torch", "mlx"), "sliding-window attention, MoE"),
+    Pair("google/gemma-4-12B-it", "z-lab/gemma4-12B-it-DFlash", ("torch",), "sliding-window attention"),
+    Pair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", ("torch",), "sliding-window attention, MoE"),
+    Pair("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", ("torch",), "sliding-window attention"),
 )
 
 # target model id -> public DFlash drafter id; --draft overrides

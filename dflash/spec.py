@@ -70,6 +70,12 @@ class DraftSpec:
             return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
         return self.sliding_window if self.use_sliding_window else None
 
+    def causal_for_layer(self, i: int) -> bool:
+        """Whether draft layer i is causal inside the block: the checkpoint's `is_causal` when it sets one, else
+        exactly the sliding-window layers (the rule of z-lab's reference drafters, torch and MLX)."""
+        flag = self.extra.get("is_causal")
+        return self.window_for_layer(i) is not None if flag is None else bool(flag)
+
     # ---- config.json ---------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> "DraftSpec":

@@ -65,13 +65,19 @@ FAMILY_DEFAULTS: dict[str, dict] = {
                         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32, shared_expert_intermediate_size=32),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rms_norm_eps=1e-5),
+    # Gemma 4: sliding windows on 3 of 4 layers, per-layer input embeddings, the last layers reusing earlier K/V
+    "gemma4": dict(sliding_window=16, vocab_size_per_layer_input=None, hidden_size_per_layer_input=16,
+                   global_head_dim=32, num_kv_shared_layers=2, tie_word_embeddings=True,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
 }
 # Families whose public checkpoints are multimodal configs (model_type X with the language model in `text_config`,
 # weights under model.language_model.*): built the same way, with a one-layer vision tower, so that transformers'
 # AutoModelForCausalLM and mlx-lm load them exactly as they load the real ones.
 MULTIMODAL: dict[str, dict] = {
-    "qwen3_5": dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2),
-    "qwen3_5_moe": dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2),
+    "qwen3_5": dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=None),
+    "qwen3_5_moe": dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=None),
+    "gemma4": dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=16),
 }
 
 
@@ -87,6 +93,10 @@ def target_config(family: str = "qwen3", vocab_size: int = 512, hidden_size: int
                rope_theta=10000.0, eos_token_id=eos_token_id)
     cfg.update(FAMILY_DEFAULTS.get(family, {}))
     cfg.update(overrides)
+    if family == "gemma4":
+        cfg.pop("rope_theta")  # per layer type (sliding / full) in Gemma 4's own defaults
+        if cfg["vocab_size_per_layer_input"] is None:
+            cfg["vocab_size_per_layer_input"] = cfg["vocab_size"]
     if family in ("qwen3_5", "qwen3_5_moe") and "rope_parameters" not in cfg:
         # Qwen3.5 rotates a quarter of each head (text-only positions make its multimodal RoPE a plain one)
         rotary_pairs = int(cfg["head_dim"] * 0.25) // 2
@@ -94,9 +104,12 @@ def target_config(family: str = "qwen3", vocab_size: int = 512, hidden_size: int
                                   "partial_rotary_factor": 0.25, "mrope_interleaved": True,
                                   "mrope_section": [rotary_pairs - rotary_pairs // 2, rotary_pairs // 2, 0]}
     if family in MULTIMODAL:
-        vision = dict(MULTIMODAL[family], out_hidden_size=cfg["hidden_size"])
+        vision = dict(MULTIMODAL[family])
+        if "out_hidden_size" in vision:
+            vision["out_hidden_size"] = cfg["hidden_size"]
+        extra = {"audio_config": None} if family == "gemma4" else {}
         return AutoConfig.for_model(family, text_config=cfg, vision_config=vision,
-                                    tie_word_embeddings=cfg["tie_word_embeddings"], eos_token_id=eos_token_id)
+                                    tie_word_embeddings=cfg["tie_word_embeddings"], eos_token_id=eos_token_id, **extra)
     return AutoConfig.for_model(family, **cfg)
 
 

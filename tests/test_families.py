@@ -2,8 +2,9 @@
 
 Families: qwen3, llama, qwen3_moe (attention, dense / MoE), qwen3_5 and qwen3_5_moe (hybrid: Gated DeltaNet linear
 attention in 3 of every 4 layers + full attention), gpt_oss (sliding-window attention with sinks alternating with full
-attention, MoE). Tiny random targets are built here (dflash.tiny's per-family defaults, saved the way the public
-checkpoints are spelled).
+attention, MoE); and on torch gemma4 (sliding windows, per-layer inputs, layers sharing earlier K/V; mlx-lm 0.32
+does not read the config transformers 5 writes for it). Tiny random targets are built here (dflash.tiny's per-family
+defaults, saved the way the public checkpoints are spelled).
 
 - Lossless greedy: speculative == target-only with an untrained drafter (mostly rejections) and with an oracle
   drafter (the target's own continuation with one wrong token at a random slot of each block, so every acceptance
@@ -33,6 +34,8 @@ from dflash.loop import generate
 
 FAMILIES = ["qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss"]
 HYBRID = ["qwen3_5", "qwen3_5_moe"]
+FAMILY_CLASS = {"qwen3": "Qwen3For", "llama": "LlamaFor", "qwen3_moe": "Qwen3MoeFor", "qwen3_5": "Qwen3_5For",
+                "qwen3_5_moe": "Qwen3_5MoeFor", "gpt_oss": "GptOssFor", "gemma4": "Gemma4For"}
 B = 8
 N = 40
 PROMPTS = [[(7 * i * i + 3 * i + n) % 490 + 5 for i in range(n)] for n in (5, 21, 36)]
@@ -102,13 +105,17 @@ def check_lossless(backend, refs, oracle: bool) -> list[int]:
     return lengths
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ["gemma4"])
 def test_torch_greedy_lossless(cases, family):
     case = cases(family)
+    assert type(case.model).__name__.startswith(FAMILY_CLASS[family])
     # one backend for all prompts: unrelated prompts crop the caches back (bounded ones start over)
     check_lossless(TorchBackend(case.model, load_drafter(case.draft_dir), block_size=B), case.refs, oracle=False)
     oracle = with_oracle(TorchBackend(case.model, load_drafter(case.draft_dir), block_size=B), torch.tensor)
     check_lossless(oracle, case.refs, oracle=True)
+    # a prompt prefilled in chunks (bounded caches record and trim across chunk forwards)
+    chunked = TorchBackend(case.model, load_drafter(case.draft_dir), block_size=B, prefill_chunk=7)
+    assert generate(chunked, PROMPTS[2], max_new_tokens=N).tokens == case.refs[2]
     # a follow-up prompt extending the cached conversation reuses the whole cached prefix, bounded caches included
     follow = PROMPTS[2] + case.refs[2] + PROMPTS[0]
     fresh = generate(TorchBackend(case.model), follow, max_new_tokens=16).tokens
@@ -135,6 +142,8 @@ def test_mlx_lossless_and_cross_backend(cases, family):
     oracle = with_oracle(mlx_backend.load(case.mlx_dir, case.draft_dir, block_size=B, **load),
                          lambda ids: mx.array(ids, dtype=mx.int32))
     check_lossless(oracle, mlx_refs, oracle=True)
+    chunked = mlx_backend.load(case.mlx_dir, case.draft_dir, block_size=B, prefill_chunk=7, **load)
+    assert generate(chunked, PROMPTS[2], max_new_tokens=N).tokens == mlx_refs[2]
     # torch vs MLX: identical tokens and every cycle's proposals (an untrained drafter turns any feature difference
     # into different proposals at once)
     tb = TorchBackend(case.model, load_drafter(case.draft_dir), block_size=B)
@@ -277,42 +286,75 @@ def test_mlx_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
 
 
 # ---- drafters with sliding-window layers ---------------------------------------------------------------------------
+def reference_draft(drafter, block, feats):
+    """The drafter over its whole context with z-lab's attention rule written out as a dense mask (their torch and
+    MLX reference drafters): in a `sliding_attention` layer (window S) block slot j at position p_j sees the keys at
+    positions p with p_j - p < S, and no later slot when the layer is causal (sliding layers unless `is_causal` is set;
+    non-causal sliding layers also need p - p_j < S); full-attention layers see everything."""
+    import torch.nn.functional as F
+
+    spec = drafter.spec
+    n, bsz = feats.shape[1], block.shape[1]
+    rope_kv = drafter.rope(torch.arange(n + bsz), block)
+    rope_q = (rope_kv[0][:, :, n:], rope_kv[1][:, :, n:])
+    q_pos, k_pos = torch.arange(n, n + bsz)[:, None], torch.arange(n + bsz)[None, :]
+
+    def attend(i, q, k, v):
+        visible = torch.ones(bsz, n + bsz, dtype=torch.bool)
+        window, causal = spec.window_for_layer(i), spec.causal_for_layer(i)
+        if causal:
+            visible &= k_pos <= q_pos
+        if window is not None:
+            visible &= q_pos - k_pos < window
+            if not causal:
+                visible &= k_pos - q_pos < window
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+
+    with torch.no_grad():
+        return drafter(block, drafter.project_context(feats), rope_q, rope_kv, attend)
+
+
 def test_sliding_window_drafter_is_honoured(cases, tmp_path):
-    """A drafter whose layers are all `sliding_attention` (window 8) equals the same weights run with full attention
-    over only the last 8 context positions, differs from full attention over the whole (longer) context, and a mixed
-    drafter differs from both; decoding with it stays lossless."""
+    """Drafters whose config declares `sliding_attention` layers (window 8, context 30) compute exactly the reference
+    rule through the cached path on both backends, differ from the same weights run as full attention, and decode
+    losslessly; the MLX drafter proposes the same tokens as the torch one."""
     case = cases("qwen3")
     full = tiny.draft_spec_for(case.target_dir, num_layers=2, block_size=B)
-    sliding = dataclasses.replace(full, layer_types=["sliding_attention"] * 2, sliding_window=8)
-    mixed = dataclasses.replace(full, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    specs = {
+        "full": full,
+        "sliding": dataclasses.replace(full, layer_types=["sliding_attention"] * 2, sliding_window=8),
+        "mixed": dataclasses.replace(full, layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+        "bidirectional": dataclasses.replace(full, layer_types=["sliding_attention"] * 2, sliding_window=8,
+                                             extra={"is_causal": False}),
+    }
     torch.manual_seed(3)
     drafters = {"full": DFlashDrafter(full).eval()}
-    for name, spec in (("sliding", sliding), ("mixed", mixed)):
-        drafters[name] = DFlashDrafter(spec).eval()
-        drafters[name].load_state_dict(drafters["full"].state_dict())
+    for name, spec in specs.items():
+        if name != "full":
+            drafters[name] = DFlashDrafter(spec).eval()
+            drafters[name].load_state_dict(drafters["full"].state_dict())
     feats = torch.randn(1, 30, full.hidden_size * full.num_context_layers)
     block = torch.randn(1, B, full.hidden_size)
 
-    def step(name, window=None):
-        spec = drafters[name].spec
+    def step(name):
         with torch.no_grad():
-            return drafters[name].step(block, feats, DraftCache(spec, torch.float32, "cpu", window=window))
+            return drafters[name].step(block, feats, DraftCache(specs[name], torch.float32, "cpu"))
 
-    torch.testing.assert_close(step("sliding"), step("full", window=8), rtol=0, atol=1e-6)
-    assert (step("sliding") - step("full")).abs().max() > 1e-3
-    assert (step("mixed") - step("full")).abs().max() > 1e-3
-    assert (step("mixed") - step("sliding")).abs().max() > 1e-3
+    for name in specs:
+        torch.testing.assert_close(step(name), reference_draft(drafters[name], block, feats), rtol=1e-5, atol=1e-5)
+    for a, b in [("sliding", "full"), ("mixed", "full"), ("mixed", "sliding"), ("bidirectional", "sliding")]:
+        assert (step(a) - step(b)).abs().max() > 1e-3, (a, b)
 
     save_drafter(drafters["mixed"], tmp_path / "mixed")
     torch_be = TorchBackend(case.model, load_drafter(tmp_path / "mixed"), block_size=B)
-    assert torch_be.draft_cache.windows == [8, None]
+    assert torch_be.draft_cache.sliding == [8, None] and torch_be.draft_cache.causal == [True, False]
     traces = [generate(torch_be, p, max_new_tokens=N, trace=True) for p in PROMPTS]
     assert [t.tokens for t in traces] == case.refs
     pytest.importorskip("mlx_lm")
     from dflash.backends import mlx as mlx_backend
 
     mlx_be = mlx_backend.load(case.mlx_dir, tmp_path / "mixed", block_size=B, dtype="float32", device="cpu")
-    assert mlx_be.draft_cache.windows == [8, None]
+    assert mlx_be.draft_cache.sliding == [8, None] and mlx_be.draft_cache.causal == [True, False]
     for p, t in zip(PROMPTS, traces):
         r = generate(mlx_be, p, max_new_tokens=N, trace=True)
         assert r.tokens == t.tokens and r.drafted == t.drafted  # the MLX drafter windows the same way

@@ -46,8 +46,8 @@ class DraftAttention(nn.Module):
         k, v = self.context_kv(mx.concatenate([ctx, x], axis=1), rope, start)
         q = self.q_norm(self.q_proj(x).reshape(b, t, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = rope(q, offset=start + n)
-        k, v = cache.write(layer, k, v, t)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)  # not causal: no mask
+        k, v, mask = cache.write(layer, k, v, t)  # mask: None (not causal, no sliding window) or boolean
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
@@ -123,11 +123,14 @@ class DFlashDrafter(nn.Module):
 class DraftCache:
     """Preallocated per-layer K/V of the drafter's context, same semantics as the torch DraftCache: grows by
     doubling; with a window W it keeps only the last W context entries (moved to the front when the buffer fills).
-    Positions are baked into the keys by RoPE, so moving entries does not change what attention computes."""
+    Positions are baked into the keys by RoPE, so moving entries does not change what attention computes.
+    Sliding-window layers attend as in the torch DraftCache (z-lab's rule: slot j sees positions within S of its own,
+    causally inside the block unless the config sets `is_causal`)."""
 
     def __init__(self, spec: DraftSpec, dtype, batch: int = 1, capacity: int = 512, window: int | None = None):
         self.spec, self.window = spec, window
-        self.windows = [_min(spec.window_for_layer(i), window) for i in range(spec.num_hidden_layers)]
+        self.sliding = [spec.window_for_layer(i) for i in range(spec.num_hidden_layers)]
+        self.causal = [spec.causal_for_layer(i) for i in range(spec.num_hidden_layers)]
         shape = (batch, spec.num_key_value_heads, capacity, spec.head_dim)
         self.k = [mx.zeros(shape, dtype=dtype) for _ in range(spec.num_hidden_layers)]
         self.v = [mx.zeros(shape, dtype=dtype) for _ in range(spec.num_hidden_layers)]
@@ -152,15 +155,31 @@ class DraftCache:
                     pad = mx.zeros((*a.shape[:2], size - a.shape[2], a.shape[3]), dtype=a.dtype)
                     buf[i] = mx.concatenate([a, pad], axis=2)
 
-    def write(self, layer: int, k: mx.array, v: mx.array, block: int) -> tuple[mx.array, mx.array]:
-        """Store new context + block K/V after the valid entries; return the span this layer attends to."""
+    def write(self, layer: int, k: mx.array, v: mx.array, block: int):
+        """Store new context + block K/V after the valid entries; return the span this layer attends to and its
+        boolean mask (None: the whole span, for every block slot)."""
         end = self.length + k.shape[2]
         self.k[layer][:, :, self.length:end] = k
         self.v[layer][:, :, self.length:end] = v
-        w = self.windows[layer]
-        # the block sees the last w context positions before its anchor (all of them without a window)
-        lo = 0 if w is None else max(0, end - block - w)
-        return self.k[layer][:, :, lo:end], self.v[layer][:, :, lo:end]
+        # the last `window` context positions before the anchor (all without one); a sliding layer's first slot
+        # sees the last S-1 (later slots fewer, by the mask)
+        sliding, causal = self.sliding[layer], self.causal[layer]
+        lo = 0 if self.window is None else max(0, end - block - self.window)
+        if sliding is not None:
+            lo = max(lo, end - block - (sliding - 1))
+        mask = None
+        if block and (sliding is not None or causal):
+            n_ctx = end - block - lo
+            q = mx.arange(n_ctx, n_ctx + block)[:, None]
+            p = mx.arange(n_ctx + block)[None, :]
+            mask = mx.ones((block, n_ctx + block), dtype=mx.bool_)
+            if causal:
+                mask = mask & (p <= q)
+            if sliding is not None:
+                mask = mask & (q - p < sliding)
+                if not causal:
+                    mask = mask & (p - q < sliding)
+        return self.k[layer][:, :, lo:end], self.v[layer][:, :, lo:end], mask
 
     def advance(self, n: int) -> None:
         self.length += n
@@ -182,10 +201,6 @@ class DraftCache:
 
     def state(self) -> list[mx.array]:
         return self.k + self.v
-
-
-def _min(a: int | None, b: int | None) -> int | None:
-    return b if a is None else a if b is None else min(a, b)
 
 
 def quantization_of(spec: DraftSpec) -> dict | None:

@@ -126,8 +126,8 @@ class DFlashDrafter(nn.Module):
         rope_q = (rope_kv[0][:, :, n:], rope_kv[1][:, :, n:])
 
         def attend(i, q, k, v):
-            k, v = cache.write(i, k, v, bsz)
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            k, v, mask = cache.write(i, k, v, bsz)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
         out = self(block, ctx, rope_q, rope_kv, attend)
         cache.advance(n)
@@ -137,12 +137,18 @@ class DFlashDrafter(nn.Module):
 class DraftCache:
     """Preallocated per-layer K/V of the drafter's context. Grows by doubling; with a window W it keeps only the
     last W context entries (moved to the front when the buffer fills), so memory stays bounded. Positions are
-    baked into the keys by RoPE, so moving entries does not change what attention computes."""
+    baked into the keys by RoPE, so moving entries does not change what attention computes.
+
+    Layers the checkpoint declares `sliding_attention` (window S) attend as z-lab's reference drafters do: the
+    query at block slot j (position p_j) sees the keys at positions p with p_j - p < S, and, when the layer is
+    causal (`DraftSpec.causal_for_layer`: sliding layers unless the config sets `is_causal`), no later block slot."""
 
     def __init__(self, spec: DraftSpec, dtype: torch.dtype, device, batch: int = 1, capacity: int = 512,
                  window: int | None = None):
         self.spec, self.window = spec, window
-        self.windows = [_min(spec.window_for_layer(i), window) for i in range(spec.num_hidden_layers)]
+        self.sliding = [spec.window_for_layer(i) for i in range(spec.num_hidden_layers)]
+        self.causal = [spec.causal_for_layer(i) for i in range(spec.num_hidden_layers)]
+        self._masks: dict[tuple, torch.Tensor] = {}
         shape = (spec.num_hidden_layers, batch, spec.num_key_value_heads, capacity, spec.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -164,15 +170,40 @@ class DraftCache:
             grow = lambda t: torch.cat([t, t.new_zeros(*t.shape[:3], size - t.shape[3], t.shape[4])], dim=3)
             self.k, self.v = grow(self.k), grow(self.v)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new context + block K/V after the valid entries; return the span this layer attends to."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, block: int):
+        """Store new context + block K/V after the valid entries; return the span this layer attends to and its
+        boolean mask (None: the whole span, for every block slot)."""
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length:end] = k
         self.v[layer, :, :, self.length:end] = v
-        w = self.windows[layer]
-        # the block sees the last w context positions before its anchor (all of them without a window)
-        lo = 0 if w is None else max(0, end - block - w)
-        return self.k[layer, :, :, lo:end], self.v[layer, :, :, lo:end]
+        # the block sees the last `window` context positions before its anchor (all of them without one); a
+        # sliding layer's first slot sees the last S-1 (later slots fewer, by the mask)
+        sliding, causal = self.sliding[layer], self.causal[layer]
+        lo = 0 if self.window is None else max(0, end - block - self.window)
+        if sliding is not None:
+            lo = max(lo, end - block - (sliding - 1))
+        mask = None
+        if block and (sliding is not None or causal):
+            mask = self._mask(end - block - lo, block, sliding, causal)
+        return self.k[layer, :, :, lo:end], self.v[layer, :, :, lo:end], mask
+
+    def _mask(self, n_ctx: int, block: int, sliding: int | None, causal: bool) -> torch.Tensor:
+        key = (n_ctx, block, sliding, causal)
+        mask = self._masks.get(key)
+        if mask is None:
+            q = torch.arange(n_ctx, n_ctx + block, device=self.k.device)[:, None]  # span-relative positions
+            p = torch.arange(n_ctx + block, device=self.k.device)[None, :]
+            mask = torch.ones(block, n_ctx + block, dtype=torch.bool, device=self.k.device)
+            if causal:
+                mask &= p <= q
+            if sliding is not None:
+                mask &= q - p < sliding
+                if not causal:
+                    mask &= p - q < sliding
+            if len(self._masks) > 64:
+                self._masks.clear()
+            self._masks[key] = mask
+        return mask
 
     def advance(self, n: int) -> None:
         self.length += n
@@ -191,10 +222,6 @@ class DraftCache:
 
     def reset(self) -> None:
         self.length = self.position = 0
-
-
-def _min(a: int | None, b: int | None) -> int | None:
-    return b if a is None else a if b is None else min(a, b)
 
 
 def load_drafter(directory: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu",

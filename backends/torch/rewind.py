@@ -78,6 +78,13 @@ class CacheRewind:
         return hook
 
     def attach(self, cache) -> None:
+        unknown = [i for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states") and i not in self.linear]
+        if unknown:
+            from dflash.errors import DFlashError
+
+            raise DFlashError(f"layer {unknown[0]}: recurrent/convolutional state of a kind this backend cannot "
+                              "rewind (only Gated DeltaNet linear attention is); speculative decoding needs an exact "
+                              "rollback")
         cache.activate_past_recording()
         self.cache, self.post, self.snapshot = cache, None, {}
 
@@ -145,10 +152,15 @@ class CacheRewind:
         a, b = self.ab[i]["a"][:, :keep], self.ab[i]["b"][:, :keep]
         beta = b.sigmoid()
         g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
-        kernel = lib.torch_recurrent_gated_delta_rule if (keep == 1 and s0 is not None) else \
-            lib.torch_chunk_gated_delta_rule  # the layer's own choice for a forward of `keep` positions
+        if keep == 1 and s0 is not None:  # the layer's own choice for a forward of `keep` positions
+            kernel, extra = lib.torch_recurrent_gated_delta_rule, {}
+        else:
+            # transformers' reference kernel pads the positions to its chunk (64); a chunk that just covers them
+            # gives the same state (the padding adds exact zeros) for a fraction of the work. Kernels that take no
+            # chunk size (flash-linear-attention) never see the argument: the wrapper drops it.
+            kernel, extra = lib.torch_chunk_gated_delta_rule, {"chunk_size": min(64, -(-keep // 16) * 16)}
         _, new = kernel(q, k, v, g=g, beta=beta, initial_state=s0, output_final_state=True,
-                        use_qk_l2norm_in_kernel=True)
+                        use_qk_l2norm_in_kernel=True, **extra)
         state.copy_(new)
 
     @staticmethod
