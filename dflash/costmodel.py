@@ -136,12 +136,13 @@ def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str
     save_drafter(DFlashDrafter(tiny.draft_spec_for(root / "target", num_layers=draft_layers, block_size=16)),
                  root / "draft")
     mod = backends.get(backend)
+    target = tiny.mlx_layout(root / "target", root / "target_mlx") if backend == "mlx" else root / "target"
     loaded = {}
 
     def make(b):
         key = b is not None
         if key not in loaded:
-            loaded[key] = mod.load(root / "target", root / "draft" if key else None, dtype=dtype, device=device)
+            loaded[key] = mod.load(target, root / "draft" if key else None, dtype=dtype, device=device)
         be = loaded[key]
         if b:
             be.block_size = b
