@@ -58,7 +58,7 @@ def _log(msg: str) -> None:
     print(f"[reference] {msg}", flush=True)
 
 
-def build(out: str | Path, cfg: BuildConfig | None = None, reuse_target: bool = False) -> dict:
+def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False) -> dict:
     import torch
 
     from dflash.tiny import train_tokenizer
@@ -90,7 +90,7 @@ def build(out: str | Path, cfg: BuildConfig | None = None, reuse_target: bool = 
     # 2. target
     pcfg = PretrainConfig(seed=cfg.seed, **cfg.pretrain)
     done = out / "target_f32" / "pretrain_summary.json"
-    if reuse_target and done.is_file() and json.loads(done.read_text())["config"] == json.loads(
+    if reuse and done.is_file() and json.loads(done.read_text())["config"] == json.loads(
             json.dumps(asdict(pcfg))):
         _log(f"pretrain: reusing {done.parent} (same config)")
         summary = json.loads(done.read_text())
@@ -112,7 +112,7 @@ def build(out: str | Path, cfg: BuildConfig | None = None, reuse_target: bool = 
     # 4. the target's own answers (greedy), then 5. the drafter
     export_target(out / "target_f32", out / "assets" / "target")
     report["answers"] = timed("regenerate", regenerate, out / "assets" / "target", train_prompts,
-                              out / "answers.jsonl", cfg.answer_tokens)
+                              out / "answers.jsonl", cfg.answer_tokens, reuse=reuse)
     result = timed("drafter", train_drafter, out / "assets" / "target", out / "answers.jsonl", out / "drafter", cfg)
     report["drafter"] = {"steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
                          "seconds": round(result.seconds, 1)}
@@ -130,19 +130,32 @@ def build(out: str | Path, cfg: BuildConfig | None = None, reuse_target: bool = 
     return report
 
 
-def regenerate(target_dir: Path, prompts: list, path: Path, max_new_tokens: int, batch_size: int = 32) -> dict:
+def regenerate(target_dir: Path, prompts: list, path: Path, max_new_tokens: int, batch_size: int = 32,
+               reuse: bool = False) -> dict:
     """The target's greedy answers to the training prompts (`python -m dflash.data regenerate`, in process): each
-    prompt is the user turn of a ChatML conversation, the target writes the assistant turn."""
+    prompt is the user turn of a ChatML conversation, the target writes the assistant turn. With `reuse`, answers
+    already in `path` for the same prompts, token budget and target weights are kept."""
+    import hashlib
+
     from dflash.backends.torch.regenerate import regenerate as answer
     from dflash.io import atomic_write_text
 
     inp = path.with_name("regenerate_input.jsonl")
-    atomic_write_text(inp, "".join(json.dumps({"id": f"p{i}", "prompt": p.prompt}) + "\n"
-                                   for i, p in enumerate(prompts)))
+    text = "".join(json.dumps({"id": f"p{i}", "prompt": p.prompt}) + "\n" for i, p in enumerate(prompts))
+    meta = {"inputs": hashlib.sha256(text.encode()).hexdigest(), "max_new_tokens": max_new_tokens,
+            "target": hashlib.sha256((target_dir / "model.safetensors").read_bytes()).hexdigest()}
+    meta_path, stats_path = path.with_suffix(".meta.json"), path.with_name(path.stem + ".stats.json")
+    if reuse and path.is_file() and meta_path.is_file() and stats_path.is_file() and \
+            json.loads(meta_path.read_text()) == meta:
+        _log(f"regenerate: reusing {path} (same prompts, budget and target)")
+        return json.loads(stats_path.read_text())
+    atomic_write_text(inp, text)
     if path.exists():
         path.unlink()  # a fresh build answers everything again (regenerate itself would resume)
-    return answer(target_dir, inp, path, batch_size=batch_size, temperature=0.0, max_new_tokens=max_new_tokens,
-                  device="cpu", dtype="float32", progress=False, log=_log)
+    stats = answer(target_dir, inp, path, batch_size=batch_size, temperature=0.0, max_new_tokens=max_new_tokens,
+                   device="cpu", dtype="float32", progress=False, log=_log)
+    atomic_write_text(meta_path, json.dumps(meta) + "\n")
+    return stats
 
 
 def train_drafter(target_dir: Path, data: Path, out: Path, cfg: BuildConfig):
@@ -227,11 +240,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/reference", help="build directory (default: runs/reference)")
     p.add_argument("--fast", action="store_true", help="tiny corpus, model and drafter: tests the pipeline")
     p.add_argument("--install", action="store_true", help="copy the result into the package afterwards")
-    p.add_argument("--reuse-target", action="store_true",
-                   help="keep a target already pretrained in --out with the same config (rerun the later steps)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the pretrained target and the answers already in --out when their inputs match "
+                        "(reruns only the drafter, export and measurement)")
     args = p.parse_args(argv)
     cfg = BuildConfig.fast() if args.fast else BuildConfig()
-    build(args.out, cfg, reuse_target=args.reuse_target)
+    build(args.out, cfg, reuse=args.reuse)
     if args.install:
         install(Path(args.out))
         _log(f"installed into {PACKAGE_DIR}")

@@ -38,8 +38,8 @@ class PretrainConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     # optimisation
-    steps: int = 2400
-    batch_size: int = 2
+    steps: int = 2000
+    batch_size: int = 4
     seq_len: int = 512
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
