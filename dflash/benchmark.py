@@ -557,6 +557,7 @@ def plots(report: dict, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     summary = report["summary"]
     colors = {"torch": "#4C72B0", "mlx": "#DD8452"}
@@ -590,6 +591,7 @@ def plots(report: dict, out: Path) -> list[Path]:
                 label=f"{n} (tau {summary[n]['tau']:.2f})")
     ax.set(xlabel="tokens committed per verification cycle", ylabel="fraction of cycles",
            title="acceptance length histogram")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -602,7 +604,8 @@ def plots(report: dict, out: Path) -> list[Path]:
         pp = summary[n]["per_position"]
         ax.plot(range(1, len(pp) + 1), pp, marker="o", ms=3, label=n)
     ax.set(xlabel="draft position k", ylabel="P(k-th drafted token accepted)", ylim=(0, 1.02),
-           title="per-position acceptance")
+           title="per-position acceptance (a position not drafted counts as not accepted)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
