@@ -191,9 +191,19 @@ def test_ar_draft_distillation_runs(tmp_path, tiny_target_dir):
     answers.write_text("".join(json.dumps({"id": f"a{i}", "status": "ok", "messages": [
         {"role": "user", "content": f"def f{i}(x):"},
         {"role": "assistant", "content": f"def f{i}(x):\n    return x + {i}"}]}) + "\n" for i in range(6)))
+    completions = tmp_path / "answers_completion.jsonl"
+    completions.write_text("".join(json.dumps({"id": f"c{i}", "status": "ok", "messages": [
+        {"role": "user", "content": f"def g{i}(x):"},
+        {"role": "assistant", "content": f"\n    return x * {i}"}]}) + "\n" for i in range(4)))
+    from dflash.reference.ar_draft import load_answer_samples
+
+    chat, plain = (load_answer_samples(tiny_target_dir, [(p, fmt)], 512)[0]
+                   for p, fmt in ((answers, "chat"), (completions, "completion")))
+    assert len(plain["input_ids"]) < len(chat["input_ids"])  # no ChatML markers around a completion
     out = tmp_path / "ar"
-    summary = train(tiny_target_dir, answers, out, ARDraftConfig(num_layers=1, steps=3, batch_size=2, threads=1,
-                                                                 log_every=1))
-    assert summary["steps"] == 3 and summary["heldout_samples"] == 1 and len(summary["curve"]) == 3
+    cfg = ARDraftConfig(num_layers=1, steps=3, batch_size=2, threads=1, log_every=1)
+    summary = train(tiny_target_dir, [(answers, "chat"), (completions, "completion")], out, cfg)
+    assert summary["steps"] == 3 and summary["train_samples"] + summary["heldout_samples"] == 10
+    assert len(summary["curve"]) == 3
     model = AutoModelForCausalLM.from_pretrained(str(out))
     assert model.config.num_hidden_layers == 1 and str(model.dtype) == "torch.float16"

@@ -2,7 +2,9 @@
 and mlx-lm's speculative decoding need, so `python -m dflash.bench` can compare DFlash with them on equal terms.
 
 It is distilled from the same target on the same data as the DFlash drafter: the target's own greedy answers to the
-training prompts (the build's answers.jsonl, `python -m dflash.data regenerate` format). The model is a Qwen3 of the
+training prompts (the build's answers_chat.jsonl as ChatML conversations and answers_completion.jsonl as plain
+completions, `python -m dflash.data regenerate` format; an older build's answers.jsonl counts as chat). The model is a
+Qwen3 of the
 target's shape and tokenizer with `num_layers` decoder layers; its embedding, final norm and LM head start as copies
 of the target's and its layers as copies of evenly spaced target layers, then everything is trained on the target's
 next-token distribution (KL to the target's softmax over every position of prompt + answer) plus cross-entropy on
@@ -96,23 +98,59 @@ def ensure_ar_draft(build_dir: str | Path = "runs/reference") -> Path:
 
 
 # ---- data ------------------------------------------------------------------------------------------------------------
-def answers_for(target_dir: Path, build_dir: Path) -> Path:
-    """The build's answers.jsonl, regenerated from the target (same prompts, same settings as the build) if absent."""
-    path = build_dir / "answers.jsonl"
-    if path.is_file():
-        return path
-    from .build import BuildConfig, regenerate
+# the build's plain-completion template (dflash/reference/build.py): the prompt as is, no markers
+COMPLETION_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def answer_files(build_dir: Path) -> list[tuple[Path, str]]:
+    """(answers file, format) of a reference build, format 'chat' or 'completion'."""
+    found = [(build_dir / f"answers_{fmt}.jsonl", fmt) for fmt in ("chat", "completion")]
+    found = [(p, fmt) for p, fmt in found if p.is_file()]
+    if not found and (build_dir / "answers.jsonl").is_file():
+        found = [(build_dir / "answers.jsonl", "chat")]
+    return found
+
+
+def answers_for(target_dir: Path, build_dir: Path) -> list[tuple[Path, str]]:
+    """The build's answers, regenerated from the target (same prompts, same settings as the build) if absent."""
+    found = answer_files(build_dir)
+    if found:
+        return found
+    from . import build as B
     from .corpus import source_files, split
     from .prompts import training_prompts
 
-    cfg = BuildConfig()
-    _log(f"{path} not found: regenerating the target's answers to the {cfg.train_prompts} training prompts")
+    cfg = B.BuildConfig()
+    formats = tuple(getattr(cfg, "answer_formats", ("chat",)))
+    _log(f"no answers in {build_dir}: regenerating the target's answers to the {cfg.train_prompts} training prompts "
+         f"({', '.join(formats)})")
     train_files, _ = split(source_files(limit_bytes=cfg.limit_bytes))
     prompts = training_prompts(train_files, limit=cfg.train_prompts, seed=cfg.seed,
                                max_chars=cfg.train_prompt_max_chars)
     build_dir.mkdir(parents=True, exist_ok=True)
-    regenerate(target_dir, prompts, path, cfg.answer_tokens)
-    return path
+    for fmt in formats:
+        target = target_dir
+        if fmt == "completion":
+            target = build_dir / "completion_target"
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(target_dir, target)
+            (target / "chat_template.jinja").write_text(COMPLETION_TEMPLATE)
+        B.regenerate(target, prompts, build_dir / f"answers_{fmt}.jsonl", cfg.answer_tokens)
+    return answer_files(build_dir)
+
+
+def load_answer_samples(target_dir: Path, files: list[tuple[Path, str]], max_length: int) -> list[dict]:
+    """Tokenised samples (input_ids, loss_mask on the answer) of every answers file, each with its own template."""
+    from dflash.api import load_tokenizer
+    from dflash.datasets import load_samples
+
+    samples = []
+    for path, fmt in files:
+        tok = load_tokenizer(target_dir)
+        if fmt == "completion":
+            tok.chat_template = COMPLETION_TEMPLATE
+        samples += load_samples(path, tok, max_length=max_length)
+    return samples
 
 
 # ---- model -----------------------------------------------------------------------------------------------------------
@@ -184,19 +222,18 @@ def _losses(draft, target, ids, pred, answer, cfg: ARDraftConfig):
     return cfg.kd_weight * kd + cfg.ce_weight * ce, kd, ce, agree
 
 
-def train(target_dir: Path, answers: Path, out_dir: Path, cfg: ARDraftConfig) -> dict:
+def train(target_dir: Path, answers: list[tuple[Path, str]], out_dir: Path, cfg: ARDraftConfig) -> dict:
     """Distil the draft; save it (float16) into out_dir; return the summary (also out_dir/ar_draft.json)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.datasets import load_samples
     from dflash.io import atomic_directory, atomic_write_text
 
     torch.set_num_threads(cfg.threads)
     t_all = time.time()
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval().requires_grad_(False)
-    samples = load_samples(answers, tok, max_length=cfg.max_length)
+    samples = load_answer_samples(target_dir, answers, cfg.max_length)
     rng = random.Random(cfg.seed)
     rng.shuffle(samples)
     n_held = max(1, int(len(samples) * cfg.heldout_fraction)) if len(samples) > 1 else 0
@@ -264,7 +301,7 @@ def train(target_dir: Path, answers: Path, out_dir: Path, cfg: ARDraftConfig) ->
         gc.pad_token_id = pad
         gc.do_sample = False
         gc.save_pretrained(str(tmp))
-    summary = {"config": asdict(cfg), "target": str(target_dir), "answers": str(answers),
+    summary = {"config": asdict(cfg), "target": str(target_dir), "answers": [[str(p), fmt] for p, fmt in answers],
                "params": sum(p.numel() for p in draft.parameters()), "layers_from_target": layer_ids,
                "train_samples": len(train_set), "heldout_samples": len(held), "steps": steps_done,
                "stopped_early_by_max_seconds": stopped_early, "train_seconds": round(train_seconds, 1),
@@ -301,9 +338,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash.reference build-ar-draft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target directory (default: the packaged reference target)")
-    p.add_argument("--build-dir", default="runs/reference", help="reference build directory holding answers.jsonl "
+    p.add_argument("--build-dir", default="runs/reference", help="reference build directory holding answers_*.jsonl "
                    "(regenerated there if absent; default: runs/reference)")
-    p.add_argument("--answers", help="the target's answers (JSONL, regenerate format); overrides --build-dir")
+    p.add_argument("--answers", action="append", default=[], help="the target's answers as ChatML conversations "
+                   "(JSONL, regenerate format; repeatable); with --completion-answers, overrides --build-dir")
+    p.add_argument("--completion-answers", action="append", default=[], help="the target's answers to plain "
+                   "completion prompts (rendered without chat markers; repeatable)")
     p.add_argument("--out", help="output directory (default: the cache, see --install)")
     p.add_argument("--install", action="store_true", help="copy into dflash/reference/assets/ar_draft (if the "
                    "assets stay <= 40 MB)")
@@ -326,8 +366,12 @@ def main(argv=None) -> int:
     cfg = ARDraftConfig(num_layers=args.layers, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                         threads=args.threads, max_seconds=args.max_seconds, seed=args.seed)
     out = Path(args.out) if args.out else cache_dir_for(target)
-    if args.answers:
-        summary = train(target, Path(args.answers), out, cfg)
+    if args.answers or args.completion_answers:
+        files = [(Path(a), "chat") for a in args.answers] + [(Path(a), "completion") for a in args.completion_answers]
+        for path, _ in files:
+            if not path.is_file():
+                raise DFlashError(f"--answers: {path} does not exist")
+        summary = train(target, files, out, cfg)
     else:
         summary = build(target, Path(args.build_dir), out, cfg)
     _log(f"saved {out} ({summary['size_bytes'] / 1e6:.1f} MB, {summary['steps']} steps, "
