@@ -44,6 +44,25 @@ class Backend(Protocol):
         """Token ids whose target K/V is cached, in order (the prefix a later prefill may reuse)."""
 
 
+class BatchBackend(Protocol):
+    """The same cycle for a batch of sequences (dflash.loop.generate_batch). Every list holds one entry per active
+    row, in order; `retire` drops finished rows (by index into the active rows) so they cost nothing more."""
+
+    block_size: int
+
+    def set_sampling(self, params: SamplingParams) -> None: ...
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> list[int]: ...
+
+    def draft(self, anchors: Sequence[int]) -> None: ...
+
+    def verify(self) -> tuple[list[list[int]], list[list[int]]]: ...
+
+    def commit(self, keeps: Sequence[int]) -> None: ...
+
+    def retire(self, rows: Sequence[int]) -> None: ...
+
+
 def crop_to_cached_prefix(backend, prompt_ids: Sequence[int], max_context: int | None) -> int:
     """Shared start of every backend's prefill: check that the prompt fits the target's context, crop the caches to
     the longest cached prefix of the prompt (keeping at least one token, whose logits give the first new token) and

@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 from . import hub
 from .errors import DFlashError
-from .loop import Generation, GenerationResult, Increment
+from .loop import Generation, GenerationResult, Increment, generate_batch
 from .sampling import SamplingParams
 
 
@@ -25,6 +25,7 @@ class Pipeline:
         self.backend, self.tokenizer = backend, tokenizer
         self.target_dir, self.draft_dir, self.backend_name = target_dir, draft_dir, backend_name
         self.eos_token_ids = eos_token_ids(target_dir, tokenizer)
+        self._batched = None
 
     def encode(self, prompt: str | Sequence[int], chat: bool = False, system: str | None = None,
                enable_thinking: bool | None = None) -> list[int]:
@@ -45,6 +46,23 @@ class Pipeline:
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
         return self.stream(prompt, **kwargs).run()
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False, max_new_tokens: int = 256,
+                       sampling: SamplingParams | None = None, stop: Sequence[str] = (), trace: bool = False,
+                       **sampling_kwargs) -> list[GenerationResult]:
+        """All prompts in one batch (PyTorch backend): every cycle drafts and verifies all unfinished rows at once,
+        each row accepting its own prefix; greedy row i equals generate(prompts[i])."""
+        if self.backend_name != "torch":
+            raise DFlashError(f"--batch-size: batched decoding runs on the torch backend, not {self.backend_name}; "
+                              "use --backend torch or --batch-size 1")
+        if self._batched is None:
+            from dflash.backends.torch.batched import BatchedTorchBackend
+
+            self._batched = BatchedTorchBackend.from_backend(self.backend)
+        sampling = sampling or SamplingParams(**sampling_kwargs)
+        return generate_batch(self._batched, [self.encode(p, chat=chat) for p in prompts], tokenizer=self.tokenizer,
+                              max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=self.eos_token_ids,
+                              stop_strings=stop, trace=trace)
 
 
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *, backend: str = "auto",

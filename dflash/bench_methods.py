@@ -112,6 +112,21 @@ class DFlashRunner:
                 "decode_seconds": r.decode_seconds, "decode_tokens": max(len(r.tokens) - 1, 0),
                 "acceptance_lengths": r.acceptance_lengths if self.method.speculative else None}
 
+    def generate_batch(self, prompts: list[list[int]], seed: int) -> list[dict]:
+        """One batch through batched speculative decoding (torch). Each row is charged the batch's wall time in
+        proportion to its tokens, so per-token times and throughput are the batch's."""
+        from .sampling import SamplingParams
+
+        sampling = SamplingParams(temperature=self.cfg["temperature"], seed=seed)
+        t0 = time.perf_counter()
+        results = self.pipe.generate_batch(prompts, max_new_tokens=self.cfg["max_new_tokens"], sampling=sampling)
+        wall = time.perf_counter() - t0
+        total = sum(len(r.tokens) for r in results) or 1
+        return [{"tokens": r.tokens, "seconds": wall * len(r.tokens) / total, "batch_seconds": wall,
+                 "prefill_seconds": r.prefill_seconds, "decode_seconds": r.decode_seconds,
+                 "decode_tokens": max(len(r.tokens) - 1, 0),
+                 "acceptance_lengths": r.acceptance_lengths if self.method.speculative else None} for r in results]
+
 
 class _TimingStreamer:
     """transformers streamer: the first put() is the prompt; every later put() is one step's (or one verified
@@ -275,9 +290,10 @@ def accelerator_peak_bytes(runner) -> dict:
 
 # ---- worker process --------------------------------------------------------------------------------------------------
 def worker(stdin=None, stdout=None) -> int:
-    """Protocol, one JSON object per line. In: the config, then {"i", "prompt_ids", "seed"} per prompt, then
-    {"cmd": "exit"}. Out: {"ready", "load_seconds", "load_rss_bytes", "info"} (or {"error"}), one record per prompt
-    (or {"i", "error"}), then {"done", "peak_rss_bytes", ...}."""
+    """Protocol, one JSON object per line. In: the config, then {"i", "prompt_ids", "seed"} per prompt (or
+    {"batch": [those]} with --batch-size > 1, answered by {"records": [...]}), then {"cmd": "exit"}. Out:
+    {"ready", "load_seconds", "load_rss_bytes", "info"} (or {"error"}), one record per prompt (or {"i", "error"}),
+    then {"done", "peak_rss_bytes", ...}."""
     if stdout is None:
         stdout = os.fdopen(os.dup(1), "w", buffering=1)
         os.dup2(2, 1)  # anything a library prints goes to the log, not into the protocol
@@ -293,8 +309,11 @@ def worker(stdin=None, stdout=None) -> int:
         runner = make_runner(cfg)
         load_seconds = time.perf_counter() - t0
         load_rss = peak_rss_bytes()
+        batch = cfg.get("batch_size", 1)
         for w in range(cfg.get("warmup", 1)):
-            if cfg.get("warmup_ids"):
+            if cfg.get("warmup_ids") and batch > 1:
+                runner.generate_batch([cfg["warmup_ids"]] * batch, seed=cfg.get("seed", 0) + 10_000 + w)
+            elif cfg.get("warmup_ids"):
                 runner.generate(cfg["warmup_ids"], seed=cfg.get("seed", 0) + 10_000 + w)
     except Exception as e:  # noqa: BLE001 - reported to the parent as one line
         send({"error": one_line(e)})
@@ -306,6 +325,14 @@ def worker(stdin=None, stdout=None) -> int:
         msg = json.loads(line)
         if msg.get("cmd") == "exit":
             break
+        if "batch" in msg:  # {"batch": [{"i", "prompt_ids", "seed"}, ...]} -> {"records": [...]}
+            rows = msg["batch"]
+            try:
+                recs = runner.generate_batch([r["prompt_ids"] for r in rows], seed=rows[0]["seed"])
+            except Exception as e:  # noqa: BLE001
+                recs = [{"error": one_line(e)} for _ in rows]
+            send({"records": [dict(rec, i=r["i"]) for rec, r in zip(recs, rows)]})
+            continue
         try:
             rec = runner.generate(msg["prompt_ids"], seed=msg["seed"])
         except Exception as e:  # noqa: BLE001

@@ -41,6 +41,7 @@ from .errors import DFlashError
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 DEFAULT_METHODS = list(METHODS)
+BATCHED = ("no_draft", "dflash_b16", "dflash_b8")  # the methods batched speculative decoding runs
 
 
 # ---- arguments ------------------------------------------------------------------------------------------------------
@@ -65,7 +66,8 @@ def parse_args(argv=None):
                    "baseline); > 0 = pure temperature sampling, no top-k/top-p")
     p.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    p.add_argument("--batch-size", type=int, default=1, help="reserved for batched speculative decoding (only 1)")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by batched speculative "
+                   "decoding (PyTorch DFlash methods: no_draft, dflash_b16, dflash_b8; default 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per method before measuring")
     p.add_argument("--threads", type=int, help="intra-op threads per worker (default: all cores)")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16, float16")
@@ -270,6 +272,10 @@ class Worker:
         self.send({"i": i, "prompt_ids": ids, "seed": seed})
         return self.recv()
 
+    def run_batch(self, rows: list[dict]) -> list[dict]:
+        self.send({"batch": rows})
+        return self.recv()["records"]
+
     def request_exit(self) -> None:
         """Ask for the final memory report without waiting (workers shut down in parallel)."""
         try:
@@ -333,6 +339,7 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
     from tqdm import tqdm
 
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    batch_size = base_cfg.get("batch_size", 1)
     results = {m.name: {"records": [None] * len(prompts), "error": None} for m in methods}
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
@@ -361,19 +368,25 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
                 results[w.method.name][k] = w.done[k]
 
     def step(w: Worker, i: int, p: dict) -> bool:
+        """Prompt i, or with batch_size > 1 the batch of prompts that starts at i."""
+        batch = range(i, min(i + batch_size, len(prompts)))
         bar.set_postfix_str(f"{w.method.name} {p['id']}", refresh=False)
         try:
-            rec = w.run(i, p["ids"], seed + i)
+            if batch_size > 1:
+                recs = w.run_batch([{"i": j, "prompt_ids": prompts[j]["ids"], "seed": seed + j} for j in batch])
+            else:
+                recs = [w.run(i, p["ids"], seed + i)]
         except WorkerFailed as e:
             results[w.method.name]["error"] = f"prompt {p['id']}: {e}"
             log(f"FAILED {w.method.name} on {p['id']}: {e}")
             return False
-        if "error" in rec:
-            rec = {"error": rec["error"]}
-            log(f"error: {w.method.name} on {p['id']}: {rec['error']}")
-        rec.pop("i", None)
-        results[w.method.name]["records"][i] = rec
-        bar.update(1)
+        for j, rec in zip(batch, recs):
+            if "error" in rec:
+                rec = {"error": rec["error"]}
+                log(f"error: {w.method.name} on {prompts[j]['id']}: {rec['error']}")
+            rec.pop("i", None)
+            results[w.method.name]["records"][j] = rec
+        bar.update(len(batch))
         return True
 
     try:
@@ -382,17 +395,17 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
                 w = start(m)
                 if not ready(w):
                     continue
-                for i, p in enumerate(prompts):
-                    if not step(w, i, p):
+                for i in range(0, len(prompts), batch_size):
+                    if not step(w, i, prompts[i]):
                         bar.update(len(prompts) - i)
                         break
                 finish(w)
         else:
             workers = [start(m) for m in methods]  # load (and warm up) concurrently; nothing is timed yet
             live = [w for w in workers if ready(w)]
-            for i, p in enumerate(prompts):
+            for i in range(0, len(prompts), batch_size):
                 for w in list(live):
-                    if not step(w, i, p):
+                    if not step(w, i, prompts[i]):
                         bar.update(len(prompts) - i)
                         live.remove(w)
                         w.close()
@@ -510,7 +523,7 @@ def markdown(report: dict) -> str:
     greedy = cfg["temperature"] == 0
     lines = [f"Prompts: {cfg['num_prompts']} ({', '.join(cfg['prompt_sources'])}), max new tokens "
              f"{cfg['max_new_tokens']}, {'greedy' if greedy else 'temperature ' + str(cfg['temperature'])}, "
-             f"batch 1, {cfg['threads']} thread(s) per worker, {'sequential' if cfg['sequential'] else 'interleaved'}"
+             f"batch {cfg.get('batch_size', 1)}, {cfg['threads']} thread(s) per worker, {'sequential' if cfg['sequential'] else 'interleaved'}"
              f" workers; speedup = median over prompts of baseline s/token / method s/token (IQR in brackets).", ""]
     head = ["method", "backend", "greedy == baseline" if greedy else "sampling", "tau", "decode tok/s",
             "end-to-end tok/s", "speedup vs own baseline", "vs PyTorch baseline", "peak RSS MB"]
@@ -618,9 +631,8 @@ def plots(report: dict, out: Path) -> list[Path]:
 # ---- main -----------------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.batch_size != 1:
-        raise DFlashError(f"--batch-size: got {args.batch_size}; only 1 is supported (batched speculative decoding "
-                          "is not implemented yet)")
+    if args.batch_size < 1:
+        raise DFlashError(f"--batch-size: got {args.batch_size}, expected >= 1")
     if args.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens: got {args.max_new_tokens}, expected >= 1")
     if args.temperature < 0:
@@ -632,7 +644,11 @@ def main(argv=None) -> int:
     threads = args.threads or os.cpu_count() or 1
     if threads < 1:
         raise DFlashError(f"--threads: got {threads}, expected >= 1")
-    methods = resolve_methods(args.methods)
+    methods = resolve_methods(args.methods or (",".join(BATCHED) if args.batch_size > 1 else None))
+    if args.batch_size > 1 and any(m.name not in BATCHED for m in methods):
+        bad = next(m.name for m in methods if m.name not in BATCHED)
+        raise DFlashError(f"--batch-size {args.batch_size}: method {bad} decodes one prompt at a time; batched "
+                          f"decoding runs {', '.join(BATCHED)}")
     if any(m.backend == "mlx" for m in methods) and importlib.util.find_spec("mlx") is None:
         raise DFlashError("--methods: the MLX methods need mlx and mlx-lm (pip install 'dflash[mlx]'), or leave "
                           "them out of --methods")
@@ -659,7 +675,7 @@ def main(argv=None) -> int:
                 "seed": args.seed, "eos_token_ids": eos, "ignore_eos": args.ignore_eos,
                 "pad_token_id": tokenizer.pad_token_id, "lookup_tokens": args.lookup_tokens,
                 "mlx_draft_tokens": args.mlx_draft_tokens, "warmup": args.warmup,
-                "warmup_ids": prompts[0]["ids"]}
+                "warmup_ids": prompts[0]["ids"], "batch_size": args.batch_size}
     openblas = not args.no_openblas and Path(OPENBLAS).exists()
     print(f"bench: {len(methods)} methods x {len(prompts)} prompts x {args.max_new_tokens} tokens "
           f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}); target {target}",

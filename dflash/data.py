@@ -27,7 +27,9 @@ def parse_args(argv=None):
     r.add_argument("--model", required=True, help="target: local HF directory or hub id")
     r.add_argument("--input", required=True, help="prompts / chats: JSONL file or datasets directory")
     r.add_argument("--output", required=True, help="training JSONL to append to (rerun the same command to resume)")
-    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (batched speculative "
+                   "decoding)")
+    r.add_argument("--draft", help="a DFlash drafter for the target (directory or hub id): same answers, faster")
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--max-new-tokens", type=int, default=2048)
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
                            enable_thinking=args.enable_thinking, max_prompt_tokens=args.max_prompt_tokens,
                            device=args.device, dtype=args.dtype, seed=args.seed,
                            trust_remote_code=args.trust_remote_code, progress=not args.no_progress,
-                           log=lambda m: print(m, file=sys.stderr))
+                           draft=args.draft, log=lambda m: print(m, file=sys.stderr))
         print(json.dumps(stats))
         return 0 if stats["failed"] == 0 else 1
     return cache_features(args)

@@ -69,6 +69,110 @@ class GenerationResult:
         return out
 
 
+class _Row:
+    """One sequence's output policy: EOS (kept), exact max_new_tokens, stop strings, and the text streamed so far
+    (never a partial stop string)."""
+
+    def __init__(self, gen: "Generation"):
+        self.gen = gen
+        self.detok = Detokenizer(gen.tokenizer)
+        self.tokens: list[int] = []
+        self.lengths: list[int] = []
+        self.drafted: list[list[int]] = []
+        self.finish: str | None = None
+        self.emitted = 0
+        self.hold = max((len(s) for s in gen.stop_strings), default=1) - 1  # a stop string may still be forming
+        self.seconds = 0.0
+
+    def add(self, new: list[int]) -> Increment:
+        gen, detok = self.gen, self.detok
+        new, finish = gen._stop_policy(new, len(self.tokens))
+        kept, searched = len(self.tokens), len(detok.text)
+        self.tokens.extend(new)
+        detok.add(new)
+        if finish is not None:
+            detok.flush()
+        if gen.stop_strings:
+            at, end = find_stop(detok.text, gen.stop_strings, searched)
+            if at != -1:
+                self.tokens, finish = gen._tokens_reaching(self.tokens, kept, end), "stop"
+                detok.text = detok.text[:at]
+        visible = len(detok.text) if finish else max(self.emitted, len(detok.text) - self.hold)
+        increment = Increment(self.tokens[kept:], detok.text[self.emitted:visible])
+        self.emitted, self.finish = visible, finish
+        return increment
+
+
+class _Single:
+    """A single-sequence backend (backends/base.py) seen as a batch of one."""
+
+    def __init__(self, backend):
+        self.backend, self.block_size = backend, backend.block_size
+
+    def set_sampling(self, params):
+        self.backend.set_sampling(params)
+
+    def prefill(self, prompts):
+        return [self.backend.prefill(prompts[0])]
+
+    def draft(self, anchors):
+        self.backend.draft(anchors[0])
+
+    def verify(self):
+        drafted, target = self.backend.verify()
+        return [drafted], [target]
+
+    def commit(self, keeps):
+        self.backend.commit(keeps[0])
+
+    def retire(self, rows):
+        pass
+
+
+def _cycles(backend, gens: Sequence["Generation"]) -> Iterator[list[tuple[int, Increment]]]:
+    """THE speculative loop, for a batch of sequences; yields each cycle's (row, Increment) pairs and leaves the
+    results on the Generations. `backend` speaks the batch protocol (BatchBackend in backends/base.py): rows that
+    finish are retired from it, every other row drafts, verifies and commits its own accepted prefix."""
+    rows = [_Row(g) for g in gens]
+    if any(g.sampling != gens[0].sampling for g in gens):
+        raise DFlashError("batch: every row must use the same sampling settings")
+    backend.set_sampling(gens[0].sampling)
+    t0 = time.perf_counter()
+    anchors = backend.prefill([g.prompt_ids for g in gens])
+    t1 = time.perf_counter()
+    active = list(range(len(gens)))
+    news = [[a] for a in anchors]
+    while True:
+        yield [(i, rows[i].add(new)) for i, new in zip(active, news)]
+        done = [j for j, i in enumerate(active) if rows[i].finish is not None]
+        now = time.perf_counter()
+        for j in done:
+            rows[active[j]].seconds = now - t1
+        if done:
+            backend.retire(done)
+            active = [i for i in active if rows[i].finish is None]
+        if not active:
+            break
+
+        # --- one speculative cycle, every active row at once ------------------------------------------------------
+        backend.draft([rows[i].tokens[-1] for i in active])
+        drafted, target = backend.verify()
+        news = []
+        for i, d, t in zip(active, drafted, target):
+            accepted = accepted_length(d, t)
+            rows[i].lengths.append(accepted + 1)
+            if gens[i].trace:
+                rows[i].drafted.append(d)
+            news.append(t[: accepted + 1])
+        backend.commit([len(n) for n in news])
+
+    for g, row in zip(gens, rows):
+        g.result = GenerationResult(
+            tokens=row.tokens, text=row.detok.text if g.tokenizer else "", prompt_tokens=len(g.prompt_ids),
+            finish_reason=row.finish, acceptance_lengths=row.lengths, prefill_seconds=t1 - t0,
+            decode_seconds=row.seconds, block_size=backend.block_size, drafted=row.drafted)
+
+
 class Generation:
     """Iterate for `Increment`s; `.result` holds the `GenerationResult` once the iterator is exhausted."""
 
@@ -92,52 +196,8 @@ class Generation:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[Increment]:
-        backend, detok = self.backend, Detokenizer(self.tokenizer)
-        tokens: list[int] = []
-        lengths: list[int] = []
-        drafted_log: list[list[int]] = []
-
-        backend.set_sampling(self.sampling)
-        t0 = time.perf_counter()
-        anchor = backend.prefill(self.prompt_ids)
-        t1 = time.perf_counter()
-        new = [anchor]
-        hold = max((len(s) for s in self.stop_strings), default=1) - 1  # a stop string may still be forming
-        emitted = 0
-        while True:
-            new, finish = self._stop_policy(new, len(tokens))
-            kept, searched = len(tokens), len(detok.text)
-            tokens.extend(new)
-            detok.add(new)
-            if finish is not None:
-                detok.flush()
-            if self.stop_strings:
-                at, end = find_stop(detok.text, self.stop_strings, searched)
-                if at != -1:
-                    tokens, finish = self._tokens_reaching(tokens, kept, end), "stop"
-                    detok.text = detok.text[:at]
-            visible = len(detok.text) if finish else max(emitted, len(detok.text) - hold)
-            yield Increment(tokens[kept:], detok.text[emitted:visible])
-            emitted = visible
-            if finish is not None:
-                break
-
-            # --- one speculative cycle ------------------------------------------------------------------------
-            backend.draft(tokens[-1])
-            drafted, target = backend.verify()
-            accepted = accepted_length(drafted, target)
-            backend.commit(accepted + 1)
-            lengths.append(accepted + 1)
-            if self.trace:
-                drafted_log.append(drafted)
-            new = target[: accepted + 1]
-
-        t2 = time.perf_counter()
-        text = detok.text if self.tokenizer else ""
-        self.result = GenerationResult(
-            tokens=tokens, text=text, prompt_tokens=len(self.prompt_ids), finish_reason=finish,
-            acceptance_lengths=lengths, prefill_seconds=t1 - t0, decode_seconds=t2 - t1,
-            block_size=backend.block_size, drafted=drafted_log)
+        for cycle in _cycles(_Single(self.backend), [self]):
+            yield cycle[0][1]
 
     def _stop_policy(self, new: list[int], n_done: int) -> tuple[list[int], str | None]:
         """Cut a step's tokens at the first EOS (kept) and at max_new_tokens (exact)."""
@@ -166,3 +226,14 @@ class Generation:
 
 def generate(backend, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
     return Generation(backend, prompt_ids, **kwargs).run()
+
+
+def generate_batch(backend, prompts: Sequence[Sequence[int]], **kwargs) -> list[GenerationResult]:
+    """Several prompts at once through a batched backend (e.g. backends.torch.batched.BatchedTorchBackend); each
+    row accepts its own prefix per cycle and stops on its own, so row i's greedy output is generate()'s for it."""
+    if not prompts:
+        return []
+    gens = [Generation(backend, p, **kwargs) for p in prompts]
+    for _ in _cycles(backend, gens):
+        pass
+    return [g.result for g in gens]

@@ -107,6 +107,37 @@ def test_torch_runners_match_the_baseline(sharp_models):
     assert max(runs["dflash_b8"]["acceptance_lengths"]) <= 8
 
 
+def test_batched_worker_protocol(sharp_models):
+    """--batch-size N: the worker answers {"batch": [...]} with one record per prompt, each equal to batch 1, the
+    batch's wall time split by tokens."""
+    import io
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash.bench_methods import worker
+
+    target, draft, ar = sharp_models
+    tok = AutoTokenizer.from_pretrained(str(target))
+    prompts = [tok(t)["input_ids"] for t in ("class Foo:", "def add(a, b):\n    return", "import os")]
+    threads = torch.get_num_threads()
+    try:
+        single = make_runner(dict(_cfg(target, draft, ar, tok), method="dflash_b16"))
+        want = [single.generate(p, seed=0)["tokens"] for p in prompts]
+        cfg = dict(_cfg(target, draft, ar, tok), method="dflash_b16", batch_size=3, warmup=1, warmup_ids=prompts[0])
+        lines = [json.dumps(cfg), json.dumps({"batch": [{"i": i, "prompt_ids": p, "seed": i}
+                                                        for i, p in enumerate(prompts)]}), json.dumps({"cmd": "exit"})]
+        out = io.StringIO()
+        assert worker(io.StringIO("\n".join(lines) + "\n"), out) == 0
+    finally:
+        torch.set_num_threads(threads)
+    ready, batch, done = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert ready["ready"] and done["done"]
+    recs = batch["records"]
+    assert [r["i"] for r in recs] == [0, 1, 2] and [r["tokens"] for r in recs] == want
+    assert sum(r["seconds"] for r in recs) == pytest.approx(recs[0]["batch_seconds"])
+
+
 def test_mlx_runners_match_the_mlx_baseline(sharp_models):
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
@@ -174,9 +205,11 @@ def test_prompt_sources(tmp_path, tiny_target_dir):
 def test_one_line_errors(capsys):
     from dflash import bench, cli
 
-    assert cli.run(bench.main, ["--batch-size", "2"]) == 2
+    assert cli.run(bench.main, ["--batch-size", "0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --batch-size: got 2; only 1 is supported") and "\n" not in err
+    assert err.startswith("error: --batch-size: got 0, expected >= 1") and "\n" not in err
+    assert cli.run(bench.main, ["--batch-size", "2", "--methods", "assisted"]) == 2
+    assert "method assisted decodes one prompt at a time" in capsys.readouterr().err
     assert cli.run(bench.main, ["--methods", "no_draft,eagle"]) == 2
     assert "--methods: unknown method 'eagle'" in capsys.readouterr().err
     assert [m.name for m in B.resolve_methods("mlx_dflash_b8")] == ["mlx_no_draft", "mlx_dflash_b8"]

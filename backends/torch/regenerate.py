@@ -63,8 +63,11 @@ def output_stats(path: Path) -> dict:
 def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, temperature: float = 0.0,
                top_p: float = 1.0, max_new_tokens: int = 512, enable_thinking: bool | None = None,
                max_prompt_tokens: int | None = None, device: str = "auto", dtype: str = "auto", seed: int = 0,
-               trust_remote_code: bool = False, progress: bool = True, log=print) -> dict:
-    """Answer every prompt of `input_path` with the target, appending to `output_path`; returns the stats."""
+               trust_remote_code: bool = False, progress: bool = True, draft=None, log=print) -> dict:
+    """Answer every prompt of `input_path` with the target, appending to `output_path`; returns the stats.
+
+    Batches go through batched speculative decoding (dflash.loop.generate_batch): with a DFlash `draft` the answers
+    come faster and are still the target's own (greedy: identical; sampled: the target's distribution)."""
     from dflash import hub
     from dflash.api import eos_token_ids, load_tokenizer
     from dflash.io import atomic_write_text, check_output_dir
@@ -102,8 +105,8 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
         raise DFlashError(f"{model_dir}: the tokenizer has no chat_template; regenerate needs the target's template")
     device = resolve_device(device)
     model = load_target(model_dir, resolve_dtype(dtype, device), device, trust_remote_code) if todo else None
+    backend = _batched_backend(model, hub.resolve(draft, "--draft") if draft else None) if todo else None
     eos = sorted(eos_token_ids(model_dir, tokenizer))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     limit = max_prompt_tokens
     if limit is None and model is not None:
         ctx = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -120,7 +123,7 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
         batch = []
 
         def run_batch():
-            rows_out = _answer(model, tokenizer, batch, eos, pad, max_new_tokens, temperature, top_p, seed,
+            rows_out = _answer(backend, tokenizer, batch, eos, max_new_tokens, temperature, top_p, seed,
                                enable_thinking)
             for r in rows_out:
                 _append(out, r)
@@ -158,42 +161,46 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
     return stats
 
 
-@torch.no_grad()
-def _generate(model, prompts: list[list[int]], eos, pad, max_new_tokens, temperature, top_p, seed):
-    """Left-padded batch generation; returns the new tokens of each prompt, cut after the first EOS."""
-    device = model.get_input_embeddings().weight.device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    att = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        att[i, width - len(p):] = 1
-    if temperature > 0:
-        torch.manual_seed(seed)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=max_new_tokens,
-                         eos_token_id=eos or None, pad_token_id=pad, **sampling)
+def _batched_backend(model, draft_dir):
+    from .batched import BatchedTorchBackend
+    from .drafter import load_drafter
+    from .target import LayerCapture, target_info
+
+    if draft_dir is None:
+        return BatchedTorchBackend(model)
+    drafter = load_drafter(draft_dir, dtype=model.dtype, device=model.device)
+    drafter.spec.validate_against(target_info(model), source=str(draft_dir))
+    capture = LayerCapture(model, drafter.spec.target_layer_ids)
+    return BatchedTorchBackend(model, drafter, capture, drafter.spec.block_size)
+
+
+def _generate(backend, prompts: list[list[int]], eos, max_new_tokens, temperature, top_p, seed):
+    """One batch through the speculative loop; returns each prompt's new tokens (EOS cut) and finish reason."""
+    from dflash.loop import generate_batch
+    from dflash.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed if temperature > 0 else None)
+    results = generate_batch(backend, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos)
     answers = []
-    for row in out[:, width:].tolist():
-        cut = next((k for k, t in enumerate(row) if t in eos), None)
-        answers.append((row[:cut], "stop") if cut is not None else (row, "length"))
+    for r in results:
+        ended = r.finish_reason == "stop" and r.tokens and r.tokens[-1] in eos
+        answers.append((r.tokens[:-1] if ended else r.tokens, "stop" if ended else "length", r.acceptance_lengths))
     return answers
 
 
-def _answer(model, tokenizer, batch, eos, pad, max_new_tokens, temperature, top_p, seed, enable_thinking):
+def _answer(backend, tokenizer, batch, eos, max_new_tokens, temperature, top_p, seed, enable_thinking):
     try:
-        answers = _generate(model, [ids for _, _, ids in batch], eos, pad, max_new_tokens, temperature, top_p,
+        answers = _generate(backend, [ids for _, _, ids in batch], eos, max_new_tokens, temperature, top_p,
                             seed + zlib.crc32(batch[0][0].encode()))
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, DFlashError) as e:
         if len(batch) > 1:  # find the row that fails; the others still get answered
-            return [r for item in batch for r in _answer(model, tokenizer, [item], eos, pad, max_new_tokens,
+            return [r for item in batch for r in _answer(backend, tokenizer, [item], eos, max_new_tokens,
                                                          temperature, top_p, seed, enable_thinking)]
         rid = batch[0][0]
         return [{"id": rid, "thinking": bool(enable_thinking), "status": "failed",
                  "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}]
     rows = []
-    for (rid, messages, ids), (tokens, finish) in zip(batch, answers):
+    for (rid, messages, ids), (tokens, finish, cycles) in zip(batch, answers):
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         thinking = bool(enable_thinking) if enable_thinking is not None else "<think>" in text
         rows.append({"id": rid, "messages": messages + [{"role": "assistant", "content": text}],
