@@ -12,7 +12,7 @@ from dflash.sampling import SamplingParams
 from dflash.spec import check_block_size
 
 from ..base import crop_to_cached_prefix
-from .drafter import DFlashDrafter, DraftCache, extend_context
+from .drafter import DFlashDrafter, DraftCache, StaticDraftCache, extend_context, static_draft
 from .rewind import CacheRewind, bounded_layers
 from .sampling import TorchSampler
 from .target import LayerCapture, target_info
@@ -42,6 +42,15 @@ class TorchBackend:
             self.capture = LayerCapture(model, spec.target_layer_ids)
             self.draft_cache = DraftCache(spec, self.dtype, self.device, window=draft_window)
             self._block = torch.full((1, self.block_size), spec.mask_token_id, dtype=torch.long, device=self.device)
+        self._draft_fixed = None
+        if compile and drafter is not None:
+            # the drafter at fixed shapes too: a static context buffer as long as the target's, compiled once
+            if cache_len is None or draft_window is not None:
+                raise DFlashError("compile: the compiled drafter needs cache_len (a static cache) and no draft_window")
+            self.draft_cache = StaticDraftCache(spec, self.dtype, self.device, cache_len + 2 * self.block_size)
+            self._draft_rope = drafter.rope_range(0, self.draft_cache.capacity, self.draft_cache.k)
+            self._draft_fixed = torch.compile(self._draft_proposals, dynamic=False, fullgraph=False,
+                                              mode="reduce-overhead" if self.device.type == "cuda" else None)
         # cache_len: a preallocated StaticCache (fixed addresses, what torch.compile / CUDA graphs want); its crop
         # only moves the write position, and stale entries past it are masked by causality until overwritten
         self.cache_len = cache_len
@@ -85,9 +94,25 @@ class TorchBackend:
             self._verify_ids = torch.tensor([[anchor]], device=self.device)
             return
         block[0, 0] = anchor
-        hidden = self.drafter.step(self.embed(block), self._take_pending(), self.draft_cache)
-        proposals = self.lm_head(hidden[:, 1:]).argmax(dim=-1)
+        if self._draft_fixed is not None:
+            features = self._take_pending()
+            n = features.shape[1]
+            start = self.draft_cache.position
+            if start + n + self.block_size > self.draft_cache.capacity:
+                raise DFlashError(f"context: {start + n + self.block_size} positions exceed the static draft cache "
+                                  f"({self.draft_cache.capacity}); raise cache_len")
+            features = torch.nn.functional.pad(features, (0, 0, 0, self.block_size - n))
+            as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+            proposals = self._draft_fixed(block, features, as_tensor(start), as_tensor(n))
+            self.draft_cache.position += n
+        else:
+            hidden = self.drafter.step(self.embed(block), self._take_pending(), self.draft_cache)
+            proposals = self.lm_head(hidden[:, 1:]).argmax(dim=-1)
         self._verify_ids = torch.cat([block[:, :1], proposals], dim=1)
+
+    def _draft_proposals(self, block, features, start, n):
+        hidden = static_draft(self.drafter, self.embed(block), features, start, n, self.draft_cache, *self._draft_rope)
+        return self.lm_head(hidden[:, 1:]).argmax(dim=-1)
 
     @torch.inference_mode()
     def verify(self) -> tuple[list[int], list[int]]:

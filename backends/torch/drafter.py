@@ -134,6 +134,55 @@ class DFlashDrafter(nn.Module):
         return out
 
 
+class StaticDraftCache:
+    """The drafter's context in one fixed-capacity buffer, for a compiled draft forward with fixed shapes (the CUDA
+    graph path): new context is padded to the block size, written at a device-side offset, and attention spans the
+    whole buffer under a mask. Slot i holds absolute position i; entries past the valid context (a previous block's
+    K/V, padding) are masked until overwritten. No window: capacity bounds the context."""
+
+    def __init__(self, spec: DraftSpec, dtype: torch.dtype, device, capacity: int):
+        shape = (spec.num_hidden_layers, 1, spec.num_key_value_heads, capacity, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.position = 0  # valid context entries = absolute position of the next one (host-side)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def crop(self, position: int) -> bool:
+        self.position = min(self.position, position)
+        return True
+
+    def reset(self) -> None:
+        self.position = 0
+
+
+def static_draft(model: "DFlashDrafter", block: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
+                 n: torch.Tensor, cache: StaticDraftCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One draft forward at fixed shapes (compile it once): `features` (1, B, K*H) holds the n new context
+    positions padded to B, written at slots start..; the embedded block (1, B, H) goes at start + n.., over the
+    padding. `start` and `n` are 0-d device tensors and cos/sin the RoPE table of every slot, so nothing here
+    depends on a host value."""
+    b = block.shape[1]
+    k_cache, v_cache = cache.k, cache.v
+    arange = torch.arange(b, device=block.device)
+    ctx_slots, block_slots = start + arange, start + n + arange
+    slots = torch.cat([ctx_slots, block_slots])
+    rope_kv = (cos[:, :, slots], sin[:, :, slots])
+    rope_q = (rope_kv[0][:, :, b:], rope_kv[1][:, :, b:])
+    mask = (torch.arange(k_cache.shape[3], device=block.device) < start + n + b)[None, None, None]
+
+    def attend(i, q, k, v):
+        k_cache[i].index_copy_(2, ctx_slots, k[:, :, :b])
+        k_cache[i].index_copy_(2, block_slots, k[:, :, b:])  # after the context: it overwrites the padding
+        v_cache[i].index_copy_(2, ctx_slots, v[:, :, :b])
+        v_cache[i].index_copy_(2, block_slots, v[:, :, b:])
+        return F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, enable_gqa=True)
+
+    return model(block, model.project_context(features), rope_q, rope_kv, attend)
+
+
 class DraftCache:
     """Preallocated per-layer K/V of the drafter's context. Grows by doubling; with a window W it keeps only the
     last W context entries (moved to the front when the buffer fills), so memory stays bounded. Positions are
@@ -259,19 +308,31 @@ def save_drafter(model: DFlashDrafter, directory: str | os.PathLike, dtype: torc
     return directory
 
 
-def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftCache) -> None:
+def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftCache | StaticDraftCache) -> None:
     """Append context K/V without drafting (prefill). Context K/V depends only on the features, not on the block
     or on earlier layers' outputs, so a long prompt is absorbed chunk by chunk with projections alone."""
     n = features.shape[1]
     if n == 0:
         return
-    cache.reserve(n)
+    start = cache.position
+    if isinstance(cache, StaticDraftCache):
+        if start + n > cache.capacity:
+            raise DFlashError(f"context: {start + n} positions exceed the static draft cache ({cache.capacity}); "
+                              "raise cache_len")
+    else:
+        cache.reserve(n)
     ctx = model.project_context(features)
     b = ctx.shape[0]
-    cos, sin = model.rope_range(cache.position, n, ctx)
+    cos, sin = model.rope_range(start, n, ctx)
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        k = attn.k_norm(attn.k_proj(ctx).view(b, n, -1, attn.head_dim)).transpose(1, 2)
+        k = rotate(attn.k_norm(attn.k_proj(ctx).view(b, n, -1, attn.head_dim)).transpose(1, 2), cos, sin)
         v = attn.v_proj(ctx).view(b, n, -1, attn.head_dim).transpose(1, 2)
-        cache.write(i, rotate(k, cos, sin), v, 0)
-    cache.advance(n)
+        if isinstance(cache, StaticDraftCache):
+            cache.k[i, :, :, start:start + n], cache.v[i, :, :, start:start + n] = k, v
+        else:
+            cache.write(i, k, v, 0)
+    if isinstance(cache, StaticDraftCache):
+        cache.position += n
+    else:
+        cache.advance(n)
