@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash.backends.torch.drafter import DFlashDrafter, DraftCache, extend_context
-from dflash.backends.torch.training import (block_loss_sum, build_blocks, cosine_lr, dense_mask, dflash_loss,
+from dflash.backends.torch.training import (SplitMask, block_loss_sum, build_blocks, cosine_lr, dense_mask, dflash_loss,
                                             flex_mask, packed_forward, sample_anchors)
 from dflash.spec import DraftSpec
 
@@ -44,7 +44,8 @@ def inference_block(drafter, embed, feats, anchor, block_ids, split: int):
 
 
 @torch.no_grad()
-def test_packed_forward_equals_inference_forward_for_every_block(parts):
+@pytest.mark.parametrize("kind", ["dense", "split"])
+def test_packed_forward_equals_inference_forward_for_every_block(parts, kind):
     spec, drafter, embed, _ = parts
     s = 24
     ids = torch.randint(0, 90, (1, s))
@@ -53,7 +54,8 @@ def test_packed_forward_equals_inference_forward_for_every_block(parts):
     valid = torch.ones_like(anchors, dtype=torch.bool)
     mask = torch.ones(1, s, dtype=torch.bool)
     block_ids, pos, _, _ = build_blocks(ids, mask, anchors, valid, B, MASK, 4.0)
-    packed = packed_forward(drafter, embed, feats, block_ids, pos, dense_mask(anchors, s, B))[0]
+    m = dense_mask(anchors, s, B) if kind == "dense" else SplitMask(anchors, s, B)
+    packed = packed_forward(drafter, embed, feats, block_ids, pos, m)[0]
     for j, a in enumerate(anchors[0].tolist()):
         for split in sorted({0, a // 2, a}):
             ref = inference_block(drafter, embed, feats, a, block_ids[0, j * B:(j + 1) * B], split)
@@ -79,6 +81,26 @@ def test_context_is_strictly_before_the_anchor(parts):
     earlier = feats.clone()
     earlier[:, a - 1] += 5.0
     assert not torch.allclose(out(earlier), base)
+
+
+def test_split_attention_equals_dense_mask_with_gradients():
+    """The CPU training path (context and own block scored separately, one softmax) is the dense rule exactly,
+    for grouped-query heads, padded anchors (0) and blocks running past the sequence end."""
+    from dflash.backends.torch.training import attention_fn
+
+    torch.manual_seed(0)
+    b, h, kvh, d, s, n = 2, 4, 2, 8, 30, 5
+    anchors = torch.tensor([[0, 3, 4, 17, 29], [0, 0, 2, 11, 12]])
+    q = torch.randn(b, h, n * B, d, requires_grad=True)
+    k = torch.randn(b, kvh, s + n * B, d, requires_grad=True)
+    v = torch.randn(b, kvh, s + n * B, d, requires_grad=True)
+    dense = attention_fn(dense_mask(anchors, s, B))(0, q, k, v)
+    split = attention_fn(SplitMask(anchors, s, B))(0, q, k, v)
+    torch.testing.assert_close(split, dense, atol=1e-5, rtol=1e-5)
+    w = torch.randn_like(dense)
+    grads = [torch.autograd.grad((out * w).sum(), (q, k, v)) for out in (dense, split)]
+    for a, b_ in zip(*grads):
+        torch.testing.assert_close(b_, a, atol=1e-5, rtol=1e-5)
 
 
 def test_blocks_do_not_see_each_other():

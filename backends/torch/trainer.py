@@ -73,7 +73,7 @@ class TrainConfig:
     batch_size: int = 1  # sequences per micro-batch per rank
     grad_accum: int = 1  # micro-batches per step; global batch = batch_size * grad_accum * world size
     seed: int = 0
-    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere; bfloat16: autocast on any device
     activation_checkpointing: bool = False
     parallel: str = "ddp"  # ddp | fsdp (only used with more than one process)
     device: str = "auto"
@@ -529,8 +529,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     from .features import OnlineFeatures
 
     features = cache if cache is not None else OnlineFeatures(target, spec.target_layer_ids)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") and \
-        cfg.dtype in ("auto", "bfloat16") else contextlib.nullcontext()
+    # bf16 autocast: the default on CUDA; on CPU when asked (--dtype bfloat16: fast on CPUs with AMX / AVX512-BF16)
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.startswith("cuda"))
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     # --- resume ------------------------------------------------------------------------------------------------------
     step = 0

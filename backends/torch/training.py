@@ -12,6 +12,7 @@ the packed forward of every block equals the inference-time forward for that con
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -96,10 +97,40 @@ def flex_mask(anchors: torch.Tensor, seq_len: int, block_size: int):
                              KV_LEN=seq_len + n * block_size, device=anchors.device)
 
 
+@dataclass(frozen=True)
+class SplitMask:
+    """mask_rule computed in two dense pieces, for devices without FlexAttention: every block against the context
+    (cut at its anchor) and every block against itself. A query scores S + B keys instead of S + N*B."""
+
+    anchors: torch.Tensor  # (b, N)
+    seq_len: int
+    block_size: int
+
+
+def split_attention(q, k, v, mask: SplitMask) -> torch.Tensor:
+    """Softmax over [context keys before the anchor ; the query's own block], as one distribution."""
+    b, h, t, d = q.shape
+    s, bs = mask.seq_len, mask.block_size
+    n = t // bs
+    if k.shape[1] != h:  # grouped-query attention
+        k, v = k.repeat_interleave(h // k.shape[1], 1), v.repeat_interleave(h // v.shape[1], 1)
+    scale = d ** -0.5
+    ctx = (q @ k[:, :, :s].transpose(-1, -2)) * scale  # (b, h, t, S)
+    before = torch.arange(s, device=q.device)[None, None, :] < mask.anchors[:, :, None]  # (b, N, S)
+    ctx = ctx.view(b, h, n, bs, s).masked_fill(~before[:, None, :, None, :], float("-inf"))
+    qb, kb, vb = (x.reshape(b, h, n, bs, d) for x in (q, k[:, :, s:], v[:, :, s:]))
+    own = (qb @ kb.transpose(-1, -2)) * scale  # (b, h, N, B, B): bidirectional inside the block
+    p = torch.softmax(torch.cat([ctx, own], -1).float(), -1).to(v.dtype)
+    out = p[..., :s].reshape(b, h, t, s) @ v[:, :, :s] + (p[..., s:] @ vb).reshape(b, h, t, d)
+    return out
+
+
 def attention_fn(mask):
-    """SDPA with a dense boolean mask, or FlexAttention with a BlockMask."""
+    """SDPA with a dense boolean mask, the split computation, or FlexAttention with a BlockMask."""
     if isinstance(mask, torch.Tensor):
         return lambda i, q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if isinstance(mask, SplitMask):
+        return lambda i, q, k, v: split_attention(q, k, v, mask)
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = _compiled_flex() if mask.kv_indices.is_cuda else flex_attention
@@ -162,7 +193,7 @@ def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, 
     ids, pos, labels, weights = build_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, gamma)
     s = input_ids.shape[1]
     use_flex = features.is_cuda if use_flex is None else use_flex
-    mask = flex_mask(anchors, s, block_size) if use_flex else dense_mask(anchors, s, block_size)
+    mask = flex_mask(anchors, s, block_size) if use_flex else SplitMask(anchors, s, block_size)
     if forward is None:
         hidden = packed_forward(drafter, embed, features, ids, pos, mask)
     else:
