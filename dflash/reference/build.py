@@ -7,8 +7,9 @@
     python -m dflash.reference build --fast --out D   # a tiny end-to-end build in well under a minute (CI)
 
 Everything lands under --out: tokenizer/, target_f32/ (pretrained, float32), pretrain.jsonl (curve),
-train_prompts.jsonl, prompts.jsonl (benchmark, held-out files), answers.jsonl (the target's answers), drafter/
-(training run), assets/target + assets/draft (float16, what ships), build.json (costs, tau, samples).
+train_prompts.jsonl, prompts.jsonl (benchmark, held-out files), answers_{chat,completion}.jsonl (the target's
+answers), drafter/ (training run), assets/target + assets/draft (float16, what ships), build.json (costs, tau,
+samples).
 """
 
 from __future__ import annotations
@@ -36,9 +37,15 @@ class BuildConfig:
     train_prompt_max_chars: int = 400  # prompt + answer stay inside the target's trained context (seq_len)
     benchmark_max_chars: int = 500
     answer_tokens: int = 160  # max new tokens per regenerated answer
+    # the target answers every training prompt twice: as a ChatML user turn, and as plain completion (how
+    # `python -m dflash.generate --prompt` serves it without --chat); the drafter trains on both
+    answer_formats: tuple[str, ...] = ("chat", "completion")
     # TrainConfig overrides (dflash.train)
+    # ~15 min on 2 idle CPU cores (bf16 autocast: 0.75 s/step on AMX), held-out acceptance every 275 steps
     drafter: dict = field(default_factory=lambda: dict(num_layers=3, block_size=16, num_anchors=64, batch_size=4,
-                                                       lr=1e-3, max_steps=300, log_every=10))
+                                                       lr=2e-3, max_steps=1100, dtype="bfloat16", log_every=10,
+                                                       eval_every=275, eval_holdout=16, eval_max_prompts=8,
+                                                       eval_max_new_tokens=96))
     tau_prompts: int = 32
     tau_new_tokens: int = 128
 
@@ -111,9 +118,17 @@ def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False) 
 
     # 4. the target's own answers (greedy), then 5. the drafter
     export_target(out / "target_f32", out / "assets" / "target")
-    report["answers"] = timed("regenerate", regenerate, out / "assets" / "target", train_prompts,
-                              out / "answers.jsonl", cfg.answer_tokens, reuse=reuse)
-    result = timed("drafter", train_drafter, out / "assets" / "target", out / "answers.jsonl", out / "drafter", cfg)
+    report["answers"], samples = {}, []
+    for fmt in cfg.answer_formats:
+        target = out / "assets" / "target" if fmt == "chat" else completion_target(out / "assets" / "target",
+                                                                                  out / "completion_target")
+        path = out / f"answers_{fmt}.jsonl"
+        report["answers"][fmt] = timed(f"regenerate_{fmt}", regenerate, target, train_prompts, path,
+                                       cfg.answer_tokens, reuse=reuse)
+        samples += answer_samples(target, path)
+    report["answers"]["samples"] = len(samples)
+    report["answers"]["supervised_tokens"] = sum(sum(x["loss_mask"]) for x in samples)
+    result = timed("drafter", train_drafter, out / "assets" / "target", samples, out / "drafter", cfg)
     report["drafter"] = {"steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
                          "seconds": round(result.seconds, 1)}
 
@@ -158,14 +173,35 @@ def regenerate(target_dir: Path, prompts: list, path: Path, max_new_tokens: int,
     return stats
 
 
-def train_drafter(target_dir: Path, data: Path, out: Path, cfg: BuildConfig):
-    """`python -m dflash.train`, in process, on the regenerated answers (loss on the assistant tokens only)."""
+COMPLETION_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def completion_target(target_dir: Path, dst: Path) -> Path:
+    """The target with a plain-completion chat template (the prompt as is, no markers), so that `regenerate` and
+    the trainer's tokenisation see exactly what plain `generate --prompt` feeds the target."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(target_dir, dst)
+    (dst / "chat_template.jinja").write_text(COMPLETION_TEMPLATE)
+    return dst
+
+
+def answer_samples(target_dir: Path, path: Path) -> list[dict]:
+    """Tokenised training samples of regenerated answers, rendered with that target directory's template."""
+    from dflash.api import load_tokenizer
+    from dflash.datasets import load_samples
+
+    return load_samples(path, load_tokenizer(target_dir))
+
+
+def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildConfig):
+    """`python -m dflash.train`, in process, on the target's answers (loss on the answer tokens only)."""
     from dflash.backends.torch.trainer import TrainConfig, train
 
     if out.exists():
         shutil.rmtree(out)  # no resuming from an older build's checkpoints
-    tc = TrainConfig(target=str(target_dir), data=str(data), out=str(out), seed=cfg.seed, dtype="float32",
-                     device="cpu", save_every=0, plot=True, progress=False, resume=False, **cfg.drafter)
+    tc = TrainConfig(target=str(target_dir), samples=samples, out=str(out), seed=cfg.seed, device="cpu", save_every=0,
+                     plot=True, progress=False, resume=False, **(dict(dtype="float32") | cfg.drafter))
     return train(tc)
 
 
