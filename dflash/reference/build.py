@@ -279,8 +279,15 @@ def main(argv=None) -> int:
     p.add_argument("--reuse", action="store_true",
                    help="keep the pretrained target and the answers already in --out when their inputs match "
                         "(reruns only the drafter, export and measurement)")
+    p.add_argument("--drafter-steps", type=int, help="train the drafter for this many steps (default: the "
+                   "bundled pair's 1100; evaluated 4 times)")
     args = p.parse_args(argv)
     cfg = BuildConfig.fast() if args.fast else BuildConfig()
+    if args.drafter_steps is not None:
+        if args.drafter_steps < 1:
+            raise DFlashError(f"--drafter-steps: got {args.drafter_steps}, expected >= 1")
+        cfg.drafter = dict(cfg.drafter, max_steps=args.drafter_steps,
+                           eval_every=max(1, args.drafter_steps // 4))
     build(args.out, cfg, reuse=args.reuse)
     if args.install:
         install(Path(args.out))
