@@ -97,14 +97,11 @@ class TorchBackend:
         if self._draft_fixed is not None:
             features = self._take_pending()
             n = features.shape[1]
-            start = self.draft_cache.position
-            if start + n + self.block_size > self.draft_cache.capacity:
-                raise DFlashError(f"context: {start + n + self.block_size} positions exceed the static draft cache "
-                                  f"({self.draft_cache.capacity}); raise cache_len")
+            self.draft_cache.reserve(n + self.block_size)
             features = torch.nn.functional.pad(features, (0, 0, 0, self.block_size - n))
             as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-            proposals = self._draft_fixed(block, features, as_tensor(start), as_tensor(n))
-            self.draft_cache.position += n
+            proposals = self._draft_fixed(block, features, as_tensor(self.draft_cache.position), as_tensor(n))
+            self.draft_cache.advance(n)
         else:
             hidden = self.drafter.step(self.embed(block), self._take_pending(), self.draft_cache)
             proposals = self.lm_head(hidden[:, 1:]).argmax(dim=-1)

@@ -150,6 +150,20 @@ class StaticDraftCache:
     def capacity(self) -> int:
         return self.k.shape[3]
 
+    def reserve(self, n: int) -> None:
+        if self.position + n > self.capacity:
+            raise DFlashError(f"context: {self.position + n} positions exceed the static draft cache "
+                              f"({self.capacity}); raise cache_len")
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, block: int) -> None:
+        """Store context K/V at the next positions (prefill; drafting writes inside static_draft)."""
+        end = self.position + k.shape[2]
+        self.k[layer, :, :, self.position:end] = k
+        self.v[layer, :, :, self.position:end] = v
+
+    def advance(self, n: int) -> None:
+        self.position += n
+
     def crop(self, position: int) -> bool:
         self.position = min(self.position, position)
         return True
@@ -314,25 +328,13 @@ def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftCac
     n = features.shape[1]
     if n == 0:
         return
-    start = cache.position
-    if isinstance(cache, StaticDraftCache):
-        if start + n > cache.capacity:
-            raise DFlashError(f"context: {start + n} positions exceed the static draft cache ({cache.capacity}); "
-                              "raise cache_len")
-    else:
-        cache.reserve(n)
+    cache.reserve(n)
     ctx = model.project_context(features)
     b = ctx.shape[0]
-    cos, sin = model.rope_range(start, n, ctx)
+    cos, sin = model.rope_range(cache.position, n, ctx)
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        k = rotate(attn.k_norm(attn.k_proj(ctx).view(b, n, -1, attn.head_dim)).transpose(1, 2), cos, sin)
+        k = attn.k_norm(attn.k_proj(ctx).view(b, n, -1, attn.head_dim)).transpose(1, 2)
         v = attn.v_proj(ctx).view(b, n, -1, attn.head_dim).transpose(1, 2)
-        if isinstance(cache, StaticDraftCache):
-            cache.k[i, :, :, start:start + n], cache.v[i, :, :, start:start + n] = k, v
-        else:
-            cache.write(i, k, v, 0)
-    if isinstance(cache, StaticDraftCache):
-        cache.position += n
-    else:
-        cache.advance(n)
+        cache.write(i, rotate(k, cos, sin), v, 0)
+    cache.advance(n)
