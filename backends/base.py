@@ -63,15 +63,20 @@ class BatchBackend(Protocol):
     def retire(self, rows: Sequence[int]) -> None: ...
 
 
-def crop_to_cached_prefix(backend, prompt_ids: Sequence[int], max_context: int | None) -> int:
-    """Shared start of every backend's prefill: check that the prompt fits the target's context, crop the caches to
-    the longest cached prefix of the prompt (keeping at least one token, whose logits give the first new token) and
-    return the index prefill must start from (lower than the prefix when a window forced a fresh start)."""
+def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
+    """One line when a prompt leaves no room in the target's context for a new token."""
     from dflash.errors import DFlashError
 
     if max_context and len(prompt_ids) >= max_context:
         raise DFlashError(f"prompt: {len(prompt_ids)} tokens do not fit the target's context "
                           f"(max_position_embeddings {max_context})")
+
+
+def crop_to_cached_prefix(backend, prompt_ids: Sequence[int], max_context: int | None) -> int:
+    """Shared start of every backend's prefill: check that the prompt fits the target's context, crop the caches to
+    the longest cached prefix of the prompt (keeping at least one token, whose logits give the first new token) and
+    return the index prefill must start from (lower than the prefix when a window forced a fresh start)."""
+    check_fits(prompt_ids, max_context)
     reuse = 0
     for a, b in zip(backend.cached_tokens, prompt_ids[:-1]):
         if a != b:

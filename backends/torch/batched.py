@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from dflash.errors import DFlashError
 from dflash.sampling import SamplingParams
 
+from ..base import check_fits
 from .rewind import bounded_layers
 from .sampling import TorchSampler
 
@@ -96,12 +97,8 @@ class BatchedTorchBackend:
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> list[int]:
-        for p in prompts:
-            if len(p) == 0:
-                raise DFlashError("prompt: empty; expected at least one token")
-            if self.max_context and len(p) >= self.max_context:
-                raise DFlashError(f"prompt: {len(p)} tokens do not fit the target's context "
-                                  f"(max_position_embeddings {self.max_context})")
+        for p in prompts:  # (empty prompts are refused by dflash.loop before any backend call)
+            check_fits(p, self.max_context)
         n, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(n, width, dtype=torch.long)
         valid = torch.zeros(n, width, dtype=torch.bool)

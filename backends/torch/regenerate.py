@@ -162,16 +162,17 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
 
 
 def _batched_backend(model, draft_dir):
+    """The batched loop over the loaded target, with the drafter (validated and hooked by TorchBackend) if any."""
+    from .backend import TorchBackend
     from .batched import BatchedTorchBackend
     from .drafter import load_drafter
-    from .target import LayerCapture, target_info
+    from .target import target_info
 
-    if draft_dir is None:
-        return BatchedTorchBackend(model)
-    drafter = load_drafter(draft_dir, dtype=model.dtype, device=model.device)
-    drafter.spec.validate_against(target_info(model), source=str(draft_dir))
-    capture = LayerCapture(model, drafter.spec.target_layer_ids)
-    return BatchedTorchBackend(model, drafter, capture, drafter.spec.block_size)
+    drafter = None
+    if draft_dir is not None:
+        drafter = load_drafter(draft_dir, dtype=model.dtype, device=model.device)
+        drafter.spec.validate_against(target_info(model), source=str(draft_dir))  # errors name the drafter
+    return BatchedTorchBackend.from_backend(TorchBackend(model, drafter))
 
 
 def _generate(backend, prompts: list[list[int]], eos, max_new_tokens, temperature, top_p, seed):
