@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 
 from dflash.errors import DFlashError
+from dflash.io import read_json_config
 from dflash.spec import WEIGHTS_NAME, DraftSpec
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -119,14 +120,7 @@ def check_target_dir(directory: str | os.PathLike) -> dict:
     are refused. Returns the config."""
     directory = Path(directory)
     path = directory / "config.json"
-    if not path.is_file():
-        raise DFlashError(f"{path}: missing; a target model directory needs config.json and *.safetensors weights")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DFlashError(f"{path}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise DFlashError(f"{path}: cannot read ({e.strerror})") from None
+    cfg = read_json_config(path, "a target model directory needs config.json and *.safetensors weights")
     if not isinstance(cfg, dict):
         raise DFlashError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     if (directory / WEIGHTS_NAME).is_file() or (directory / INDEX_NAME).is_file():

@@ -1,14 +1,29 @@
-"""Atomic file writes: a reader never sees a half-written checkpoint, log or JSONL file."""
+"""Atomic file writes (a reader never sees a half-written checkpoint, log or JSONL file), and config reads that fail
+with one line."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from .errors import DFlashError
+
+
+def read_json_config(path: Path, missing: str):
+    """A config.json's parsed content; one line naming the file when it is missing (`missing` says what the
+    directory needs), unreadable or not JSON."""
+    if not path.is_file():
+        raise DFlashError(f"{path}: missing; {missing}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise DFlashError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def check_output_dir(directory: str | os.PathLike, flag: str = "--out", output: str | os.PathLike | None = None) \

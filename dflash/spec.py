@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DFlashError
+from .io import read_json_config
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_NAME = "config.json"
@@ -202,12 +203,7 @@ class DraftSpec:
         if not directory.is_dir():
             raise DFlashError(f"{directory}: draft directory does not exist")
         path = directory / CONFIG_NAME
-        if not path.is_file():
-            raise DFlashError(f"{path}: missing; a DFlash drafter directory needs config.json and model.safetensors")
-        try:
-            cfg = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DFlashError(f"{path}: not valid JSON ({e})") from None
+        cfg = read_json_config(path, "a DFlash drafter directory needs config.json and model.safetensors")
         return cls.from_dict(cfg, source=str(path))
 
     def save(self, directory: str | os.PathLike) -> None:
