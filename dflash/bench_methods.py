@@ -107,8 +107,10 @@ class DFlashRunner:
         sampling = SamplingParams(temperature=self.cfg["temperature"], seed=seed)
         t0 = time.perf_counter()
         r = self.pipe.generate(ids, max_new_tokens=self.cfg["max_new_tokens"], sampling=sampling)
-        wall = time.perf_counter() - t0
-        return {"tokens": r.tokens, "seconds": wall, "prefill_seconds": r.prefill_seconds,
+        return self._record(r, time.perf_counter() - t0)
+
+    def _record(self, r, seconds: float) -> dict:
+        return {"tokens": r.tokens, "seconds": seconds, "prefill_seconds": r.prefill_seconds,
                 "decode_seconds": r.decode_seconds, "decode_tokens": max(len(r.tokens) - 1, 0),
                 "acceptance_lengths": r.acceptance_lengths if self.method.speculative else None}
 
@@ -122,10 +124,7 @@ class DFlashRunner:
         results = self.pipe.generate_batch(prompts, max_new_tokens=self.cfg["max_new_tokens"], sampling=sampling)
         wall = time.perf_counter() - t0
         total = sum(len(r.tokens) for r in results) or 1
-        return [{"tokens": r.tokens, "seconds": wall * len(r.tokens) / total, "batch_seconds": wall,
-                 "prefill_seconds": r.prefill_seconds, "decode_seconds": r.decode_seconds,
-                 "decode_tokens": max(len(r.tokens) - 1, 0),
-                 "acceptance_lengths": r.acceptance_lengths if self.method.speculative else None} for r in results]
+        return [dict(self._record(r, wall * len(r.tokens) / total), batch_seconds=wall) for r in results]
 
 
 class _TimingStreamer:
