@@ -1,86 +1,58 @@
-"""The protocol the core loop talks to. A backend owns arrays, models and caches; the loop owns policy.
+"""The array primitives a backend gives the engine (dflash/engine.py). Policy (what to commit, when to stop, prefix
+reuse, per-row bookkeeping) lives in the core; a backend owns models, caches and arrays, nothing else.
 
-One cycle, for block size B, with n positions in the target cache; the anchor is the last committed token, not
-yet fed to the target, so it sits at position n:
-
-    draft(anchor)  -> the drafter proposes B-1 tokens for positions n+1 .. n+B-1 from the target features of
-                      every position before the anchor (new ones are appended to its context cache)
-    verify()       -> the target reads [anchor, proposals] at positions n .. n+B-1 in one forward and draws its
-                      own token at each of the B positions (argmax, or a sample from its processed distribution);
-                      returns (proposals, target tokens) as host lists: the cycle's only device->host read
-    commit(k)      -> keep the first k verified positions (k = accepted + 1): crop the target cache to n+k and
-                      keep their target features as the drafter's next context
-
-A backend without a drafter (the autoregressive baseline) proposes nothing: B = 1, verify is one target step.
+A backend package exposes `load(target_dir, draft_dir, **options) -> Engine`, an Engine built over a Target and,
+with a drafter, a Drafter. Arrays are the framework's own (torch.Tensor, mx.array) and stay on the device; the
+engine reads back to the host once per cycle, through `to_host`.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+from dflash.engine import Draft, Pending
 from dflash.sampling import SamplingParams
+from dflash.spec import TargetInfo
 
 
-class Backend(Protocol):
-    name: str
-    block_size: int  # 1 when there is no drafter
+class Target(Protocol):
+    info: TargetInfo
+    max_context: int | None
 
+    # arrays
+    def ids(self, rows: Sequence[Sequence[int]]): ...                       # host ids (rows, T) -> device
+    def cat(self, parts: list): ...                                         # along the sequence axis
+    def head(self, features, n: int): ...                                   # the first n positions
+    def take_rows(self, features, rows: list[int]): ...
+    def pad_rows(self, features, n: int): ...                               # n more rows of zeros
+    def to_host(self, x) -> list[list[int]]: ...
+    def settle(self, drafter=None, *arrays) -> None: ...                    # evaluate lazy state (MLX)
+
+    # sampling: the target's token at each position, as target-only decoding would draw it
     def set_sampling(self, params: SamplingParams) -> None: ...
+    def sample(self, logits, histories: list[list[int]], block): ...       # (rows, T, V) -> (rows, T)
 
-    def prefill(self, prompt_ids: Sequence[int]) -> int:
-        """Feed the prompt (reusing the cached common prefix) and return the target's first token."""
+    # the model and its cache
+    def forward(self, ids, last_only: bool) -> tuple: ...                  # append ids -> (logits, features)
+    def keep(self, keeps: list[int], width: int) -> bool: ...              # keep row i's first keeps[i] of the last forward
+    def trim(self, n: int) -> bool: ...                                    # one row: forget the last n; False if impossible
+    def reset(self) -> None: ...
+    def close(self) -> None: ...
 
-    def draft(self, anchor: int) -> None: ...
-
-    def verify(self) -> tuple[list[int], list[int]]: ...
-
-    def commit(self, keep: int) -> None: ...
-
-    def crop(self, length: int) -> None:
-        """Forget every cached position from `length` on (target and drafter)."""
-
-    @property
-    def cached_tokens(self) -> list[int]:
-        """Token ids whose target K/V is cached, in order (the prefix a later prefill may reuse)."""
+    # rows
+    def check_batchable(self) -> None: ...                                 # one line if rows cannot share this cache
+    def spawn(self) -> "Target": ...                                       # same model, empty cache (a joining row)
+    def merge(self, other: "Target") -> None: ...                          # append other's rows
+    def select(self, rows: list[int]) -> None: ...                         # keep only these rows
 
 
-class BatchBackend(Protocol):
-    """The same cycle for a batch of sequences (dflash.loop.generate_batch). Every list holds one entry per active
-    row, in order; `retire` drops finished rows (by index into the active rows) so they cost nothing more."""
+class Drafter(Protocol):
+    position: int  # row 0's context length (= its anchor's position)
 
-    block_size: int
-
-    def set_sampling(self, params: SamplingParams) -> None: ...
-
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> list[int]: ...
-
-    def draft(self, anchors: Sequence[int]) -> None: ...
-
-    def verify(self) -> tuple[list[list[int]], list[list[int]]]: ...
-
-    def commit(self, keeps: Sequence[int]) -> None: ...
-
-    def retire(self, rows: Sequence[int]) -> None: ...
-
-
-def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
-    """One line when a prompt leaves no room in the target's context for a new token."""
-    from dflash.errors import DFlashError
-
-    if max_context and len(prompt_ids) >= max_context:
-        raise DFlashError(f"prompt: {len(prompt_ids)} tokens do not fit the target's context "
-                          f"(max_position_embeddings {max_context})")
-
-
-def crop_to_cached_prefix(backend, prompt_ids: Sequence[int], max_context: int | None) -> int:
-    """Shared start of every backend's prefill: check that the prompt fits the target's context, crop the caches to
-    the longest cached prefix of the prompt (keeping at least one token, whose logits give the first new token) and
-    return the index prefill must start from (lower than the prefix when a window forced a fresh start)."""
-    check_fits(prompt_ids, max_context)
-    reuse = 0
-    for a, b in zip(backend.cached_tokens, prompt_ids[:-1]):
-        if a != b:
-            break
-        reuse += 1
-    backend.crop(reuse)
-    return len(backend.cached_tokens)
+    def extend(self, pending: Pending | None) -> None: ...                 # absorb context without drafting (prefill)
+    def propose(self, anchor_ids, pending: Pending | None, block_size: int, top_k: int = 0) -> Draft: ...
+    def crop(self, position: int) -> bool: ...
+    def reset(self) -> None: ...
+    def spawn(self) -> "Drafter": ...
+    def merge(self, other: "Drafter") -> None: ...
+    def select(self, rows: list[int]) -> None: ...

@@ -9,7 +9,7 @@ from pathlib import Path
 from dflash.errors import DFlashError
 from dflash.spec import DraftSpec, TargetInfo
 
-from .checkpoint import INDEX_NAME, read_header, validate_weights
+from dflash.checkpoint import INDEX_NAME, read_header, validate_weights
 
 
 def _read_json(path: Path) -> dict:

@@ -13,7 +13,7 @@ from dflash.errors import DFlashError
 from dflash.io import atomic_directory, check_output_dir
 from dflash.spec import WEIGHTS_NAME, DraftSpec
 
-from .checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, common_prefix, weight_files
+from dflash.checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, common_prefix, weight_files
 from .tensors import DTYPE_NAMES, convert, read_tensors, write_tensors
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from dflash.errors import DFlashError
 from dflash.spec import WEIGHTS_NAME, DraftSpec
 
-from .checkpoint import expected_shapes, validate_weights
+from dflash.checkpoint import expected_shapes, quantized_shapes, validate_weights
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -24,26 +24,6 @@ def check_params(bits: int, group_size: int, source: str = "--bits") -> None:
         raise DFlashError(f"{source}: got {bits}, expected one of {', '.join(map(str, BITS))}")
     if group_size not in GROUP_SIZES:
         raise DFlashError(f"--group-size: got {group_size}, expected one of {', '.join(map(str, GROUP_SIZES))}")
-
-
-def quantized_shapes(spec: DraftSpec, quant, found: dict, source: str) -> dict[str, tuple[int, ...]]:
-    """Expected tensor shapes of a quantized drafter: a Linear is quantized exactly when its scales are present."""
-    if not isinstance(quant, dict) or not isinstance(quant.get("bits"), int) or \
-            not isinstance(quant.get("group_size"), int):
-        raise DFlashError(f"{source}: field 'quantization' must be an object with integer bits and group_size")
-    if quant.get("mode", "affine") != "affine":
-        raise DFlashError(f"{source}: quantization mode {quant.get('mode')!r} is not supported, expected 'affine'")
-    bits, group = quant["bits"], quant["group_size"]
-    want = {}
-    for name, (out, *rest) in expected_shapes(spec).items():
-        prefix = name[: -len(".weight")]
-        if rest and name.endswith(".weight") and f"{prefix}.scales" in found:
-            (inp,) = rest
-            want[name] = (out, inp * bits // 32)
-            want[f"{prefix}.scales"] = want[f"{prefix}.biases"] = (out, inp // group)
-        else:
-            want[name] = (out, *rest)
-    return want
 
 
 def quantize_drafter(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, bits: int = 4,

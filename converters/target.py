@@ -24,7 +24,7 @@ def target_to_mlx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, quan
         check_params(bits, group_size)
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise DFlashError(f"--dtype: got {dtype!r}, expected float32, bfloat16 or float16")
-    from .checkpoint import check_target_dir
+    from dflash.checkpoint import check_target_dir
     from .draft import check_out
 
     check_target_dir(model_dir)  # before mlx-lm reads it: broken config or truncated weights get one line

@@ -7,15 +7,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from . import hub
+from . import backends, hub
+from .checkpoint import check_target_dir
 from .errors import DFlashError
 from .loop import Generation, GenerationResult, Increment, generate_batch
 from .sampling import SamplingParams
+from .spec import DraftSpec
+from .tokenizer import chat_ids, eos_token_ids, load_tokenizer
 
 
 class Pipeline:
@@ -25,7 +27,6 @@ class Pipeline:
         self.backend, self.tokenizer = backend, tokenizer
         self.target_dir, self.draft_dir, self.backend_name = target_dir, draft_dir, backend_name
         self.eos_token_ids = eos_token_ids(target_dir, tokenizer)
-        self._batched = None
 
     def encode(self, prompt: str | Sequence[int], chat: bool = False, system: str | None = None,
                enable_thinking: bool | None = None) -> list[int]:
@@ -51,16 +52,13 @@ class Pipeline:
                        sampling: SamplingParams | None = None, stop: Sequence[str] = (), trace: bool = False,
                        **sampling_kwargs) -> list[GenerationResult]:
         """All prompts in one batch (PyTorch backend): every cycle drafts and verifies all unfinished rows at once,
-        each row accepting its own prefix; greedy row i equals generate(prompts[i])."""
+        each row accepting its own prefix; greedy row i equals generate(prompts[i]). The engine's caches then hold
+        the batch, so the next single prompt is prefilled from scratch."""
         if self.backend_name != "torch":
             raise DFlashError(f"--batch-size: batched decoding runs on the torch backend, not {self.backend_name}; "
                               "use --backend torch or --batch-size 1")
-        if self._batched is None:
-            from dflash.backends.torch.batched import BatchedTorchBackend
-
-            self._batched = BatchedTorchBackend.from_backend(self.backend)
         sampling = sampling or SamplingParams(**sampling_kwargs)
-        return generate_batch(self._batched, [self.encode(p, chat=chat) for p in prompts], tokenizer=self.tokenizer,
+        return generate_batch(self.backend, [self.encode(p, chat=chat) for p in prompts], tokenizer=self.tokenizer,
                               max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=self.eos_token_ids,
                               stop_strings=stop, trace=trace)
 
@@ -68,12 +66,6 @@ class Pipeline:
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *, backend: str = "auto",
          no_draft: bool = False, dtype: str = "auto", device: str = "auto", block_size: int | None = None,
          draft_window: int | None = None, trust_remote_code: bool = False) -> Pipeline:
-    from dflash import backends
-
-    from dflash.converters.checkpoint import check_target_dir
-
-    from .spec import DraftSpec
-
     name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load
     if model is None:
         from .reference import reference_dirs
@@ -82,8 +74,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         draft = draft if draft is not None else default_draft
     else:
         pair = hub.pair_for(str(model))  # refuse a known-unsupported family before downloading it
-        if pair is not None and not no_draft and backends.pick(backend) not in pair.backends:
-            raise DFlashError(f"--model: {pair.target} is not supported by the {backends.pick(backend)} backend "
+        if pair is not None and not no_draft and name not in pair.backends:
+            raise DFlashError(f"--model: {pair.target} is not supported by the {name} backend "
                               f"for speculative decoding ({pair.note or 'see python -m dflash.models'}); "
                               "--no-draft runs it without a drafter")
         target_dir = hub.resolve(model, "--model")
@@ -93,60 +85,19 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
                 raise DFlashError(f"--draft: no known DFlash drafter for {model}; pass --draft DIR_OR_ID "
                                   "(or --no-draft for plain decoding)")
     draft_dir = None if no_draft else hub.resolve(draft, "--draft")
-    check_target_dir(target_dir)  # config.json and safetensors headers, before any framework reads them
-    if draft_dir is not None:
-        DraftSpec.load(draft_dir)  # the drafter's config.json, before any framework is imported
+    # every check once, here, before any framework reads a file: config.json and safetensors headers of the target,
+    # the drafter's config.json; the backend then only checks what needs the loaded model (spec vs target)
+    target_config = check_target_dir(target_dir)
+    spec = DraftSpec.load(draft_dir) if draft_dir is not None else None
     package = backends.get(name)  # one line if its library is missing
     tokenizer = load_tokenizer(target_dir, trust_remote_code)
     be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
-                      draft_window=draft_window, trust_remote_code=trust_remote_code)
+                      draft_window=draft_window, trust_remote_code=trust_remote_code, spec=spec,
+                      target_config=target_config)
     if len(tokenizer) > be.info.vocab_size:
         raise DFlashError(f"{target_dir}: the tokenizer has {len(tokenizer)} tokens but the target's embedding table "
                           f"has {be.info.vocab_size} rows (a tokenizer of another model?)")
     return Pipeline(be, tokenizer, Path(target_dir), draft_dir, name)
-
-
-def load_tokenizer(target_dir, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    if not any((Path(target_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                           "tokenizer.model", "vocab.json")):
-        raise DFlashError(f"{target_dir}: no tokenizer files (expected tokenizer.json or tokenizer_config.json)")
-    try:
-        return AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DFlashError(f"{target_dir}: cannot load the tokenizer ({first})") from None
-
-
-def eos_token_ids(target_dir, tokenizer) -> set[int]:
-    """Every EOS id the tokenizer, config.json and generation_config.json name."""
-    ids: set[int] = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    for name in ("generation_config.json", "config.json"):
-        path = Path(target_dir) / name
-        if path.is_file():
-            try:
-                value = json.loads(path.read_text()).get("eos_token_id")
-            except (json.JSONDecodeError, AttributeError):
-                continue
-            ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
-    return ids
-
-
-def chat_ids(tokenizer, messages: list[dict], system: str | None = None, enable_thinking: bool | None = None,
-             add_generation_prompt: bool = True) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise DFlashError("--chat: this tokenizer has no chat template; drop --chat for plain completion")
-    if system:
-        messages = [{"role": "system", "content": system}] + list(messages)
-    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        **kwargs)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 __all__ = ["Pipeline", "load", "Increment", "GenerationResult", "SamplingParams"]

@@ -1,7 +1,7 @@
 """The one speculative loop: prefill -> (draft -> verify -> commit)* -> stop. Every backend runs this code.
 
-Policy lives here (what to commit, when to stop, what to count); arrays and caches live in the backend
-(see backends/base.py for the protocol).
+Policy lives here (what to commit, when to stop, what to count); the engine (dflash/engine.py) keeps the per-row
+state over the backend's array primitives (backends/base.py).
 """
 
 from __future__ import annotations
@@ -103,36 +103,10 @@ class _Row:
         return increment
 
 
-class _Single:
-    """A single-sequence backend (backends/base.py) seen as a batch of one."""
-
-    def __init__(self, backend):
-        self.backend, self.block_size = backend, backend.block_size
-
-    def set_sampling(self, params):
-        self.backend.set_sampling(params)
-
-    def prefill(self, prompts):
-        return [self.backend.prefill(prompts[0])]
-
-    def draft(self, anchors):
-        self.backend.draft(anchors[0])
-
-    def verify(self):
-        drafted, target = self.backend.verify()
-        return [drafted], [target]
-
-    def commit(self, keeps):
-        self.backend.commit(keeps[0])
-
-    def retire(self, rows):
-        pass
-
-
 def _cycles(backend, gens: Sequence["Generation"]) -> Iterator[list[tuple[int, Increment]]]:
     """THE speculative loop, for a batch of sequences; yields each cycle's (row, Increment) pairs and leaves the
-    results on the Generations. `backend` speaks the batch protocol (BatchBackend in backends/base.py): rows that
-    finish are retired from it, every other row drafts, verifies and commits its own accepted prefix."""
+    results on the Generations. `backend` is a dflash.engine.Engine (one row or many): rows that finish are retired
+    from it, every other row drafts, verifies and commits its own accepted prefix."""
     rows = [_Row(g) for g in gens]
     if any(g.sampling != gens[0].sampling for g in gens):
         raise DFlashError("batch: every row must use the same sampling settings")
@@ -196,7 +170,7 @@ class Generation:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[Increment]:
-        for cycle in _cycles(_Single(self.backend), [self]):
+        for cycle in _cycles(self.backend, [self]):
             yield cycle[0][1]
 
     def _stop_policy(self, new: list[int], n_done: int) -> tuple[list[int], str | None]:
@@ -229,8 +203,8 @@ def generate(backend, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
 
 
 def generate_batch(backend, prompts: Sequence[Sequence[int]], **kwargs) -> list[GenerationResult]:
-    """Several prompts at once through a batched backend (e.g. backends.torch.batched.BatchedTorchBackend); each
-    row accepts its own prefix per cycle and stops on its own, so row i's greedy output is generate()'s for it."""
+    """Several prompts at once through one engine (PyTorch); each row accepts its own prefix per cycle and stops on
+    its own, so row i's greedy output is generate()'s for it."""
     if not prompts:
         return []
     gens = [Generation(backend, p, **kwargs) for p in prompts]

@@ -6,7 +6,7 @@ import struct
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash.converters.checkpoint import read_header, validate_weights
+from dflash.checkpoint import read_header, validate_weights
 from dflash.errors import DFlashError
 from dflash.spec import DraftSpec
 

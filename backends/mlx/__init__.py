@@ -7,24 +7,24 @@ from __future__ import annotations
 
 
 def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto", block_size: int | None = None,
-         draft_window: int | None = None, trust_remote_code: bool = False, prefill_chunk: int = 2048):
+         draft_window: int | None = None, trust_remote_code: bool = False, prefill_chunk: int = 2048, spec=None,
+         target_config: dict | None = None):
     import mlx.core as mx
 
     from dflash.spec import DraftSpec
 
     from .backend import MLXBackend
     from .drafter import load_drafter
-    from .target import load_target, resolve_device, resolve_dtype, target_info
+    from .target import load_target, resolve_device, resolve_dtype
 
     device = resolve_device(device)
     mx.set_default_device(device)
     mx_dtype = resolve_dtype(dtype, device)
     drafter = None
     if draft_dir is not None:
-        spec = DraftSpec.load(draft_dir)  # config errors before the (slow) target load
-    model, config = load_target(target_dir, mx_dtype, trust_remote_code=trust_remote_code)
+        spec = spec or DraftSpec.load(draft_dir)  # config errors before the (slow) target load
+    model, config = load_target(target_dir, mx_dtype, trust_remote_code=trust_remote_code, checked=target_config)
     if draft_dir is not None:
-        spec.validate_against(target_info(model, config), source=str(draft_dir))
         # the drafter computes in the dtype the target's embeddings come out in
         dtype_out = model_dtype(model)
         drafter = load_drafter(draft_dir, dtype=dtype_out, spec=spec)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from dflash.converters.checkpoint import validate_weights
+from dflash.checkpoint import validate_weights
 from dflash.errors import DFlashError
 from dflash.spec import DraftSpec
 
@@ -39,14 +39,14 @@ class DraftAttention(nn.Module):
         v = self.v_proj(ctx).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return rope(k, offset=offset), v
 
-    def __call__(self, x, ctx, rope, start: int, cache: "DraftCache", layer: int) -> mx.array:
+    def __call__(self, x, ctx, rope, start: int, cache, layer: int, counts: list[int]) -> mx.array:
         b, t, _ = x.shape
         n = ctx.shape[1]
         # keys/values: context first, then the block, at contiguous absolute positions start..start+n+t-1
         k, v = self.context_kv(mx.concatenate([ctx, x], axis=1), rope, start)
         q = self.q_norm(self.q_proj(x).reshape(b, t, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = rope(q, offset=start + n)
-        k, v, mask = cache.write(layer, k, v, t)  # mask: None (not causal, no sliding window) or boolean
+        k, v, mask = cache.write(layer, k, v, counts, t)  # mask: None (not causal, no sliding window) or boolean
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
@@ -70,8 +70,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
 
-    def __call__(self, x, ctx, rope, start, cache, layer):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, start, cache, layer)
+    def __call__(self, x, ctx, rope, start, cache, layer, counts):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, start, cache, layer, counts)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -90,117 +90,6 @@ class DFlashDrafter(nn.Module):
 
     def project_context(self, features: mx.array) -> mx.array:
         return self.hidden_norm(self.fc(features))
-
-    def step(self, block: mx.array, features: mx.array, cache: "DraftCache") -> mx.array:
-        """One draft forward: append `features` (b, n, K*H) of the next n context positions to the cache, run the
-        embedded block (b, B, H) that follows them, and return its final-normed states. The block's K/V is written
-        past the cache end and forgotten."""
-        n, bsz = features.shape[1], block.shape[1]
-        start = cache.position
-        cache.reserve(n + bsz)
-        # (quantized matmuls must not see an empty input: no new context, no projection)
-        ctx = self.project_context(features) if n else mx.zeros((block.shape[0], 0, block.shape[2]), block.dtype)
-        x = block
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, self.rope, start, cache, i)
-        cache.advance(n)
-        return self.norm(x)
-
-    def extend_context(self, features: mx.array, cache: "DraftCache") -> None:
-        """Append context K/V without drafting (prefill). Context K/V depends only on the features, not on the
-        block or on earlier layers' outputs, so a long prompt is absorbed chunk by chunk with projections alone."""
-        n = features.shape[1]
-        if n == 0:
-            return
-        cache.reserve(n)
-        ctx = self.project_context(features)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.context_kv(ctx, self.rope, cache.position)
-            cache.write(i, k, v, 0)
-        cache.advance(n)
-
-
-class DraftCache:
-    """Preallocated per-layer K/V of the drafter's context, same semantics as the torch DraftCache: grows by
-    doubling; with a window W it keeps only the last W context entries (moved to the front when the buffer fills).
-    Positions are baked into the keys by RoPE, so moving entries does not change what attention computes.
-    Sliding-window layers attend as in the torch DraftCache (z-lab's rule: slot j sees positions within S of its own,
-    causally inside the block unless the config sets `is_causal`)."""
-
-    def __init__(self, spec: DraftSpec, dtype, batch: int = 1, capacity: int = 512, window: int | None = None):
-        self.spec, self.window = spec, window
-        self.sliding = [spec.window_for_layer(i) for i in range(spec.num_hidden_layers)]
-        self.causal = [spec.causal_for_layer(i) for i in range(spec.num_hidden_layers)]
-        shape = (batch, spec.num_key_value_heads, capacity, spec.head_dim)
-        self.k = [mx.zeros(shape, dtype=dtype) for _ in range(spec.num_hidden_layers)]
-        self.v = [mx.zeros(shape, dtype=dtype) for _ in range(spec.num_hidden_layers)]
-        self.length = 0  # valid context entries in the buffer
-        self.position = 0  # absolute position of the next context entry
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2]
-
-    def reserve(self, n: int) -> None:
-        if self.window is not None and self.length + n > self.capacity and self.length > self.window:
-            lo, keep = self.length - self.window, self.window
-            for buf in (self.k, self.v):
-                for i, a in enumerate(buf):
-                    buf[i] = mx.concatenate([a[:, :, lo:self.length], mx.zeros_like(a[:, :, keep:])], axis=2)
-            self.length = keep
-        if self.length + n > self.capacity:
-            size = max(self.length + n, 2 * self.capacity)
-            for buf in (self.k, self.v):
-                for i, a in enumerate(buf):
-                    pad = mx.zeros((*a.shape[:2], size - a.shape[2], a.shape[3]), dtype=a.dtype)
-                    buf[i] = mx.concatenate([a, pad], axis=2)
-
-    def write(self, layer: int, k: mx.array, v: mx.array, block: int):
-        """Store new context + block K/V after the valid entries; return the span this layer attends to and its
-        boolean mask (None: the whole span, for every block slot)."""
-        end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        # the last `window` context positions before the anchor (all without one); a sliding layer's first slot
-        # sees the last S-1 (later slots fewer, by the mask)
-        sliding, causal = self.sliding[layer], self.causal[layer]
-        lo = 0 if self.window is None else max(0, end - block - self.window)
-        if sliding is not None:
-            lo = max(lo, end - block - (sliding - 1))
-        mask = None
-        if block and (sliding is not None or causal):
-            n_ctx = end - block - lo
-            q = mx.arange(n_ctx, n_ctx + block)[:, None]
-            p = mx.arange(n_ctx + block)[None, :]
-            mask = mx.ones((block, n_ctx + block), dtype=mx.bool_)
-            if causal:
-                mask = mask & (p <= q)
-            if sliding is not None:
-                mask = mask & (q - p < sliding)
-                if not causal:
-                    mask = mask & (p - q < sliding)
-        return self.k[layer][:, :, lo:end], self.v[layer][:, :, lo:end], mask
-
-    def advance(self, n: int) -> None:
-        self.length += n
-        self.position += n
-
-    def crop(self, position: int) -> bool:
-        """Forget context from absolute `position` on. False if that needs entries the window already dropped."""
-        drop = self.position - position
-        if drop <= 0:
-            return True
-        if drop > self.length:
-            return False
-        self.length -= drop
-        self.position = position
-        return True
-
-    def reset(self) -> None:
-        self.length = self.position = 0
-
-    def state(self) -> list[mx.array]:
-        return self.k + self.v
 
 
 def quantization_of(spec: DraftSpec) -> dict | None:
@@ -238,4 +127,5 @@ def load_drafter(directory: str | os.PathLike, dtype=mx.float32, spec: DraftSpec
         raise DFlashError(f"{Path(directory)}: {str(e).splitlines()[0]}") from None
     model.eval()
     mx.eval(model.parameters())
+    model.source = str(directory)  # what errors about this drafter name
     return model

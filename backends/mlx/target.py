@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from dflash.checkpoint import check_target_dir
 from dflash.errors import DFlashError
 from dflash.spec import TargetInfo
 
@@ -40,12 +41,11 @@ def resolve_dtype(name: str | None, device):
     return DTYPES[name]
 
 
-def load_target(path, dtype=None, trust_remote_code: bool = False):
+def load_target(path, dtype=None, trust_remote_code: bool = False, checked: dict | None = None):
     from mlx_lm.utils import load_model
 
-    from dflash.converters.checkpoint import check_target_dir
-
-    check_target_dir(path)  # missing / broken config.json, pickle-only or truncated weights: one line
+    if checked is None:
+        check_target_dir(path)  # missing / broken config.json, pickle-only or truncated weights: one line
     try:
         model, config = load_model(Path(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as e:

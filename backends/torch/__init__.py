@@ -5,21 +5,22 @@ from __future__ import annotations
 
 def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto", block_size: int | None = None,
          draft_window: int | None = None, trust_remote_code: bool = False, prefill_chunk: int = 2048,
-         cache_len: int | None = None, compile: bool = False):
+         cache_len: int | None = None, compile: bool = False, spec=None, target_config: dict | None = None):
+    """The engine over a target directory (+ drafter directory). `spec` / `target_config`: what the caller already
+    read and checked (dflash.api.load does), so nothing is validated twice."""
     from dflash.spec import DraftSpec
 
     from .backend import TorchBackend
     from .drafter import load_drafter
-    from .target import load_target, resolve_device, resolve_dtype, target_info
+    from .target import load_target, resolve_device, resolve_dtype
 
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     drafter = None
     if draft_dir is not None:
-        spec = DraftSpec.load(draft_dir)  # config errors before the (slow) target load
-    model = load_target(target_dir, torch_dtype, device, trust_remote_code=trust_remote_code)
+        spec = spec or DraftSpec.load(draft_dir)  # config errors before the (slow) target load
+    model = load_target(target_dir, torch_dtype, device, trust_remote_code=trust_remote_code, checked=target_config)
     if draft_dir is not None:
-        spec.validate_against(target_info(model), source=str(draft_dir))
         drafter = load_drafter(draft_dir, dtype=torch_dtype, device=device, spec=spec)
     return TorchBackend(model, drafter, block_size=block_size, draft_window=draft_window, prefill_chunk=prefill_chunk,
                         cache_len=cache_len, compile=compile)

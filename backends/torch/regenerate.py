@@ -69,7 +69,7 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
     Batches go through batched speculative decoding (dflash.loop.generate_batch): with a DFlash `draft` the answers
     come faster and are still the target's own (greedy: identical; sampled: the target's distribution)."""
     from dflash import hub
-    from dflash.api import eos_token_ids, load_tokenizer
+    from dflash.tokenizer import eos_token_ids, load_tokenizer
     from dflash.io import atomic_write_text, check_output_dir
 
     from .target import load_target, resolve_device, resolve_dtype
@@ -162,9 +162,8 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
 
 
 def _batched_backend(model, draft_dir):
-    """The batched loop over the loaded target, with the drafter (validated and hooked by TorchBackend) if any."""
+    """The engine over the loaded target, with the drafter (validated and hooked by TorchBackend) if any."""
     from .backend import TorchBackend
-    from .batched import BatchedTorchBackend
     from .drafter import load_drafter
     from .target import target_info
 
@@ -172,7 +171,9 @@ def _batched_backend(model, draft_dir):
     if draft_dir is not None:
         drafter = load_drafter(draft_dir, dtype=model.dtype, device=model.device)
         drafter.spec.validate_against(target_info(model), source=str(draft_dir))  # errors name the drafter
-    return BatchedTorchBackend.from_backend(TorchBackend(model, drafter))
+    backend = TorchBackend(model, drafter)
+    backend.target.check_batchable()  # one line now, not one failed row per batch
+    return backend
 
 
 def _generate(backend, prompts: list[list[int]], eos, max_new_tokens, temperature, top_p, seed):

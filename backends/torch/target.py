@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash.checkpoint import check_target_dir
 from dflash.errors import DFlashError
 from dflash.spec import TargetInfo
 
@@ -30,7 +31,7 @@ def resolve_device(name: str | None) -> str:
     return name
 
 
-def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool = False):
+def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool = False, checked: dict | None = None):
     """A transformers causal LM from safetensors only, refused with one line when its config or weights are broken,
     when it needs custom code and --trust-remote-code was not given, or when a weight is missing or mis-shaped
     (transformers would otherwise initialise it randomly and only warn)."""
@@ -38,9 +39,7 @@ def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool =
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.utils import logging as hf_logging
 
-    from dflash.converters.checkpoint import check_target_dir
-
-    cfg = check_target_dir(path)
+    cfg = checked if checked is not None else check_target_dir(path)
     auto_map = cfg.get("auto_map")
     if auto_map and not trust_remote_code and cfg.get("model_type") not in CONFIG_MAPPING:
         code = auto_map.get("AutoModelForCausalLM", auto_map) if isinstance(auto_map, dict) else auto_map

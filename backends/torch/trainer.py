@@ -422,7 +422,7 @@ def _log(cfg: TrainConfig, d: Dist, msg: str) -> None:
 
 def train(cfg: TrainConfig) -> TrainResult:
     from dflash import hub
-    from dflash.api import eos_token_ids, load_tokenizer
+    from dflash.tokenizer import eos_token_ids, load_tokenizer
 
     from .target import load_target, resolve_device, resolve_dtype
 

@@ -12,9 +12,9 @@ import os
 import struct
 from pathlib import Path
 
-from dflash.errors import DFlashError
-from dflash.io import read_json_config
-from dflash.spec import WEIGHTS_NAME, DraftSpec
+from .errors import DFlashError
+from .io import read_json_config
+from .spec import WEIGHTS_NAME, DraftSpec
 
 INDEX_NAME = "model.safetensors.index.json"
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
@@ -155,11 +155,29 @@ def validate_weights(spec: DraftSpec, directory: str | os.PathLike, allow_quanti
             found[name] = shape
     want = None
     if quant is not None:
-        from .quantize import quantized_shapes
-
         want = quantized_shapes(spec, quant, found, str(Path(directory) / "config.json"))
     check_names_and_shapes(spec, found, str(files[0]) if len(files) == 1 else str(directory), want)
     return files
+
+
+def quantized_shapes(spec: DraftSpec, quant, found: dict, source: str) -> dict[str, tuple[int, ...]]:
+    """Expected tensor shapes of a quantized drafter: a Linear is quantized exactly when its scales are present."""
+    if not isinstance(quant, dict) or not isinstance(quant.get("bits"), int) or \
+            not isinstance(quant.get("group_size"), int):
+        raise DFlashError(f"{source}: field 'quantization' must be an object with integer bits and group_size")
+    if quant.get("mode", "affine") != "affine":
+        raise DFlashError(f"{source}: quantization mode {quant.get('mode')!r} is not supported, expected 'affine'")
+    bits, group = quant["bits"], quant["group_size"]
+    want = {}
+    for name, (out, *rest) in expected_shapes(spec).items():
+        prefix = name[: -len(".weight")]
+        if rest and name.endswith(".weight") and f"{prefix}.scales" in found:
+            (inp,) = rest
+            want[name] = (out, inp * bits // 32)
+            want[f"{prefix}.scales"] = want[f"{prefix}.biases"] = (out, inp // group)
+        else:
+            want[name] = (out, *rest)
+    return want
 
 
 def common_prefix(names) -> str:

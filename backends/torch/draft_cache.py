@@ -1,0 +1,146 @@
+"""The drafter's context K/V on torch: position-indexed buffers laid out by dflash.draft_context.ContextLayout.
+
+Buffers are (layers, rows, kv_heads, capacity, head_dim); slot s holds absolute position layout.offset + s. A draft
+forward writes each row's new context entries and its block at the row's own length, reads the span the layer
+needs, and forgets the block by not advancing. `DraftContextCache` grows by doubling (and recycles slots under a
+draft window); `StaticDraftCache` has a fixed capacity and fixed addresses for compiled, CUDA-graph-captured drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dflash.draft_context import ContextLayout, draft_visible, layer_rules
+from dflash.errors import DFlashError
+
+
+class DraftContextCache:
+    def __init__(self, spec, dtype: torch.dtype, device, capacity: int = 512, window: int | None = None):
+        self.spec, self.window = spec, window
+        self.rules = layer_rules(spec)
+        self.layout = ContextLayout(capacity, window)
+        shape = (spec.num_hidden_layers, 1, spec.num_key_value_heads, capacity, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    # the single-sequence view (row 0)
+    @property
+    def position(self) -> int:
+        return self.layout.position
+
+    @property
+    def capacity(self) -> int:
+        return self.layout.capacity
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.layout.lengths
+
+    def reserve(self, n: int) -> None:
+        shift, capacity = self.layout.plan_reserve(n)
+        if shift:
+            used = self.layout.slot(max(self.layout.lengths))
+            self.k[:, :, :, :used - shift] = self.k[:, :, :, shift:used].clone()
+            self.v[:, :, :, :used - shift] = self.v[:, :, :, shift:used].clone()
+        if capacity > self.k.shape[3]:
+            pad = capacity - self.k.shape[3]
+            self.k, self.v = F.pad(self.k, (0, 0, 0, pad)), F.pad(self.v, (0, 0, 0, pad))
+        self.layout.apply_reserve(shift, capacity)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int], block: int):
+        """Store each row's new entries (k, v: rows, heads, m + block, dim; the first counts[i] of the m context
+        entries are real, then the block) at the row's length; return the span this layer attends to and its mask
+        (None: every slot of the span, for every block slot)."""
+        layout, rule = self.layout, self.rules[layer]
+        m = k.shape[2] - block
+        if layout.uniform() and len(set(counts)) == 1 and counts[0] == m:
+            at = layout.slot(layout.lengths[0])
+            self.k[layer, :, :, at:at + k.shape[2]] = k
+            self.v[layer, :, :, at:at + k.shape[2]] = v
+        else:  # rows at different lengths: scatter, the block right after each row's real entries
+            self._scatter(layer, k[:, :, :m], v[:, :, :m], [layout.slot(n) for n in layout.lengths])
+            self._scatter(layer, k[:, :, m:], v[:, :, m:],
+                          [layout.slot(n + c) for n, c in zip(layout.lengths, counts)])
+        lo, hi = layout.span(rule, [n + c for n, c in zip(layout.lengths, counts)], block)
+        mask = None
+        if block and (rule.needs_mask or not layout.uniform() or len(set(counts)) > 1):
+            mask = self._mask(layer, lo, hi, counts, block)
+        return self.k[layer, :, :, lo:hi], self.v[layer, :, :, lo:hi], mask
+
+    def _scatter(self, layer, k, v, starts: list[int]) -> None:
+        if k.shape[2] == 0:
+            return
+        at = torch.tensor(starts, device=k.device)[:, None] + torch.arange(k.shape[2], device=k.device)
+        index = at[:, None, :, None].expand_as(k)
+        self.k[layer].scatter_(2, index, k)
+        self.v[layer].scatter_(2, index, v)
+
+    def _mask(self, layer: int, lo: int, hi: int, counts: list[int], block: int) -> torch.Tensor:
+        rule, layout = self.rules[layer], self.layout
+        # positions relative to the span's first slot: the mask depends only on these, so it is reused across cycles
+        anchors = tuple(layout.slot(n + c) - lo for n, c in zip(layout.lengths, counts))
+        key = (hi - lo, anchors, block, rule)
+        mask = self._masks.get(key)
+        if mask is None:
+            device = self.k.device
+            anchor = torch.tensor(anchors, device=device)[:, None, None, None]
+            q = anchor + torch.arange(block, device=device)[:, None]
+            k = torch.arange(hi - lo, device=device)
+            mask = draft_visible(q, k, anchor, block, window=self.window, sliding=rule.sliding, causal=rule.causal)
+            if len(self._masks) > 64:
+                self._masks.clear()
+            self._masks[key] = mask
+        return mask
+
+    def advance(self, counts: list[int]) -> None:
+        self.layout.lengths = [n + c for n, c in zip(self.layout.lengths, counts)]
+
+    def crop(self, position: int) -> bool:
+        return self.layout.crop(0, position)
+
+    def reset(self) -> None:
+        self.layout.lengths, self.layout.offset = [0], 0
+
+    def select(self, rows: list[int]) -> None:
+        idx = torch.tensor(rows, device=self.k.device)
+        self.k, self.v = self.k[:, idx], self.v[:, idx]
+        self.layout.lengths = [self.layout.lengths[i] for i in rows]
+
+    def merge(self, other: "DraftContextCache") -> None:
+        """Append other's rows (a row prefilled alone) to this batch."""
+        if other.layout.offset != self.layout.offset:
+            raise DFlashError("--draft-window: a windowed draft context cannot join a batch; drop --draft-window")
+        size = max(self.k.shape[3], other.k.shape[3])
+        fit = lambda t: F.pad(t, (0, 0, 0, size - t.shape[3]))  # noqa: E731
+        self.k = torch.cat([fit(self.k), fit(other.k)], dim=1)
+        self.v = torch.cat([fit(self.v), fit(other.v)], dim=1)
+        self.layout.capacity = size
+        self.layout.lengths = self.layout.lengths + other.layout.lengths
+
+
+class StaticDraftCache(DraftContextCache):
+    """One fixed-capacity buffer (no window, no growth, one row) for the compiled fixed-shape draft forward: new
+    context is padded to the block size and written at device-side offsets; attention spans the whole buffer under
+    the mask of dflash.draft_context, so slots past the valid context (an earlier block's K/V, padding) are unseen
+    until overwritten."""
+
+    def __init__(self, spec, dtype: torch.dtype, device, capacity: int):
+        super().__init__(spec, dtype, device, capacity=capacity)
+
+    def reserve(self, n: int) -> None:
+        if self.layout.position + n > self.capacity:
+            raise DFlashError(f"context: {self.layout.position + n} positions exceed the static draft cache "
+                              f"({self.capacity}); raise cache_len")
+
+    def static_mask(self, layer: int, start: torch.Tensor, n: torch.Tensor, block: int) -> torch.Tensor:
+        """The layer's mask over every slot for a block whose anchor sits at device-side position start + n."""
+        rule = self.rules[layer]
+        anchor = start + n
+        q = anchor + torch.arange(block, device=self.k.device)[:, None]
+        k = torch.arange(self.capacity, device=self.k.device)
+        return draft_visible(q, k, anchor, block, sliding=rule.sliding, causal=rule.causal)[None, None]
+
+    def merge(self, other) -> None:
+        raise DFlashError("--batch-size: batched decoding runs on the dynamic cache; drop --compile / cache_len")

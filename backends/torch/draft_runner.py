@@ -1,0 +1,161 @@
+"""The drafter's primitives for dflash.engine on torch: absorb context, propose a block, rewind, batch rows.
+
+A draft forward embeds [anchor, mask x (B-1)] for every row, runs the drafter over the row's context cache and
+returns the argmax proposals, plus, when asked, the per-position top-k ids and probabilities (on the device: the
+engine reads nothing back here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dflash.engine import Draft, Pending
+
+from .draft_cache import DraftContextCache, StaticDraftCache
+from .drafter import DFlashDrafter, rotate
+
+
+def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftContextCache) -> None:
+    """Append context K/V without drafting (prefill). Context K/V depends only on the features, not on the block
+    or on earlier layers' outputs, so a long prompt is absorbed chunk by chunk with projections alone."""
+    n = features.shape[1]
+    if n == 0:
+        return
+    cache.reserve(n)
+    ctx = model.project_context(features)
+    b = ctx.shape[0]
+    cos, sin = model.rope_range(cache.position, n, ctx)
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        k = attn.k_norm(attn.k_proj(ctx).view(b, n, -1, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(ctx).view(b, n, -1, attn.head_dim).transpose(1, 2)
+        cache.write(i, rotate(k, cos, sin), v, [n] * b, 0)
+    cache.advance([n] * b)
+
+
+def draft_step(model: DFlashDrafter, block: torch.Tensor, features: torch.Tensor, counts: list[int],
+               cache: DraftContextCache) -> torch.Tensor:
+    """One draft forward: append `features` (rows, m, K*H; row i's first counts[i] are real) to the cache, run the
+    embedded blocks (rows, B, H) that follow each row's context, and return their final-normed states. The block's
+    K/V is written past each row's context and forgotten (only the context advances)."""
+    m, b = features.shape[1], block.shape[1]
+    cache.reserve(m + b)
+    ctx = model.project_context(features)
+    lengths = cache.lengths
+    if len(set(lengths)) == 1 and all(c == m for c in counts):
+        rope_kv = model.rope_range(lengths[0], m + b, block)
+    else:
+        device = block.device
+        length = torch.tensor(lengths, device=device)[:, None]
+        anchor = length + torch.tensor(counts, device=device)[:, None]
+        positions = torch.cat([length + torch.arange(m, device=device), anchor + torch.arange(b, device=device)], 1)
+        rope_kv = model.rope(positions, block)
+    rope_q = (rope_kv[0][:, :, m:], rope_kv[1][:, :, m:])
+
+    def attend(i, q, k, v):
+        k, v, mask = cache.write(i, k, v, counts, b)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    out = model(block, ctx, rope_q, rope_kv, attend)
+    cache.advance(counts)
+    return out
+
+
+def static_draft(model: DFlashDrafter, block: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
+                 n: torch.Tensor, cache: StaticDraftCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One draft forward at fixed shapes (compile it once): `features` (1, B, K*H) holds the n new context
+    positions padded to B, written at slots start..; the embedded block (1, B, H) goes at start + n.., over the
+    padding. `start` and `n` are 0-d device tensors and cos/sin the RoPE table of every slot, so nothing here
+    depends on a host value."""
+    b = block.shape[1]
+    k_cache, v_cache = cache.k, cache.v
+    arange = torch.arange(b, device=block.device)
+    ctx_slots, block_slots = start + arange, start + n + arange
+    slots = torch.cat([ctx_slots, block_slots])
+    rope_kv = (cos[:, :, slots], sin[:, :, slots])
+    rope_q = (rope_kv[0][:, :, b:], rope_kv[1][:, :, b:])
+
+    def attend(i, q, k, v):
+        k_cache[i].index_copy_(2, ctx_slots, k[:, :, :b])
+        k_cache[i].index_copy_(2, block_slots, k[:, :, b:])  # after the context: it overwrites the padding
+        v_cache[i].index_copy_(2, ctx_slots, v[:, :, :b])
+        v_cache[i].index_copy_(2, block_slots, v[:, :, b:])
+        mask = cache.static_mask(i, start, n, b)
+        return F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, enable_gqa=True)
+
+    return model(block, model.project_context(features), rope_q, rope_kv, attend)
+
+
+class TorchDraft:
+    """A DFlash drafter and its context cache, sharing the target's embedding and LM head."""
+
+    def __init__(self, drafter: DFlashDrafter, embed, lm_head, *, window: int | None = None,
+                 static_capacity: int | None = None):
+        self.drafter, self.embed, self.lm_head, self.window = drafter, embed, lm_head, window
+        spec = drafter.spec
+        weight = embed.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.width = spec.hidden_size * spec.num_context_layers
+        self._compiled = None
+        if static_capacity is None:
+            self.cache = DraftContextCache(spec, self.dtype, self.device, window=window)
+        else:
+            # the drafter at fixed shapes too: a static context buffer as long as the target's, compiled once
+            self.cache = StaticDraftCache(spec, self.dtype, self.device, static_capacity)
+            self._rope = drafter.rope_range(0, self.cache.capacity, self.cache.k)
+            self._compiled = torch.compile(self._static_logits, dynamic=False, fullgraph=False,
+                                           mode="reduce-overhead" if self.device.type == "cuda" else None)
+
+    @property
+    def position(self) -> int:
+        return self.cache.position
+
+    def spawn(self) -> "TorchDraft":
+        """The same weights with an empty context cache (a row prefilled alone, then merged)."""
+        return TorchDraft(self.drafter, self.embed, self.lm_head, window=self.window)
+
+    @torch.inference_mode()
+    def extend(self, pending: Pending | None) -> None:
+        if pending is not None:
+            extend_context(self.drafter, pending.features, self.cache)
+
+    @torch.inference_mode()
+    def propose(self, anchor_ids: torch.Tensor, pending: Pending | None, block_size: int, top_k: int = 0) -> Draft:
+        rows = anchor_ids.shape[0]
+        mask_id = self.drafter.spec.mask_token_id
+        block = torch.cat([anchor_ids, anchor_ids.new_full((rows, block_size - 1), mask_id)], dim=1)
+        if pending is None:
+            pending = Pending(torch.zeros(rows, 0, self.width, dtype=self.dtype, device=self.device), [0] * rows)
+        if self._compiled is not None:
+            features = pending.features
+            n = features.shape[1]
+            self.cache.reserve(n + block_size)
+            features = F.pad(features, (0, 0, 0, block_size - n))
+            as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+            logits = self._compiled(block, features, as_tensor(self.cache.position), as_tensor(n))
+            self.cache.advance([n])
+        else:
+            hidden = draft_step(self.drafter, self.embed(block), pending.features, pending.counts, self.cache)
+            logits = self.lm_head(hidden[:, 1:])
+        draft = Draft(torch.cat([anchor_ids, logits.argmax(dim=-1)], dim=1))
+        if top_k:
+            probs, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            draft.top_ids, draft.top_probs = ids, probs
+        return draft
+
+    def _static_logits(self, block, features, start, n):
+        hidden = static_draft(self.drafter, self.embed(block), features, start, n, self.cache, *self._rope)
+        return self.lm_head(hidden[:, 1:])
+
+    def crop(self, position: int) -> bool:
+        return self.cache.crop(position)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def select(self, rows: list[int]) -> None:
+        self.cache.select(rows)
+
+    def merge(self, other: "TorchDraft") -> None:
+        self.cache.merge(other.cache)

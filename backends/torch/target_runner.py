@@ -1,0 +1,238 @@
+"""The target's primitives for dflash.engine on torch: forward with feature capture, keep / trim, rows, sampling.
+
+One row runs on a plain transformers cache (DynamicCache, or a preallocated StaticCache for compiled decoding;
+sliding-window and linear-attention layers rewind through CacheRewind), with positions implied by the cache length.
+Several rows share one DynamicCache and advance at different rates: a cycle keeps its block's first max(keep) slots
+for every row and masks the slots a row did not accept ("holes"), like the left padding of a row that joined with a
+shorter prompt. Each row's tokens carry their true positions (explicit position_ids), so its attention and RoPE see
+what batch-1 decoding sees. When holes fill half the cache the valid slots are gathered to the right (compaction).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, StaticCache
+
+from dflash.errors import DFlashError
+from dflash.sampling import SamplingParams
+
+from .rewind import CacheRewind, bounded_layers
+from .sampling import TorchSampler
+from .target import LayerCapture, target_info
+
+
+def _right_aligned(valid: torch.Tensor) -> torch.Tensor:
+    """Per row, the slot indices that gather its valid slots (in order) to the right end of a narrower buffer."""
+    width = int(valid.sum(1).max())
+    order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices  # invalid first, both in slot order
+    return order[:, order.shape[1] - width:]
+
+
+class TorchTarget:
+    def __init__(self, model, layer_ids: list[int] | None = None, *, cache_len: int | None = None,
+                 compile: bool = False, capture: LayerCapture | None = None):
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.info = target_info(model)
+        self.max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.additive_mask = model.config._attn_implementation == "eager"
+        self.capture = capture if capture is not None or layer_ids is None else LayerCapture(model, layer_ids)
+        # cache_len: a preallocated StaticCache (fixed addresses, what torch.compile / CUDA graphs want); its crop
+        # only moves the write position, and stale entries past it are masked by causality until overwritten
+        self.cache_len = cache_len
+        self.rewind: CacheRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
+        self.cache = self._new_cache()
+        self.length = 0  # positions in the cache (one row)
+        self.valid: torch.Tensor | None = None  # (rows, slots) once rows share the cache; None for one row
+        self.positions: torch.Tensor | None = None  # (rows,) next position of each row, with `valid`
+        # compile: the fixed-shape decode forwards (1 token, one block) go through torch.compile; prefill stays eager
+        self._decode_model = model
+        if compile:
+            self._decode_model = torch.compile(model, dynamic=False, fullgraph=False,
+                                               mode="reduce-overhead" if self.device.type == "cuda" else None)
+        self.sampler = TorchSampler(SamplingParams(), self.device)
+
+    # ---- arrays ----------------------------------------------------------------------------------------------------
+    def ids(self, rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    @staticmethod
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def head(features: torch.Tensor, n: int) -> torch.Tensor:
+        return features[:, :n]
+
+    @staticmethod
+    def take_rows(features: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return features[torch.tensor(rows, device=features.device)]
+
+    @staticmethod
+    def pad_rows(features: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.cat([features, features.new_zeros(n, *features.shape[1:])])
+
+    @staticmethod
+    def to_host(x: torch.Tensor) -> list[list[int]]:
+        return x.tolist()
+
+    def settle(self, *arrays) -> None:
+        """Nothing to do: torch runs eagerly (MLX evaluates its lazy graph here)."""
+
+    # ---- sampling --------------------------------------------------------------------------------------------------
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.sampler = TorchSampler(params, self.device)
+
+    def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None) -> torch.Tensor:
+        """The target's token at every position of every row (rows, T), each row with its own history."""
+        if self.sampler.params.greedy and not self.sampler.processors:
+            return logits.argmax(dim=-1)
+        return torch.stack([self.sampler(logits[i], histories[i], None if block is None else block[i])
+                            for i in range(logits.shape[0])])
+
+    # ---- forward ---------------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append `ids` (rows, T) after every row's cached positions; logits and the captured features."""
+        t = ids.shape[1]
+        if self.valid is not None:
+            return self._forward_rows(ids, last_only)
+        if self.cache_len is not None and self.length + t > self.cache_len:
+            raise DFlashError(f"context: {self.length + t} tokens exceed the static cache ({self.cache_len}); "
+                              "raise cache_len")
+        model = self.model if last_only else self._decode_model
+        if self.rewind is not None:
+            self.rewind.before_forward()
+        out = model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        if self.rewind is not None:
+            self.rewind.after_forward(t)
+        self.length += t
+        return out.logits, self.capture.pop() if self.capture is not None else None
+
+    def _forward_rows(self, ids, last_only: bool):
+        rows, t = ids.shape
+        positions = self.positions[:, None] + torch.arange(t, device=self.device)
+        keys = torch.cat([self.valid, torch.ones(rows, t, dtype=torch.bool, device=self.device)], dim=1)
+        total = keys.shape[1]
+        q = torch.arange(total - t, total, device=self.device)[:, None]
+        k = torch.arange(total, device=self.device)[None]
+        # padding queries see themselves, so no softmax row is empty (an all-masked row would be NaN)
+        mask = ((keys[:, None, :] & (k <= q)) | (k == q))[:, None]
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                ~mask, torch.finfo(self.dtype).min)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, logits_to_keep=1 if last_only else 0)
+        self.valid, self.positions = keys, self.positions + t
+        return out.logits, self.capture.pop() if self.capture is not None else None
+
+    # ---- keep, trim, reset -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def keep(self, keeps: list[int], width: int) -> bool:
+        """After a forward of `width` positions, row i keeps its first keeps[i]; False if the cache cannot."""
+        most = max(keeps)
+        if self.valid is None:
+            return most == width or self.trim(width - most)
+        if most < width:
+            self.cache.crop(-(width - most))
+        self.valid = self.valid[:, :self.valid.shape[1] - (width - most)].clone()
+        slot = torch.arange(most, device=self.device)
+        kept = slot[None] < torch.tensor(keeps, device=self.device)[:, None]
+        self.valid[:, self.valid.shape[1] - most:] = kept
+        self.positions = self.positions - width + kept.sum(1)
+        holes = self.valid.numel() - int(self.valid.sum())
+        if self.valid.shape[1] > 64 and 2 * holes > self.valid.numel():
+            self._compact()
+        return True
+
+    def trim(self, n: int) -> bool:
+        """Forget the last n positions of one row; False if its layers cannot go back that far."""
+        if self.valid is not None:
+            raise DFlashError("trim: rows sharing a cache are not rewound; retire rows instead")
+        if self.rewind is None:
+            self.cache.crop(-n)
+        elif not self.rewind.rewind(n):
+            return False
+        self.length -= n
+        return True
+
+    def reset(self) -> None:
+        if self.cache_len is not None and self.length:
+            self.cache.crop(-self.length)  # keep the static buffers (and any captured graphs) alive
+        else:
+            self.cache = self._new_cache()
+        self.length, self.valid, self.positions = 0, None, None
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+        if self.rewind is not None:
+            self.rewind.remove()
+
+    # ---- rows --------------------------------------------------------------------------------------------------------
+    def spawn(self) -> "TorchTarget":
+        """The same model and feature hooks with an empty dynamic cache (a row prefilled alone, then merged)."""
+        self.check_batchable()
+        row = TorchTarget.__new__(TorchTarget)
+        row.__dict__.update(self.__dict__)
+        row.cache, row.length, row.valid, row.positions = self._new_cache(), 0, None, None
+        return row
+
+    @torch.inference_mode()
+    def merge(self, other: "TorchTarget") -> None:
+        """Append other's row to this batch, the shorter side left-padded with masked slots."""
+        if self.valid is None:
+            self._to_rows()
+        other_valid = torch.ones(1, other.length, dtype=torch.bool, device=self.device)
+        width = max(self.valid.shape[1], other.length)
+        pad = lambda t, n: F.pad(t, (0, 0, n, 0)) if n else t  # noqa: E731  (left, along the slot axis)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            a, b = width - mine.keys.shape[2], width - theirs.keys.shape[2]
+            mine.keys = torch.cat([pad(mine.keys, a), pad(theirs.keys, b)])
+            mine.values = torch.cat([pad(mine.values, a), pad(theirs.values, b)])
+        self.valid = torch.cat([F.pad(self.valid, (width - self.valid.shape[1], 0)),
+                                F.pad(other_valid, (width - other.length, 0))])
+        self.positions = torch.cat([self.positions, torch.tensor([other.length], device=self.device)])
+
+    def select(self, rows: list[int]) -> None:
+        if self.valid is None:
+            return  # one row, kept
+        idx = torch.tensor(rows, device=self.device)
+        self.cache.batch_select_indices(idx)
+        self.valid, self.positions = self.valid[idx], self.positions[idx]
+
+    # ---- internals ---------------------------------------------------------------------------------------------------
+    def check_batchable(self) -> None:
+        if self.cache_len is not None:
+            raise DFlashError("--batch-size: batched decoding runs on the dynamic cache; drop --compile / cache_len")
+        if self.rewind is not None:
+            raise DFlashError("--batch-size: batched decoding needs a full-attention target (this one has "
+                              "sliding-window or linear-attention layers); use --batch-size 1")
+
+    def _to_rows(self) -> None:
+        self.check_batchable()
+        self.valid = torch.ones(1, self.length, dtype=torch.bool, device=self.device)
+        self.positions = torch.tensor([self.length], device=self.device)
+
+    def _compact(self) -> None:
+        idx = _right_aligned(self.valid)
+        for layer in self.cache.layers:
+            gather = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        self.valid = self.valid.gather(1, idx)
+
+    def _new_cache(self):
+        if self.cache_len is None:
+            cache = DynamicCache(config=self.model.config)
+            if bounded_layers(cache):
+                if self.rewind is None:
+                    self.rewind = CacheRewind(self.model)
+                self.rewind.attach(cache)
+            return cache
+        cache = StaticCache(config=self.model.config, max_cache_len=self.cache_len)
+        if bounded_layers(cache):
+            raise DFlashError(f"{self.info.model_type}: a static cache (cache_len / --compile) cannot rewind this "
+                              "target's sliding-window or linear-attention layers; use the dynamic cache")
+        return cache

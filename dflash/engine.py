@@ -1,0 +1,226 @@
+"""The one speculative engine: per-row state over a backend's array primitives (backends/base.py).
+
+dflash.loop decides what to commit and when to stop; the engine keeps what the caches hold and moves them: the
+committed tokens of every row (whose K/V is in the target cache), the target features the drafter has not read yet,
+prefix reuse and chunked prefill, and the cycle's arrays (draft -> verify -> commit). A batch of one and a batch of
+N are the same code; a running batch admits a row (its prefill) and retires rows between cycles.
+
+One cycle, for block size B and a row with n cached positions; its anchor is the last committed token, not yet fed
+to the target, so it sits at position n:
+
+    draft(anchors)  the drafter proposes B-1 tokens for positions n+1 .. n+B-1 from the target features of every
+                    position before the anchor (the pending ones are appended to its context first)
+    verify()        the target reads [anchor, proposals] at n .. n+B-1 in one forward and draws its own token at each
+                    of the B positions; the cycle's one device -> host read returns (proposals, target tokens)
+    commit(keeps)   row i keeps its first keeps[i] verified positions: the target cache forgets the rest, their
+                    target features become the drafter's pending context
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .errors import DFlashError
+from .sampling import SamplingParams
+
+
+def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
+    """One line when a prompt leaves no room in the target's context for a new token."""
+    if max_context and len(prompt_ids) >= max_context:
+        raise DFlashError(f"prompt: {len(prompt_ids)} tokens do not fit the target's context "
+                          f"(max_position_embeddings {max_context})")
+
+
+@dataclass
+class Pending:
+    """Target features (rows, m, K*H) the drafter has not read yet; row i's first counts[i] are real."""
+
+    features: object
+    counts: list[int]
+
+
+@dataclass
+class Draft:
+    """One draft forward's output, on the device: `ids` (rows, B) = [anchor, proposals], and per block position
+    the drafter's top-k token ids and probabilities (rows, B-1, k), when asked for (tree verification)."""
+
+    ids: object
+    top_ids: object = None
+    top_probs: object = None
+
+
+class Engine:
+    """Speaks the batch protocol dflash.loop drives (prefill / draft / verify / commit / retire) for one row or many,
+    plus the single-sequence operations a chat needs (crop, reset, cached_tokens)."""
+
+    def __init__(self, target, drafter=None, *, block_size: int = 1, prefill_chunk: int = 2048, name: str = ""):
+        self.target, self.drafter = target, drafter  # backend primitives (backends/base.py)
+        self.name = name
+        self.block_size = block_size if drafter is not None else 1
+        self.prefill_chunk = prefill_chunk
+        self.max_context = target.max_context
+        self.info = target.info
+        self.rows: list[list[int]] = []  # per row: ids whose K/V is in the target cache
+        self.pending: Pending | None = None
+        self.top_k = 0  # > 0: every draft also returns the per-position top-k (tree verification)
+        self.last_draft: Draft | None = None
+        self.sampling = SamplingParams()
+
+    # ---- what the caches hold ------------------------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """Row 0's cached ids (the single-sequence view)."""
+        return self.rows[0] if self.rows else []
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        return self.tokens
+
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.sampling = params
+        self.target.set_sampling(params)
+
+    # ---- prefill ---------------------------------------------------------------------------------------------------
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> list[int]:
+        """Feed the prompts and return each row's first token. One prompt reuses the longest cached prefix (a chat's
+        earlier turns); several start a fresh batch, one admitted row each."""
+        for p in prompts:
+            check_fits(p, self.max_context)
+        if len(prompts) == 1 and len(self.rows) <= 1:
+            return [self._prefill_single(list(prompts[0]))]
+        self.reset()
+        return [self.admit(p) for p in prompts]
+
+    def admit(self, prompt_ids: Sequence[int]) -> int:
+        """A new row joins the running batch between cycles: its prompt is prefilled alone, then its caches are
+        appended to the batch's. Returns its first token."""
+        prompt_ids = list(prompt_ids)
+        check_fits(prompt_ids, self.max_context)
+        if not self.rows:
+            return self._prefill_single(prompt_ids)
+        row = Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None, block_size=self.block_size,
+                     prefill_chunk=self.prefill_chunk)
+        row.set_sampling(self.sampling)
+        first = row._prefill_single(prompt_ids)
+        self.target.merge(row.target)
+        if self.drafter is not None:
+            self.drafter.merge(row.drafter)
+            if self.pending is not None:
+                self.pending = Pending(self.target.pad_rows(self.pending.features, 1), self.pending.counts + [0])
+        self.rows.append(row.rows[0])
+        return first
+
+    def _prefill_single(self, prompt_ids: list[int]) -> int:
+        if not self.rows:
+            self.rows = [[]]
+        self.crop(_common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
+        start, logits = len(self.tokens), None
+        for at in range(start, len(prompt_ids), self.prefill_chunk):
+            chunk = prompt_ids[at:at + self.prefill_chunk]
+            logits, features = self.target.forward(self.target.ids([chunk]), last_only=True)
+            self.tokens.extend(chunk)
+            if self.drafter is not None:
+                self._add_pending(features, len(chunk))
+                self.drafter.extend(self._take_pending())
+            if at + self.prefill_chunk < len(prompt_ids):
+                self.target.settle(self.drafter)  # bound the lazy graph (and its memory) chunk by chunk
+        first = self.target.sample(logits[:, -1:], [self.tokens], None)
+        self.target.settle(self.drafter, first)
+        return self.target.to_host(first)[0][0]
+
+    # ---- the cycle -------------------------------------------------------------------------------------------------
+    def draft(self, anchors: Sequence[int]) -> None:
+        anchor_ids = self.target.ids([[a] for a in anchors])
+        if self.drafter is None:
+            self.last_draft = Draft(anchor_ids)
+        else:
+            self.last_draft = self.drafter.propose(anchor_ids, self._take_pending(), self.block_size, self.top_k)
+        self._verify_ids = self.last_draft.ids
+
+    def verify(self) -> tuple[list[list[int]], list[list[int]]]:
+        ids = self._verify_ids
+        logits, self._features = self.target.forward(ids, last_only=False)
+        target = self.target.sample(logits, self.rows, ids)
+        rows = self.target.to_host(self.target.cat([ids, target]))  # the cycle's one device -> host read
+        b = len(rows[0]) // 2
+        self._verified = [r[:b] for r in rows]
+        return [r[1:b] for r in rows], [r[b:] for r in rows]
+
+    def commit(self, keeps: Sequence[int]) -> None:
+        keeps = list(keeps)
+        width = len(self._verified[0])
+        if not self.target.keep(keeps, width):
+            raise AssertionError("a verified block can always be rewound")  # within the last forward
+        for row, verified, k in zip(self.rows, self._verified, keeps):
+            row.extend(verified[:k])
+        if self.drafter is not None:
+            self.pending = Pending(self.target.head(self._features, max(keeps)), keeps)
+
+    def retire(self, rows: Sequence[int]) -> None:
+        """Drop finished rows (indices into the current rows) from every cache."""
+        gone = set(rows)
+        keep = [i for i in range(len(self.rows)) if i not in gone]
+        if not keep:
+            self.reset()
+            return
+        self.target.select(keep)
+        if self.drafter is not None:
+            self.drafter.select(keep)
+            if self.pending is not None:
+                self.pending = Pending(self.target.take_rows(self.pending.features, keep),
+                                       [self.pending.counts[i] for i in keep])
+        self.rows = [self.rows[i] for i in keep]
+
+    # ---- single sequence: rewind and reset ---------------------------------------------------------------------------
+    def crop(self, length: int) -> None:
+        """Forget every cached position from `length` on (target and drafter)."""
+        if len(self.rows) > 1:
+            raise DFlashError("crop: a batch of rows is not cropped; retire rows instead")
+        drop = len(self.tokens) - length
+        if drop > 0:
+            if not self.target.trim(drop):
+                # sliding-window / recurrent state cannot go back past the last forward: start over (the next
+                # prefill feeds the whole prompt again)
+                self.reset()
+                return
+            del self.tokens[length:]
+        if self.drafter is None:
+            return
+        position = self.drafter.position
+        if length < position:
+            self.pending = None
+            if not self.drafter.crop(length):
+                self.reset()  # the window dropped what we need: rebuild the whole context from scratch
+        elif self.pending is not None and length < position + self.pending.counts[0]:
+            n = length - position
+            self.pending = Pending(self.target.head(self.pending.features, n), [n])
+
+    def reset(self) -> None:
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        self.rows, self.pending = [], None
+
+    def close(self) -> None:
+        self.target.close()
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _add_pending(self, features, n: int) -> None:
+        if self.pending is None:
+            self.pending = Pending(features, [n])
+        else:
+            self.pending = Pending(self.target.cat([self.pending.features, features]), [self.pending.counts[0] + n])
+
+    def _take_pending(self) -> Pending | None:
+        pending, self.pending = self.pending, None
+        return pending
+
+
+def _common_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    n = 0
+    for a, b in zip(cached, prompt):
+        if a != b:
+            break
+        n += 1
+    return n
