@@ -360,7 +360,7 @@ def measure_step(backend, repeats: int = 3) -> float | None:
     try:
         for i in range(repeats + 1):  # the first also absorbs the last cycle's pending features: not timed
             t = time.perf_counter()
-            backend.prefill(probe)
+            backend.prefill([probe])
             times.append(time.perf_counter() - t)
             backend.crop(len(cached))
     except DFlashError:  # no room left in the context

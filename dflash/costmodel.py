@@ -48,16 +48,16 @@ def measure(make_backend, block_sizes, context: int, iters: int, warmup: int, vo
 
     def setup(block_size):
         be = make_backend(block_size)
-        be.prefill(prompt)
+        be.prefill([prompt])
         return be
 
     ar = setup(None)
     state = {"anchor": 1}
 
     def step(be):
-        be.draft(state["anchor"])
+        be.draft([state["anchor"]])
         be.verify()
-        be.commit(1)
+        be.commit([1])
         be.crop(context)  # keep the context length fixed
 
     t_step = _timeit(lambda: step(ar), iters, warmup)
@@ -65,11 +65,11 @@ def measure(make_backend, block_sizes, context: int, iters: int, warmup: int, vo
     for b in block_sizes:
         be = setup(b)
         t_cycle = _timeit(lambda: step(be), iters, warmup)
-        be.draft(1)
+        be.draft([1])
 
         def verify_only():
             be.verify()
-            be.commit(1)
+            be.commit([1])
             be.crop(context)
 
         t_verify = _timeit(verify_only, iters, warmup)

@@ -62,6 +62,7 @@ class Engine:
         self.max_context = target.max_context
         self.info = target.info
         self.rows: list[list[int]] = []  # per row: ids whose K/V is in the target cache
+        self.shared = False  # rows share the caches (a batch was admitted): no prefix reuse until reset
         self.pending: Pending | None = None
         self.top_k = 0  # > 0: every draft also returns the per-position top-k (tree verification)
         self.last_draft: Draft | None = None
@@ -87,7 +88,7 @@ class Engine:
         earlier turns); several start a fresh batch, one admitted row each."""
         for p in prompts:
             check_fits(p, self.max_context)
-        if len(prompts) == 1 and len(self.rows) <= 1:
+        if len(prompts) == 1 and not self.shared:
             return [self._prefill_single(list(prompts[0]))]
         self.reset()
         return [self.admit(p) for p in prompts]
@@ -104,6 +105,7 @@ class Engine:
         row.set_sampling(self.sampling)
         first = row._prefill_single(prompt_ids)
         self.target.merge(row.target)
+        self.shared = True
         if self.drafter is not None:
             self.drafter.merge(row.drafter)
             if self.pending is not None:
@@ -112,9 +114,9 @@ class Engine:
         return first
 
     def _prefill_single(self, prompt_ids: list[int]) -> int:
-        if not self.rows:
-            self.rows = [[]]
         self.crop(_common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
+        if not self.rows:  # (a fresh engine, or the crop had to start over)
+            self.rows = [[]]
         start, logits = len(self.tokens), None
         for at in range(start, len(prompt_ids), self.prefill_chunk):
             chunk = prompt_ids[at:at + self.prefill_chunk]
@@ -161,6 +163,8 @@ class Engine:
         """Drop finished rows (indices into the current rows) from every cache."""
         gone = set(rows)
         keep = [i for i in range(len(self.rows)) if i not in gone]
+        if not keep and not self.shared:
+            return  # a finished single sequence stays cached: the next prompt may reuse its prefix (a chat)
         if not keep:
             self.reset()
             return
@@ -200,7 +204,7 @@ class Engine:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
-        self.rows, self.pending = [], None
+        self.rows, self.pending, self.shared = [], None, False
 
     def close(self) -> None:
         self.target.close()

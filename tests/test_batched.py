@@ -1,14 +1,14 @@
-"""Batched speculative decoding (backends/torch/batched.py through dflash.loop.generate_batch): every row's greedy
-output equals its batch-1 output, rows stop on their own, holes in the caches are compacted without changing a
-token."""
+"""Batched speculative decoding (the engine with several rows on torch, through dflash.loop.generate_batch): every
+row's greedy output equals its batch-1 output, rows stop on their own, holes in the caches are compacted without
+changing a token."""
 
 import pytest
 import torch
 
 from dflash.backends.torch.backend import TorchBackend
-from dflash.backends.torch.batched import BatchedTorchBackend
 from dflash.backends.torch.drafter import load_drafter
-from dflash.backends.torch.target import LayerCapture, load_target
+from dflash.backends.torch.target import load_target
+from dflash.backends.torch.target_runner import TorchTarget
 from dflash.errors import DFlashError
 from dflash.loop import generate, generate_batch
 from dflash.sampling import SamplingParams
@@ -27,8 +27,7 @@ def mixed_prompts(prompts):
 
 
 def batched(target, drafter, block_size=16):
-    capture = LayerCapture(target, drafter.spec.target_layer_ids) if drafter is not None else None
-    return BatchedTorchBackend(target, drafter, capture, block_size)
+    return TorchBackend(target, drafter, block_size=block_size)
 
 
 def single(target, drafter, block_size=16):
@@ -39,14 +38,14 @@ def single(target, drafter, block_size=16):
 def test_every_row_equals_its_batch1_output(pair, mixed_prompts, block_size, monkeypatch):
     target, drafter = pair
     compactions = []
-    monkeypatch.setattr(BatchedTorchBackend, "_compact",
-                        lambda self, orig=BatchedTorchBackend._compact: (compactions.append(1), orig(self)))
+    monkeypatch.setattr(TorchTarget, "_compact",
+                        lambda self, orig=TorchTarget._compact: (compactions.append(1), orig(self)))
     solo = single(target, drafter, block_size)
     want = [generate(solo, p, max_new_tokens=96) for p in mixed_prompts]
     solo.close()
     be = batched(target, drafter, block_size)
     got = generate_batch(be, mixed_prompts, max_new_tokens=96)
-    be.capture.remove()
+    be.close()
     for w, g in zip(want, got):
         assert g.tokens == w.tokens
         assert g.finish_reason == w.finish_reason == "length"
@@ -70,7 +69,7 @@ def test_rows_stop_on_their_own(pair, mixed_prompts, tiny_target_dir):
     solo.close()
     be = batched(target, drafter)
     got = generate_batch(be, mixed_prompts, **kw)
-    be.capture.remove()
+    be.close()
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert [g.text for g in got] == [w.text for w in want]
     lengths = {len(g.tokens) for g in got}
@@ -91,7 +90,7 @@ def test_sampled_batch_is_well_formed(pair, mixed_prompts):
     target, drafter = pair
     be = batched(target, drafter)
     got = generate_batch(be, mixed_prompts, max_new_tokens=48, sampling=SamplingParams(temperature=1.0, seed=0))
-    be.capture.remove()
+    be.close()
     vocab = target.get_input_embeddings().weight.shape[0]
     for g in got:
         assert len(g.tokens) == 48 and all(0 <= t < vocab for t in g.tokens)
@@ -111,7 +110,7 @@ def test_pipeline_batch_and_errors(trained_pair):
     with pytest.raises(DFlashError, match="sampling settings"):
         from dflash.loop import Generation, _cycles
 
-        be = BatchedTorchBackend.from_backend(pipe.backend)
+        be = pipe.backend
         gens = [Generation(be, [1, 2], sampling=SamplingParams()),
                 Generation(be, [1, 2], sampling=SamplingParams(temperature=1.0))]
         next(_cycles(be, gens))

@@ -60,7 +60,6 @@ def test_captured_features_agree(trained_pair):
     target_dir, draft_dir = trained_pair
     tb, mb = load_both(target_dir, draft_dir)
     ids = held_out_prompts(1, 24)[0]
-    with torch.inference_mode():
-        tb._forward(torch.tensor([ids]), last_only=True)
-    _, feats = mb.runner(mx.array([ids], dtype=mx.int32), mb._new_cache(), last_only=True)
-    np.testing.assert_allclose(np.array(feats), tb._features.numpy(), rtol=1e-4, atol=1e-4)
+    _, torch_feats = tb.target.forward(tb.target.ids([ids]), last_only=True)
+    _, feats = mb.target.forward(mb.target.ids([ids]), last_only=True)
+    np.testing.assert_allclose(np.array(feats), torch_feats.numpy(), rtol=1e-4, atol=1e-4)

@@ -28,7 +28,10 @@ import torch
 
 from dflash import tiny
 from dflash.backends.torch.backend import TorchBackend
-from dflash.backends.torch.drafter import DFlashDrafter, DraftCache, load_drafter, save_drafter
+from dflash.backends.torch.draft_cache import DraftContextCache
+from dflash.draft_context import LayerRule
+from dflash.backends.torch.draft_runner import draft_step
+from dflash.backends.torch.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash.backends.torch.target import load_target
 from dflash.loop import generate
 
@@ -80,8 +83,9 @@ def with_oracle(backend, make_ids, seed: int = 0):
     rng = random.Random(seed)
     draft = backend.draft
 
-    def propose(anchor):
-        draft(anchor)  # keeps the drafter's context bookkeeping in the loop
+    def propose(anchors):
+        (anchor,) = anchors
+        draft(anchors)  # keeps the drafter's context bookkeeping in the loop
         n, b = len(backend.tokens), backend.block_size
         proposals = (backend.reference[n + 1:n + b] + [0] * b)[:b - 1]
         slot = rng.randrange(b)
@@ -194,9 +198,9 @@ def test_torch_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
     block[3] = block[3] % 490 + 6
     for keep in (1, 3, B - 1):
         be = TorchBackend(model, load_drafter(case.draft_dir), block_size=B)
-        be.prefill(prompt)
+        be.prefill([prompt])
         _verify_block(be, block)
-        be.commit(keep)
+        be.commit([keep])
         fresh = DynamicCache(config=model.config)
         with torch.no_grad():
             model(input_ids=torch.tensor([prompt]), cache=fresh, use_cache=True)
@@ -212,14 +216,14 @@ def test_torch_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
     # the control: rolling back only what transformers' crop rolls back (conv windows, K/V) leaves the recurrent
     # state of all B positions behind
     be = TorchBackend(model, load_drafter(case.draft_dir), block_size=B)
-    be.prefill(prompt)
+    be.prefill([prompt])
     _verify_block(be, block)
     be.cache.crop(-(B - 3))
     state = be.cache.layers[linear[0]].recurrent_states[0]
     be2 = TorchBackend(model, load_drafter(case.draft_dir), block_size=B)
-    be2.prefill(prompt)
+    be2.prefill([prompt])
     _verify_block(be2, block)
-    be2.commit(3)
+    be2.commit([3])
     assert (state - be2.cache.layers[linear[0]].recurrent_states[0]).abs().max() > 1e-3
 
 
@@ -227,18 +231,18 @@ def test_torch_rollback_cost(cases, capsys):
     """The rollback (recurrence over the kept positions, per linear layer) next to the verify forward it follows."""
     case = cases("qwen3_5")
     be = TorchBackend(case.model, load_drafter(case.draft_dir), block_size=B)
-    be.prefill(PROMPTS[2])
+    be.prefill([PROMPTS[2]])
     block = [5] * B
     verify, rewind = [], []
     for _ in range(15):
         t0 = time.perf_counter()
         with torch.inference_mode():
-            be._forward(torch.tensor([block]), last_only=False)
+            be.target.forward(torch.tensor([block]), last_only=False)
         t1 = time.perf_counter()
         with torch.inference_mode():
-            assert be.rewind.rewind(1)  # keep B-1 of the B positions: the most recurrence work a commit needs
+            assert be.target.rewind.rewind(1)  # keep B-1 of the B positions: the most recurrence work a commit needs
         t2 = time.perf_counter()
-        assert be.rewind.rewind(B - 1)  # back to before the block
+        assert be.target.rewind.rewind(B - 1)  # back to before the block
         verify.append(t1 - t0)
         rewind.append(t2 - t1)
     ratio = sorted(rewind)[7] / sorted(verify)[7]
@@ -262,10 +266,10 @@ def test_mlx_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
     block[3] = block[3] % 490 + 6
     for keep in (1, 3, B - 1):
         be = mlx_backend.load(case.mlx_dir, case.draft_dir, block_size=B, dtype="float32", device="cpu")
-        be.prefill(prompt)
+        be.prefill([prompt])
         be._verify_ids = mx.array([block], dtype=mx.int32)
         be.verify()
-        be.commit(keep)
+        be.commit([keep])
         fresh = make_prompt_cache(be.model)
         be.model(mx.array([prompt], dtype=mx.int32), cache=fresh)
         be.model(mx.array([block[:keep]], dtype=mx.int32), cache=fresh)
@@ -338,7 +342,8 @@ def test_sliding_window_drafter_is_honoured(cases, tmp_path):
 
     def step(name):
         with torch.no_grad():
-            return drafters[name].step(block, feats, DraftCache(specs[name], torch.float32, "cpu"))
+            cache = DraftContextCache(specs[name], torch.float32, "cpu")
+            return draft_step(drafters[name], block, feats, [feats.shape[1]], cache)
 
     for name in specs:
         torch.testing.assert_close(step(name), reference_draft(drafters[name], block, feats), rtol=1e-5, atol=1e-5)
@@ -347,14 +352,14 @@ def test_sliding_window_drafter_is_honoured(cases, tmp_path):
 
     save_drafter(drafters["mixed"], tmp_path / "mixed")
     torch_be = TorchBackend(case.model, load_drafter(tmp_path / "mixed"), block_size=B)
-    assert torch_be.draft_cache.sliding == [8, None] and torch_be.draft_cache.causal == [True, False]
+    assert torch_be.draft_cache.rules == [LayerRule(8, True), LayerRule(None, False)]
     traces = [generate(torch_be, p, max_new_tokens=N, trace=True) for p in PROMPTS]
     assert [t.tokens for t in traces] == case.refs
     pytest.importorskip("mlx_lm")
     from dflash.backends import mlx as mlx_backend
 
     mlx_be = mlx_backend.load(case.mlx_dir, tmp_path / "mixed", block_size=B, dtype="float32", device="cpu")
-    assert mlx_be.draft_cache.sliding == [8, None] and mlx_be.draft_cache.causal == [True, False]
+    assert mlx_be.draft_cache.rules == [LayerRule(8, True), LayerRule(None, False)]
     for p, t in zip(PROMPTS, traces):
         r = generate(mlx_be, p, max_new_tokens=N, trace=True)
         assert r.tokens == t.tokens and r.drafted == t.drafted  # the MLX drafter windows the same way

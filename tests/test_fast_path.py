@@ -48,13 +48,11 @@ def test_static_cache_overflow_is_one_line(pair):
 def test_fixed_shape_drafter_matches_dynamic(pair, monkeypatch):
     """The compiled drafter's fixed-shape forward (static context buffer, padded new context, device-side offsets),
     run eagerly here: lossless, and its proposals are the dynamic drafter's."""
-    import dflash.backends.torch.backend as backend_module
-
-    monkeypatch.setattr(backend_module.torch, "compile", lambda fn, **kw: fn)  # eager: the same fixed-shape code
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # eager: the same fixed-shape code
     target_dir, draft_dir, prompts = pair
     model, drafter = load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir)
     fixed = TorchBackend(model, drafter, cache_len=256, compile=True)
-    assert fixed._draft_fixed is not None
+    assert fixed.drafter._compiled is not None
     dynamic = TorchBackend(model, drafter)
     for p in prompts:
         a = generate(fixed, p, max_new_tokens=64, trace=True)

@@ -22,7 +22,8 @@ class FakeTokenizer:
 
 
 class FakeBackend:
-    """Target = next_token(); the drafter is right for the first `good` slots of every block, then wrong."""
+    """The engine's protocol for one row. Target = next_token(); the drafter is right for the first `good` slots of
+    every block, then wrong."""
     name = "fake"
 
     def __init__(self, block_size=8, good=3):
@@ -32,13 +33,13 @@ class FakeBackend:
     def set_sampling(self, params):
         pass
 
-    def prefill(self, prompt_ids):
-        self.tokens = list(prompt_ids)
-        return next_token(self.tokens)
+    def prefill(self, prompts):
+        (self.tokens,) = [list(p) for p in prompts]
+        return [next_token(self.tokens)]
 
-    def draft(self, anchor):
-        hist = self.tokens + [anchor]
-        self.block = [anchor]
+    def draft(self, anchors):
+        hist = self.tokens + list(anchors)
+        self.block = list(anchors)
         for i in range(self.block_size - 1):
             t = next_token(hist) if i < self.good else (next_token(hist) + 1) % V
             self.block.append(t)
@@ -46,10 +47,13 @@ class FakeBackend:
 
     def verify(self):
         target = [next_token(self.tokens + self.block[: i + 1]) for i in range(len(self.block))]
-        return self.block[1:], target
+        return [self.block[1:]], [target]
 
-    def commit(self, keep):
-        self.tokens += self.block[:keep]
+    def commit(self, keeps):
+        self.tokens += self.block[:keeps[0]]
+
+    def retire(self, rows):
+        pass
 
 
 def reference(prompt, n):

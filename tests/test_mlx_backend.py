@@ -67,8 +67,9 @@ class OracleDraft:
     def __getattr__(self, name):
         return getattr(self.be, name)
 
-    def draft(self, anchor):
-        self.be.draft(anchor)
+    def draft(self, anchors):
+        (anchor,) = anchors
+        self.be.draft(anchors)
         b = self.be.block_size
         done = len(self.be.tokens) - self.prompt_len  # generated tokens before the anchor (anchor = truth[done])
         props = list(self.truth[done + 1:done + b])
@@ -86,7 +87,7 @@ def test_every_acceptance_length_is_exact(target, random_draft_dir, few, baselin
         assert r.tokens == ref[:N]
         assert set(r.acceptance_lengths[:8]) == set(range(1, 9))
         # the drafter's context tracks exactly the committed positions
-        assert backend.draft_cache.position + backend.pending.shape[1] == len(backend.tokens)
+        assert backend.draft_cache.position + backend.pending.counts[0] == len(backend.tokens)
 
 
 def test_repetition_penalty_rows_see_their_own_history(target, random_draft_dir, few):
@@ -119,7 +120,7 @@ def test_two_drafters_with_different_layers_share_one_model(tmp_path, tiny_targe
         h = layer(h, "causal", None)
         outs.append(h)
     for backend, want in ((ba, [0, 2]), (bb, [1, 3])):
-        _, feats = backend.runner(ids, backend._new_cache(), last_only=True)
+        _, feats = backend.runner(ids, backend.target._new_cache(), last_only=True)
         ref = mx.concatenate([outs[i] for i in want], axis=-1)
         assert mx.allclose(feats, ref, atol=1e-5).item()
 
@@ -129,7 +130,7 @@ def test_quantized_target_loads_and_runs(tmp_path, tiny_target_dir, random_draft
 
     q = target_to_mlx(tiny_target_dir, tmp_path / "q4", quantize=True, bits=4, group_size=64, quiet=True)
     backend = load(q, random_draft_dir)
-    assert type(backend.embed).__name__ == "QuantizedEmbedding"
+    assert type(backend.drafter.embed).__name__ == "QuantizedEmbedding"
     ref = generate(load(q), few[0], max_new_tokens=32).tokens
     assert generate(backend, few[0], max_new_tokens=32).tokens == ref
 

@@ -30,7 +30,8 @@ class OracleDraftBackend(TorchBackend):
         self.memo = {}
 
     @torch.no_grad()
-    def draft(self, anchor):
+    def draft(self, anchors):
+        (anchor,) = anchors
         key = tuple(self.tokens + [anchor])
         if key not in self.memo:
             seq = list(key)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.backends.torch.drafter import DFlashDrafter, DraftCache, extend_context
+from dflash.backends.torch.draft_cache import DraftContextCache
+from dflash.backends.torch.draft_runner import draft_step, extend_context
+from dflash.backends.torch.drafter import DFlashDrafter
 from dflash.backends.torch.training import (SplitMask, block_loss_sum, build_blocks, cosine_lr, dense_mask, dflash_loss,
                                             flex_mask, packed_forward, sample_anchors)
 from dflash.spec import DraftSpec
@@ -38,9 +40,9 @@ def parts():
 def inference_block(drafter, embed, feats, anchor, block_ids, split: int):
     """The drafter's output for one block at inference: context = features of positions < anchor, absorbed as a
     prefill (extend_context) of `split` positions and the rest inside the draft step, like the backend does."""
-    cache = DraftCache(drafter.spec, torch.float32, "cpu", capacity=4)
+    cache = DraftContextCache(drafter.spec, torch.float32, "cpu", capacity=4)
     extend_context(drafter, feats[:, :split], cache)
-    return drafter.step(embed(block_ids[None]), feats[:, split:anchor], cache)[0]
+    return draft_step(drafter, embed(block_ids[None]), feats[:, split:anchor], [anchor - split], cache)[0]
 
 
 @torch.no_grad()

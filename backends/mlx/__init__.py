@@ -15,7 +15,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
 
     from .backend import MLXBackend
     from .drafter import load_drafter
-    from .target import load_target, resolve_device, resolve_dtype
+    from .target import load_target, resolve_device, resolve_dtype, target_info
 
     device = resolve_device(device)
     mx.set_default_device(device)
@@ -25,11 +25,11 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
         spec = spec or DraftSpec.load(draft_dir)  # config errors before the (slow) target load
     model, config = load_target(target_dir, mx_dtype, trust_remote_code=trust_remote_code, checked=target_config)
     if draft_dir is not None:
+        spec.validate_against(target_info(model, config), source=str(draft_dir))
         # the drafter computes in the dtype the target's embeddings come out in
-        dtype_out = model_dtype(model)
-        drafter = load_drafter(draft_dir, dtype=dtype_out, spec=spec)
+        drafter = load_drafter(draft_dir, dtype=model_dtype(model), spec=spec)
     return MLXBackend(model, config, drafter, block_size=block_size, draft_window=draft_window,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, validated=True)
 
 
 def model_dtype(model):

@@ -122,18 +122,27 @@ class MLXTarget:
 
 class MLXBackend(Engine):
     def __init__(self, model, config: dict, drafter: DFlashDrafter | None = None, block_size: int | None = None,
-                 draft_window: int | None = None, prefill_chunk: int = 2048):
+                 draft_window: int | None = None, prefill_chunk: int = 2048, validated: bool = False):
         target = MLXTarget(model, config, drafter.spec.target_layer_ids if drafter is not None else None)
         draft = None
         if drafter is not None:
             spec = drafter.spec
-            spec.validate_against(target.info, source=getattr(drafter, "source", "draft"))
+            if not validated:  # load() checks the spec against the target before it reads the drafter's weights
+                spec.validate_against(target.info, source=getattr(drafter, "source", "draft"))
             block_size = block_size or spec.block_size
             check_block_size(block_size, spec)
             embed = embedding(model)
             dtype = embed(mx.array([[0]])).dtype  # the drafter computes in the dtype the embeddings come out in
             draft = MLXDraft(drafter, embed, lm_head(model), dtype, window=draft_window)
         super().__init__(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="mlx")
+
+    @property
+    def model(self):
+        return self.target.model
+
+    @property
+    def cache(self):
+        return self.target.cache
 
     @property
     def runner(self):

@@ -12,7 +12,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
 
     from .backend import TorchBackend
     from .drafter import load_drafter
-    from .target import load_target, resolve_device, resolve_dtype
+    from .target import load_target, resolve_device, resolve_dtype, target_info
 
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -21,6 +21,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
         spec = spec or DraftSpec.load(draft_dir)  # config errors before the (slow) target load
     model = load_target(target_dir, torch_dtype, device, trust_remote_code=trust_remote_code, checked=target_config)
     if draft_dir is not None:
+        spec.validate_against(target_info(model), source=str(draft_dir))
         drafter = load_drafter(draft_dir, dtype=torch_dtype, device=device, spec=spec)
     return TorchBackend(model, drafter, block_size=block_size, draft_window=draft_window, prefill_chunk=prefill_chunk,
-                        cache_len=cache_len, compile=compile)
+                        cache_len=cache_len, compile=compile, validated=True)

@@ -16,13 +16,14 @@ class TorchBackend(Engine):
 
     def __init__(self, model, drafter: DFlashDrafter | None = None, block_size: int | None = None,
                  draft_window: int | None = None, prefill_chunk: int = 2048, cache_len: int | None = None,
-                 compile: bool = False):
+                 compile: bool = False, validated: bool = False):
         target = TorchTarget(model, drafter.spec.target_layer_ids if drafter is not None else None,
                              cache_len=cache_len, compile=compile)
         draft = None
         if drafter is not None:
             spec = drafter.spec
-            spec.validate_against(target.info, source=getattr(drafter, "source", "draft"))
+            if not validated:  # load() checks the spec against the target before it reads the drafter's weights
+                spec.validate_against(target.info, source=getattr(drafter, "source", "draft"))
             block_size = block_size or spec.block_size
             check_block_size(block_size, spec)
             static = None
@@ -38,6 +39,18 @@ class TorchBackend(Engine):
     @property
     def model(self):
         return self.target.model
+
+    @property
+    def dtype(self):
+        return self.target.dtype
+
+    @property
+    def device(self):
+        return self.target.device
+
+    @property
+    def cache(self):
+        return self.target.cache
 
     @property
     def cache_len(self) -> int | None:
