@@ -11,7 +11,7 @@ from dflash.backends.torch.target import load_target
 from dflash.backends.torch.target_runner import TorchTarget
 from dflash.errors import DFlashError
 from dflash.loop import generate, generate_batch
-from dflash.sampling import SamplingParams
+from dflash.sampling import SamplingParams, accepted_length
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +116,66 @@ def test_pipeline_batch_and_errors(trained_pair):
         next(_cycles(be, gens))
     with pytest.raises(DFlashError, match="fit the target's context"):
         pipe.generate_batch([[1] * 100_000])
+
+
+def drive(be, prompts, arrivals, n):
+    """Continuous batching by hand: prompt i joins at cycle arrivals[i]; a row leaves once it has n tokens."""
+    outs, live, cycle = {}, [], 0
+    while len(outs) < len(prompts) or live:
+        for i, at in enumerate(arrivals):
+            if at == cycle:
+                outs[i] = [be.prefill([prompts[i]])[0] if not be.rows else be.admit(prompts[i])]
+                live.append(i)
+        done = [j for j, i in enumerate(live) if len(outs[i]) >= n]
+        if done:
+            be.retire(done)
+            live = [i for i in live if len(outs[i]) < n]
+        cycle += 1
+        if not live:
+            continue
+        be.draft([outs[i][-1] for i in live])
+        drafted, target = be.verify()
+        keeps = [accepted_length(d, t) + 1 for d, t in zip(drafted, target)]
+        for i, t, k in zip(live, target, keeps):
+            outs[i].extend(t[:k])
+        be.commit(keeps)
+    return [outs[i][:n] for i in range(len(prompts))]
+
+
+def test_rows_join_a_running_batch(pair, mixed_prompts):
+    """Continuous batching: rows admitted between cycles (their own prefill, then merged) and retired as they
+    finish; every row's greedy tokens are its batch-1 tokens."""
+    target, drafter = pair
+    solo = single(target, drafter)
+    want = [generate(solo, p, max_new_tokens=40).tokens for p in mixed_prompts[:5]]
+    be = batched(target, drafter)
+    got = drive(be, mixed_prompts[:5], arrivals=[0, 0, 2, 3, 7], n=40)
+    assert got == want
+
+
+def test_sliding_window_drafter_in_a_batch(pair, mixed_prompts, tmp_path):
+    """A drafter with sliding-window layers (per-row windows under the one mask rule) batches like batch 1."""
+    import dataclasses
+
+    from dflash.backends.torch.drafter import DFlashDrafter
+
+    target, drafter = pair
+    spec = dataclasses.replace(drafter.spec, layer_types=["sliding_attention"] * drafter.spec.num_hidden_layers,
+                               sliding_window=6)
+    sliding = DFlashDrafter(spec).eval()
+    sliding.load_state_dict(drafter.state_dict())
+    solo = single(target, sliding)
+    want = [generate(solo, p, max_new_tokens=32, trace=True) for p in mixed_prompts[:4]]
+    got = generate_batch(batched(target, sliding), mixed_prompts[:4], max_new_tokens=32, trace=True)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert [g.drafted for g in got] == [w.drafted for w in want]
+
+
+def test_batches_of_other_sizes_reuse_the_engine(pair, mixed_prompts):
+    target, drafter = pair
+    solo = single(target, drafter)
+    want = [generate(solo, p, max_new_tokens=24).tokens for p in mixed_prompts[:5]]
+    be = batched(target, drafter)
+    for rows in ([0, 1, 2], [3, 4], [0, 1, 2, 3, 4], [2]):
+        got = generate_batch(be, [mixed_prompts[i] for i in rows], max_new_tokens=24)
+        assert [g.tokens for g in got] == [want[i] for i in rows]

@@ -102,6 +102,7 @@ class DraftContextCache:
 
     def reset(self) -> None:
         self.layout.lengths, self.layout.offset = [0], 0
+        self.k, self.v = self.k[:, :1], self.v[:, :1]  # one row again (a batch may have been merged in)
 
     def select(self, rows: list[int]) -> None:
         idx = torch.tensor(rows, device=self.k.device)
