@@ -67,24 +67,13 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
          no_draft: bool = False, dtype: str = "auto", device: str = "auto", block_size: int | None = None,
          draft_window: int | None = None, trust_remote_code: bool = False) -> Pipeline:
     name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load
-    if model is None:
-        from .reference import reference_dirs
-
-        target_dir, default_draft = reference_dirs()
-        draft = draft if draft is not None else default_draft
-    else:
+    if model is not None:
         pair = hub.pair_for(str(model))  # refuse a known-unsupported family before downloading it
         if pair is not None and not no_draft and name not in pair.backends:
             raise DFlashError(f"--model: {pair.target} is not supported by the {name} backend "
                               f"for speculative decoding ({pair.note or 'see python -m dflash.models'}); "
                               "--no-draft runs it without a drafter")
-        target_dir = hub.resolve(model, "--model")
-        if draft is None and not no_draft:
-            draft = hub.draft_for(str(model))
-            if draft is None:
-                raise DFlashError(f"--draft: no known DFlash drafter for {model}; pass --draft DIR_OR_ID "
-                                  "(or --no-draft for plain decoding)")
-    draft_dir = None if no_draft else hub.resolve(draft, "--draft")
+    target_dir, draft_dir = hub.resolve_pair(model, draft, want_draft=not no_draft)
     # every check once, here, before any framework reads a file: config.json and safetensors headers of the target,
     # the drafter's config.json; the backend then only checks what needs the loaded model (spec vs target)
     target_config = check_target_dir(target_dir)

@@ -14,8 +14,12 @@ import argparse
 import json
 import sys
 
-from . import cli
+from . import cli, hub
+from .datasets import load_samples
 from .errors import DFlashError
+from .io import check_output_dir
+from .spec import default_target_layer_ids
+from .tokenizer import load_tokenizer
 
 
 def parse_args(argv=None):
@@ -68,7 +72,7 @@ def _common(p):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.command == "regenerate":
-        from dflash.backends.torch.regenerate import regenerate
+        from dflash.backends.torch import regenerate
 
         stats = regenerate(args.model, args.input, args.output, batch_size=args.batch_size,
                            temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
@@ -84,13 +88,7 @@ def main(argv=None) -> int:
 def cache_features(args) -> int:
     import torch
 
-    from dflash import hub
-    from dflash.api import load_tokenizer
-    from dflash.backends.torch.features import write_feature_cache
-    from dflash.backends.torch.target import DTYPES, load_target, resolve_device, resolve_dtype
-    from dflash.datasets import load_samples
-    from dflash.io import check_output_dir
-    from dflash.spec import default_target_layer_ids
+    from dflash.backends.torch import DTYPES, load_target, resolve_device, resolve_dtype, write_feature_cache
 
     if args.feature_dtype not in DTYPES:
         raise DFlashError(f"--feature-dtype: got {args.feature_dtype!r}, expected one of {', '.join(DTYPES)}")

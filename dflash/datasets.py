@@ -11,6 +11,7 @@ Rows may carry an "id"; rows with a "status" other than "ok" (regenerate's failu
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from array import array
@@ -45,7 +46,7 @@ def read_rows(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
         return
     if not path.is_file():
         raise DFlashError(f"{path}: input file does not exist")
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
         for i, line in enumerate(f):
             if not line.strip():
                 continue

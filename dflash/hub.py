@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DFlashError
+from .reference import reference_dirs
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -166,3 +167,20 @@ def draft_for(model: str) -> str | None:
         if target.split("/")[-1].lower() == tail:
             return draft
     return None
+
+
+def resolve_pair(model: str | os.PathLike | None, draft: str | os.PathLike | None, *, want_draft: bool = True,
+                 no_draft_hint: str = "--no-draft for plain decoding") -> tuple[Path, Path | None]:
+    """Target and drafter directories: no model = the bundled reference pair; a hub model takes its drafter from
+    the registry unless `draft` names one."""
+    if model is None:
+        target, default = reference_dirs()
+        return target, resolve(draft, "--draft") if draft is not None else default if want_draft else None
+    target = resolve(model, "--model")
+    if not want_draft:
+        return target, None
+    name = draft if draft is not None else draft_for(str(model))
+    if name is None:
+        raise DFlashError(f"--draft: no known DFlash drafter for {model}; pass --draft DIR_OR_ID (or "
+                          f"{no_draft_hint})")
+    return target, resolve(name, "--draft")

@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import dflash" 2>/dev/null || python -m pip install -q -e ".[torch,test]"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-python -m dflash.gpucheck "$@"
+python -m dflash.bench gpu-check "$@"

@@ -5,6 +5,17 @@ dtype "auto" means float32 when MLX runs on the CPU and the checkpoint's own dty
 
 from __future__ import annotations
 
+import importlib
+
+_PUBLIC = {"MLXBackend": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
+           "DFlashDrafter": "drafter", "load_drafter": "drafter"}
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+
 
 def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto", block_size: int | None = None,
          draft_window: int | None = None, trust_remote_code: bool = False, prefill_chunk: int = 2048, spec=None,

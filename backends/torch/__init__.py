@@ -1,6 +1,25 @@
-"""PyTorch backend: transformers targets, the DFlash drafter as an nn.Module, training."""
+"""PyTorch backend: transformers targets, the DFlash drafter as an nn.Module, training.
+
+Applications use the names below (imported on first use, so `import dflash.backends.torch` costs nothing until a
+model is loaded); the modules under this package are the backend's own business.
+"""
 
 from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "TorchBackend": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
+    "target_info": "target", "DTYPES": "target", "DFlashDrafter": "drafter", "load_drafter": "drafter",
+    "save_drafter": "drafter", "regenerate": "regenerate", "write_feature_cache": "features",
+    "TrainConfig": "trainer", "train": "trainer", "dflash_loss": "training",
+}
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
 
 
 def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto", block_size: int | None = None,

@@ -20,8 +20,18 @@ from pathlib import Path
 
 import torch
 
+from dflash import hub
 from dflash.datasets import prompt_messages, read_rows, row_id, row_messages
 from dflash.errors import DFlashError
+from dflash.io import atomic_write_text, check_output_dir
+from dflash.loop import generate_batch
+from dflash.sampling import SamplingParams
+from dflash.spec import DraftSpec
+from dflash.tokenizer import eos_token_ids, load_tokenizer
+
+from .backend import TorchBackend
+from .drafter import load_drafter
+from .target import load_target, resolve_device, resolve_dtype, target_info
 
 
 def recover_output(path: Path) -> set[str]:
@@ -68,12 +78,6 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
 
     Batches go through batched speculative decoding (dflash.loop.generate_batch): with a DFlash `draft` the answers
     come faster and are still the target's own (greedy: identical; sampled: the target's distribution)."""
-    from dflash import hub
-    from dflash.tokenizer import eos_token_ids, load_tokenizer
-    from dflash.io import atomic_write_text, check_output_dir
-
-    from .target import load_target, resolve_device, resolve_dtype
-
     if batch_size < 1:
         raise DFlashError(f"--batch-size: got {batch_size}, expected >= 1")
     if max_new_tokens < 1:
@@ -163,24 +167,18 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
 
 def _batched_backend(model, draft_dir):
     """The engine over the loaded target, with the drafter (validated and hooked by TorchBackend) if any."""
-    from .backend import TorchBackend
-    from .drafter import load_drafter
-    from .target import target_info
-
     drafter = None
     if draft_dir is not None:
-        drafter = load_drafter(draft_dir, dtype=model.dtype, device=model.device)
-        drafter.spec.validate_against(target_info(model), source=str(draft_dir))  # errors name the drafter
-    backend = TorchBackend(model, drafter)
+        spec = DraftSpec.load(draft_dir)
+        spec.validate_against(target_info(model), source=str(draft_dir))  # before its weights are read
+        drafter = load_drafter(draft_dir, dtype=model.dtype, device=model.device, spec=spec)
+    backend = TorchBackend(model, drafter, validated=True)
     backend.target.check_batchable()  # one line now, not one failed row per batch
     return backend
 
 
 def _generate(backend, prompts: list[list[int]], eos, max_new_tokens, temperature, top_p, seed):
     """One batch through the speculative loop; returns each prompt's new tokens (EOS cut) and finish reason."""
-    from dflash.loop import generate_batch
-    from dflash.sampling import SamplingParams
-
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed if temperature > 0 else None)
     results = generate_batch(backend, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos)
     answers = []

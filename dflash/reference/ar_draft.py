@@ -141,7 +141,7 @@ def answers_for(target_dir: Path, build_dir: Path) -> list[tuple[Path, str]]:
 
 def load_answer_samples(target_dir: Path, files: list[tuple[Path, str]], max_length: int) -> list[dict]:
     """Tokenised samples (input_ids, loss_mask on the answer) of every answers file, each with its own template."""
-    from dflash.api import load_tokenizer
+    from dflash.tokenizer import load_tokenizer
     from dflash.datasets import load_samples
 
     samples = []

@@ -152,7 +152,7 @@ def regenerate(target_dir: Path, prompts: list, path: Path, max_new_tokens: int,
     already in `path` for the same prompts, token budget and target weights are kept."""
     import hashlib
 
-    from dflash.backends.torch.regenerate import regenerate as answer
+    from dflash.backends.torch import regenerate as answer
     from dflash.io import atomic_write_text
 
     inp = path.with_name("regenerate_input.jsonl")
@@ -188,15 +188,15 @@ def completion_target(target_dir: Path, dst: Path) -> Path:
 
 def answer_samples(target_dir: Path, path: Path) -> list[dict]:
     """Tokenised training samples of regenerated answers, rendered with that target directory's template."""
-    from dflash.api import load_tokenizer
     from dflash.datasets import load_samples
+    from dflash.tokenizer import load_tokenizer
 
     return load_samples(path, load_tokenizer(target_dir))
 
 
 def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildConfig):
     """`python -m dflash.train`, in process, on the target's answers (loss on the answer tokens only)."""
-    from dflash.backends.torch.trainer import TrainConfig, train
+    from dflash.backends.torch import TrainConfig, train
 
     if out.exists():
         shutil.rmtree(out)  # no resuming from an older build's checkpoints
@@ -227,7 +227,7 @@ def export_target(src: Path, dst: Path) -> None:
 def export_drafter(src: Path, dst: Path) -> None:
     import torch
 
-    from dflash.backends.torch.drafter import load_drafter, save_drafter
+    from dflash.backends.torch import load_drafter, save_drafter
     from dflash.io import atomic_directory
 
     model = load_drafter(src, dtype=torch.float32)

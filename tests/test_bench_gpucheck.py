@@ -1,6 +1,6 @@
 import json
 
-from dflash.gpucheck import main
+from dflash.bench.gpucheck import main
 
 
 def test_small_shape_mode_runs_here(tmp_path):

@@ -1,4 +1,4 @@
-"""python -m dflash.gpucheck: the prepared GPU check (scripts/gpu_check.sh), one report in JSON + Markdown.
+"""python -m dflash.bench.gpucheck: the prepared GPU check (scripts/gpu_check.sh), one report in JSON + Markdown.
 
   1. the GPU-marked tests (CUDA graphs + bf16 losslessness, FlexAttention mask == dense mask)
   2. bf16 training steps of a drafter at a real shape (Qwen3-8B, 5 layers, block 16): tokens/s, peak memory
@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import cli
-from .io import atomic_write_text
+from .. import cli
+from ..io import atomic_write_text
+from ..spec import DraftSpec, default_target_layer_ids
+from .costmodel import main as cost_model_main
 
 
 def run_gpu_tests() -> dict:
@@ -33,9 +35,7 @@ def training_steps(config: dict, draft_layers: int, block_size: int, seq_len: in
     """Drafter training steps on random target features: the drafter's own cost, without a target forward."""
     import torch
 
-    from dflash.backends.torch.drafter import DFlashDrafter
-    from dflash.backends.torch.training import dflash_loss
-    from dflash.spec import DraftSpec, default_target_layer_ids
+    from dflash.backends.torch import DFlashDrafter, dflash_loss
 
     h, v = config["hidden_size"], config["vocab_size"]
     spec = DraftSpec(hidden_size=h, num_hidden_layers=draft_layers, num_attention_heads=config["num_attention_heads"],
@@ -78,12 +78,11 @@ def training_steps(config: dict, draft_layers: int, block_size: int, seq_len: in
 
 
 def cost_model(shape: str, draft_layers: int, device: str, compile: bool, context: int) -> dict:
-    from .costmodel import main as cm
 
     out = Path("/tmp") / f"dflash-cost-{shape}.json"
     args = ["--target-config", shape, "--draft-layers", str(draft_layers), "--block-sizes", "8", "16",
             "--context", str(context), "--iters", "20", "--warmup", "5", "--device", device, "--json", str(out)]
-    cm(args + (["--compile"] if compile else []))
+    cost_model_main(args + (["--compile"] if compile else []))
     return json.loads(out.read_text())
 
 
@@ -107,7 +106,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.gpucheck", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dflash.bench.gpucheck", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="tiny shapes (runs on CPU)")
     p.add_argument("--out", default="docs/gpu_check", help="report path prefix (.json and .md are written)")

@@ -17,8 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import cli
-from .errors import DFlashError
+from .. import backends, cli, hub, tiny
+from ..errors import DFlashError
+from ..io import atomic_write_text
+from ..spec import DraftSpec, default_target_layer_ids
 
 TINY = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=768, vocab_size=4096)
@@ -83,10 +85,7 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cac
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.backends.torch.backend import TorchBackend
-    from dflash.backends.torch.drafter import DFlashDrafter
-    from dflash.backends.torch.target import resolve_device, resolve_dtype
-    from dflash.spec import DraftSpec, default_target_layer_ids
+    from dflash.backends.torch import DFlashDrafter, TorchBackend, resolve_device, resolve_dtype
 
     device = resolve_device(device)
     dt = resolve_dtype(dtype, device)
@@ -125,8 +124,7 @@ def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str
     """Any backend, through checkpoint directories (tiny shapes): what a user's load() would do."""
     import torch
 
-    from dflash import backends, tiny
-    from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
+    from dflash.backends.torch import DFlashDrafter, save_drafter
 
     root = Path(tempfile.mkdtemp(prefix="dflash-cost-"))
     cfg = dict(target_config)
@@ -170,7 +168,6 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the measurements here")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
-    from dflash import backends
 
     name = backends.pick(args.backend)
     if any(b < 2 or b > 64 for b in args.block_sizes):
@@ -209,8 +206,6 @@ def main(argv=None) -> int:
         print(f"best block size for this acceptance curve: {best} "
               f"(tau {res['blocks'][best]['expected_tau']:.2f}, speedup {res['blocks'][best]['speedup']:.2f}x)")
     if args.json:
-        from .io import atomic_write_text
-
         atomic_write_text(args.json, json.dumps(res, indent=2))
     return 0
 
@@ -219,9 +214,7 @@ def load_config(name: str):
     """A config.json path, a bundled shape (qwen3-8b, qwen3-4b), or a hub id / model directory."""
     from transformers import AutoConfig
 
-    from . import hub
-
-    bundled = Path(__file__).parent / "configs" / f"{name.lower()}.json"
+    bundled = Path(__file__).parents[1] / "configs" / f"{name.lower()}.json"
     path = bundled if bundled.is_file() else Path(name)
     if path.is_file():
         data = json.loads(path.read_text())

@@ -2,7 +2,7 @@
 
 Every method is a `Runner`: it loads its models once and turns prompt token ids into one record per prompt
 (`tokens`, `seconds`, `prefill_seconds`, `decode_seconds`, `acceptance_lengths`). The benchmark runs each method in
-its own worker process (`python -m dflash.bench_methods`, JSON lines on stdin/stdout), so every method gets its own
+its own worker process (`python -m dflash.bench.methods`, JSON lines on stdin/stdout), so every method gets its own
 peak-RSS figure, and MLX methods can run with OpenBLAS preloaded while torch methods never are.
 
     family   backend  what runs
@@ -26,7 +26,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .errors import DFlashError
+from .. import api
+from ..errors import DFlashError
+from ..sampling import SamplingParams
+from ..tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -87,22 +90,18 @@ class DFlashRunner:
     """This project's loop (dflash.load) on the torch or MLX backend; the drafter-less pipeline is the baseline."""
 
     def __init__(self, cfg: dict, method: Method):
-        import dflash
-
         if method.backend == "torch":
             import torch
 
             torch.set_num_threads(cfg["threads"])
         self.method, self.cfg = method, cfg
         draft = cfg["draft"] if method.block_size is not None else None
-        self.pipe = dflash.load(cfg["target"], draft, backend=method.backend, no_draft=draft is None,
+        self.pipe = api.load(cfg["target"], draft, backend=method.backend, no_draft=draft is None,
                                 dtype=cfg["dtype"], device=cfg["device"], block_size=method.block_size)
         self.pipe.eos_token_ids = set(cfg["eos_token_ids"])
         self.info = {"block_size": self.pipe.backend.block_size}
 
     def generate(self, ids: list[int], seed: int) -> dict:
-        from .sampling import SamplingParams
-
         self.pipe.backend.reset()  # no prompt-prefix reuse across prompts: every method prefills from scratch
         sampling = SamplingParams(temperature=self.cfg["temperature"], seed=seed)
         t0 = time.perf_counter()
@@ -117,8 +116,6 @@ class DFlashRunner:
     def generate_batch(self, prompts: list[list[int]], seed: int) -> list[dict]:
         """One batch through batched speculative decoding (torch). Each row is charged the batch's wall time in
         proportion to its tokens, so per-token times and throughput are the batch's."""
-        from .sampling import SamplingParams
-
         sampling = SamplingParams(temperature=self.cfg["temperature"], seed=seed)
         t0 = time.perf_counter()
         results = self.pipe.generate_batch(prompts, max_new_tokens=self.cfg["max_new_tokens"], sampling=sampling)
@@ -155,7 +152,7 @@ class HFRunner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from dflash.backends.torch.target import resolve_device, resolve_dtype
+        from dflash.backends.torch import resolve_device, resolve_dtype
 
         torch.set_num_threads(cfg["threads"])
         self.torch, self.method, self.cfg = torch, method, cfg
@@ -215,8 +212,7 @@ class MLXLMRunner:
         import mlx.core as mx
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-        from dflash.api import load_tokenizer
-        from dflash.backends.mlx.target import load_target, resolve_device, resolve_dtype
+        from dflash.backends.mlx import load_target, resolve_device, resolve_dtype
 
         self.mx, self.method, self.cfg = mx, method, cfg
         device = resolve_device(cfg["device"] if cfg["device"] in ("cpu", "gpu") else "auto")

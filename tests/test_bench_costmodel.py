@@ -1,6 +1,6 @@
 import json
 
-from dflash.costmodel import expected_tau, main
+from dflash.bench.costmodel import expected_tau, main
 
 
 def test_expected_tau():

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dflash import benchmark as B
-from dflash.bench_methods import METHODS, cycles_from_draft_flags, make_runner
+from dflash.bench.methods import METHODS, cycles_from_draft_flags, make_runner
 from dflash.errors import DFlashError
 
 
@@ -115,7 +115,7 @@ def test_batched_worker_protocol(sharp_models):
     import torch
     from transformers import AutoTokenizer
 
-    from dflash.bench_methods import worker
+    from dflash.bench.methods import worker
 
     target, draft, ar = sharp_models
     tok = AutoTokenizer.from_pretrained(str(target))

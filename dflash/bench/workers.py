@@ -1,0 +1,201 @@
+"""Benchmark workers: every method in its own process (peak RSS per method), JSON lines both ways; interleaved
+prompt by prompt so that machine-load drift hits every method alike, or one method at a time (--sequential)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .methods import Method
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+
+class WorkerFailed(Exception):
+    pass
+
+
+class Worker:
+    """One method in its own process (python -m dflash.bench.methods), JSON lines both ways."""
+
+    def __init__(self, method: Method, cfg: dict, env: dict, log_path: Path):
+        self.method = method
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.bench.methods"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1)
+        self.send(cfg)
+        self.ready: dict | None = None
+        self.done: dict = {}
+
+    def send(self, obj: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise WorkerFailed(self._why()) from None
+
+    def recv(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise WorkerFailed(self._why())
+        msg = json.loads(line)
+        if "error" in msg and "i" not in msg:
+            raise WorkerFailed(msg["error"])
+        return msg
+
+    def wait_ready(self) -> dict:
+        self.ready = self.recv()
+        return self.ready
+
+    def run(self, i: int, ids: list[int], seed: int) -> dict:
+        self.send({"i": i, "prompt_ids": ids, "seed": seed})
+        return self.recv()
+
+    def run_batch(self, rows: list[dict]) -> list[dict]:
+        self.send({"batch": rows})
+        return self.recv()["records"]
+
+    def request_exit(self) -> None:
+        """Ask for the final memory report without waiting (workers shut down in parallel)."""
+        try:
+            if self.proc.poll() is None and not self.proc.stdin.closed:
+                self.send({"cmd": "exit"})
+                self._exit_sent = True
+        except WorkerFailed:
+            pass
+
+    def close(self) -> None:
+        try:
+            if not getattr(self, "_exit_sent", False):
+                self.request_exit()
+            if getattr(self, "_exit_sent", False):
+                self.done = self.recv()
+        except WorkerFailed:
+            pass
+        finally:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+    def _why(self) -> str:
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.flush()
+        tail = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        last = tail[-1].strip() if tail else "no output"
+        return f"worker exited with status {self.proc.returncode}: {last} (log: {self.log_path})"
+
+
+def worker_env(method: Method, threads: int, openblas: bool) -> dict:
+    env = dict(os.environ)
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "openblas" not in p]
+    if method.backend == "mlx" and openblas:
+        preload.append(OPENBLAS)  # never into torch processes
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    else:
+        env.pop("LD_PRELOAD", None)
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([p for p in (env.get("PYTHONPATH"), pkg_root) if p])
+    return env
+
+
+def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out: Path, *, sequential: bool,
+                openblas: bool, seed: int, progress: bool, log=print) -> dict:
+    """{method name: {"records": [record or None per prompt], "ready": ..., "done": ..., "error": ...}}."""
+    from tqdm import tqdm
+
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    batch_size = base_cfg.get("batch_size", 1)
+    results = {m.name: {"records": [None] * len(prompts), "error": None} for m in methods}
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
+
+    def start(m: Method) -> Worker:
+        cfg = dict(base_cfg, method=m.name)
+        return Worker(m, cfg, worker_env(m, base_cfg["threads"], openblas), out / "logs" / f"{m.name}.log")
+
+    def ready(w: Worker) -> bool:
+        try:
+            r = w.wait_ready()
+            results[w.method.name].update(load_seconds=r["load_seconds"], load_rss_bytes=r["load_rss_bytes"],
+                                          info=r.get("info", {}))
+            return True
+        except WorkerFailed as e:
+            results[w.method.name]["error"] = str(e)
+            log(f"FAILED {w.method.name}: {e}")
+            w.close()
+            bar.update(len(prompts))
+            return False
+
+    def finish(w: Worker) -> None:
+        w.close()
+        for k in ("peak_rss_bytes", "cuda_peak_bytes", "mlx_peak_bytes"):
+            if k in w.done:
+                results[w.method.name][k] = w.done[k]
+
+    def step(w: Worker, i: int, p: dict) -> bool:
+        """Prompt i, or with batch_size > 1 the batch of prompts that starts at i."""
+        batch = range(i, min(i + batch_size, len(prompts)))
+        bar.set_postfix_str(f"{w.method.name} {p['id']}", refresh=False)
+        try:
+            if batch_size > 1:
+                recs = w.run_batch([{"i": j, "prompt_ids": prompts[j]["ids"], "seed": seed + j} for j in batch])
+            else:
+                recs = [w.run(i, p["ids"], seed + i)]
+        except WorkerFailed as e:
+            results[w.method.name]["error"] = f"prompt {p['id']}: {e}"
+            log(f"FAILED {w.method.name} on {p['id']}: {e}")
+            return False
+        for j, rec in zip(batch, recs):
+            if "error" in rec:
+                rec = {"error": rec["error"]}
+                log(f"error: {w.method.name} on {prompts[j]['id']}: {rec['error']}")
+            rec.pop("i", None)
+            results[w.method.name]["records"][j] = rec
+        bar.update(len(batch))
+        return True
+
+    try:
+        if sequential:
+            for m in methods:
+                w = start(m)
+                if not ready(w):
+                    continue
+                for i in range(0, len(prompts), batch_size):
+                    if not step(w, i, prompts[i]):
+                        bar.update(len(prompts) - i)
+                        break
+                finish(w)
+        else:
+            workers = [start(m) for m in methods]  # load (and warm up) concurrently; nothing is timed yet
+            live = [w for w in workers if ready(w)]
+            for i in range(0, len(prompts), batch_size):
+                for w in list(live):
+                    if not step(w, i, prompts[i]):
+                        bar.update(len(prompts) - i)
+                        live.remove(w)
+                        w.close()
+            for w in live:
+                w.request_exit()
+            for w in live:
+                finish(w)
+    finally:
+        bar.close()
+    return results
