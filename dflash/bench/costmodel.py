@@ -214,7 +214,7 @@ def load_config(name: str):
     """A config.json path, a bundled shape (qwen3-8b, qwen3-4b), or a hub id / model directory."""
     from transformers import AutoConfig
 
-    bundled = Path(__file__).parents[1] / "configs" / f"{name.lower()}.json"
+    bundled = Path(__file__).parent / "configs" / f"{name.lower()}.json"
     path = bundled if bundled.is_file() else Path(name)
     if path.is_file():
         data = json.loads(path.read_text())
