@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from . import cli
 from .errors import DFlashError
+from .sampling import common_prefix
 from .stats import mean_acceptance_length, per_position_acceptance
 
 PROMPT = ">> "
@@ -56,15 +57,6 @@ def parse_args(argv=None):
     if args.max_context is not None and args.max_context < 2:
         raise DFlashError(f"--max-context: got {args.max_context}, expected >= 2")
     return args
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Conversation:

@@ -105,3 +105,31 @@ class ContextLayout:
 
     def uniform(self) -> bool:
         return len(set(self.lengths)) == 1
+
+
+class ContextCache:
+    """What every backend's draft-context cache shares: the slot bookkeeping. Subclasses own the K/V buffers and
+    implement reserve (shift / grow them as the layout plans) and write (store entries, return a layer's span)."""
+
+    layout: ContextLayout
+
+    @property
+    def position(self) -> int:
+        return self.layout.position
+
+    @property
+    def capacity(self) -> int:
+        return self.layout.capacity
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.layout.lengths
+
+    def advance(self, counts: list[int]) -> None:
+        self.layout.lengths = [n + c for n, c in zip(self.layout.lengths, counts)]
+
+    def crop(self, position: int) -> bool:
+        return self.layout.crop(0, position)
+
+    def reset(self) -> None:
+        self.layout.lengths, self.layout.offset = [0], 0

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import DFlashError
-from .sampling import SamplingParams
+from .sampling import SamplingParams, common_prefix
+from .spec import check_block_size
 
 
 def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
@@ -30,6 +31,17 @@ def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
     if max_context and len(prompt_ids) >= max_context:
         raise DFlashError(f"prompt: {len(prompt_ids)} tokens do not fit the target's context "
                           f"(max_position_embeddings {max_context})")
+
+
+def drafter_block_size(drafter, target_info, block_size: int | None, validated: bool = False) -> int:
+    """The block size a drafter runs at (its trained one unless asked for another), after its spec is checked against
+    the target, unless the loader already did that before reading the drafter's weights."""
+    spec = drafter.spec
+    if not validated:
+        spec.validate_against(target_info, source=getattr(drafter, "source", "draft"))
+    block_size = block_size or spec.block_size
+    check_block_size(block_size, spec)
+    return block_size
 
 
 @dataclass
@@ -114,7 +126,7 @@ class Engine:
         return first
 
     def _prefill_single(self, prompt_ids: list[int]) -> int:
-        self.crop(_common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
+        self.crop(common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
         if not self.rows:  # (a fresh engine, or the crop had to start over)
             self.rows = [[]]
         start, logits = len(self.tokens), None
@@ -219,12 +231,3 @@ class Engine:
     def _take_pending(self) -> Pending | None:
         pending, self.pending = self.pending, None
         return pending
-
-
-def _common_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    n = 0
-    for a, b in zip(cached, prompt):
-        if a != b:
-            break
-        n += 1
-    return n

@@ -50,15 +50,20 @@ class SamplingParams:
         return self
 
 
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def accepted_length(drafted: list[int], target: list[int]) -> int:
     """Number of leading drafted tokens equal to the target's tokens at the same positions.
 
     drafted[i] is the proposal for the position the target fills with target[i]; len(target) == len(drafted) + 1,
     the extra target token being the bonus committed after the accepted prefix.
     """
-    n = 0
-    for d, t in zip(drafted, target):
-        if d != t:
-            break
-        n += 1
-    return n
+    return common_prefix(drafted, target)

@@ -133,7 +133,7 @@ def read_out(path) -> dict:
 
 
 def test_recover_output_cuts_a_torn_line(tmp_path):
-    from dflash.backends.torch.regenerate import recover_output
+    from dflash.backends.torch.regeneration import recover_output
 
     p = tmp_path / "o.jsonl"
     p.write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c", "mess')
@@ -146,7 +146,7 @@ def test_regenerate_sigkill_and_resume(tiny_target_dir, tmp_path):
     cmd = lambda out: [sys.executable, "-m", "dflash.data", "regenerate", "--model", str(tiny_target_dir),
                        "--input", str(inp), "--output", str(out), "--batch-size", "2", "--max-new-tokens", "24",
                        "--no-progress"]
-    from dflash.backends.torch.regenerate import regenerate
+    from dflash.backends.torch.regeneration import regenerate
 
     clean = tmp_path / "clean.jsonl"  # uninterrupted, in-process (same code path as the CLI)
     regenerate(tiny_target_dir, inp, clean, batch_size=2, max_new_tokens=24, device="cpu", progress=False,
@@ -178,7 +178,7 @@ def test_regenerate_sigkill_and_resume(tiny_target_dir, tmp_path):
 
 
 def test_regenerated_rows_train(tiny_target_dir, tmp_path, tok):
-    from dflash.backends.torch.regenerate import regenerate
+    from dflash.backends.torch.regeneration import regenerate
 
     inp = prompts_file(tmp_path / "p.jsonl", n=8)
     regenerate(tiny_target_dir, inp, tmp_path / "a.jsonl", batch_size=4, max_new_tokens=8, device="cpu",

@@ -207,7 +207,7 @@ def test_torch_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
             model(input_ids=torch.tensor([block[:keep]]), cache=fresh, use_cache=True)
         linear = [i for i, layer in enumerate(fresh.layers) if hasattr(layer, "conv_states")]
         assert linear and len(linear) < len(fresh.layers)
-        for i, (ours, ref) in enumerate(zip(be.cache.layers, fresh.layers)):
+        for i, (ours, ref) in enumerate(zip(be.target.cache.layers, fresh.layers)):
             if i in linear:
                 torch.testing.assert_close(ours.conv_states[0], ref.conv_states[0], rtol=0, atol=1e-6)
                 torch.testing.assert_close(ours.recurrent_states[0], ref.recurrent_states[0], rtol=1e-4, atol=1e-5)
@@ -218,13 +218,13 @@ def test_torch_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
     be = TorchBackend(model, load_drafter(case.draft_dir), block_size=B)
     be.prefill([prompt])
     _verify_block(be, block)
-    be.cache.crop(-(B - 3))
-    state = be.cache.layers[linear[0]].recurrent_states[0]
+    be.target.cache.crop(-(B - 3))
+    state = be.target.cache.layers[linear[0]].recurrent_states[0]
     be2 = TorchBackend(model, load_drafter(case.draft_dir), block_size=B)
     be2.prefill([prompt])
     _verify_block(be2, block)
     be2.commit([3])
-    assert (state - be2.cache.layers[linear[0]].recurrent_states[0]).abs().max() > 1e-3
+    assert (state - be2.target.cache.layers[linear[0]].recurrent_states[0]).abs().max() > 1e-3
 
 
 def test_torch_rollback_cost(cases, capsys):
@@ -270,10 +270,11 @@ def test_mlx_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
         be._verify_ids = mx.array([block], dtype=mx.int32)
         be.verify()
         be.commit([keep])
-        fresh = make_prompt_cache(be.model)
-        be.model(mx.array([prompt], dtype=mx.int32), cache=fresh)
-        be.model(mx.array([block[:keep]], dtype=mx.int32), cache=fresh)
-        for ours, ref in zip(be.cache, fresh):
+        model = be.target.model
+        fresh = make_prompt_cache(model)
+        model(mx.array([prompt], dtype=mx.int32), cache=fresh)
+        model(mx.array([block[:keep]], dtype=mx.int32), cache=fresh)
+        for ours, ref in zip(be.target.cache, fresh):
             if isinstance(ref, ArraysCache):
                 for a, b in zip(ours.cache, ref.cache):
                     np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
@@ -352,14 +353,14 @@ def test_sliding_window_drafter_is_honoured(cases, tmp_path):
 
     save_drafter(drafters["mixed"], tmp_path / "mixed")
     torch_be = TorchBackend(case.model, load_drafter(tmp_path / "mixed"), block_size=B)
-    assert torch_be.draft_cache.rules == [LayerRule(8, True), LayerRule(None, False)]
+    assert torch_be.drafter.cache.rules == [LayerRule(8, True), LayerRule(None, False)]
     traces = [generate(torch_be, p, max_new_tokens=N, trace=True) for p in PROMPTS]
     assert [t.tokens for t in traces] == case.refs
     pytest.importorskip("mlx_lm")
     from dflash.backends import mlx as mlx_backend
 
     mlx_be = mlx_backend.load(case.mlx_dir, tmp_path / "mixed", block_size=B, dtype="float32", device="cpu")
-    assert mlx_be.draft_cache.rules == [LayerRule(8, True), LayerRule(None, False)]
+    assert mlx_be.drafter.cache.rules == [LayerRule(8, True), LayerRule(None, False)]
     for p, t in zip(PROMPTS, traces):
         r = generate(mlx_be, p, max_new_tokens=N, trace=True)
         assert r.tokens == t.tokens and r.drafted == t.drafted  # the MLX drafter windows the same way

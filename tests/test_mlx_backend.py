@@ -87,7 +87,7 @@ def test_every_acceptance_length_is_exact(target, random_draft_dir, few, baselin
         assert r.tokens == ref[:N]
         assert set(r.acceptance_lengths[:8]) == set(range(1, 9))
         # the drafter's context tracks exactly the committed positions
-        assert backend.draft_cache.position + backend.pending.counts[0] == len(backend.tokens)
+        assert backend.drafter.position + backend.pending.counts[0] == len(backend.tokens)
 
 
 def test_repetition_penalty_rows_see_their_own_history(target, random_draft_dir, few):
@@ -120,7 +120,7 @@ def test_two_drafters_with_different_layers_share_one_model(tmp_path, tiny_targe
         h = layer(h, "causal", None)
         outs.append(h)
     for backend, want in ((ba, [0, 2]), (bb, [1, 3])):
-        _, feats = backend.runner(ids, backend.target._new_cache(), last_only=True)
+        _, feats = backend.target.runner(ids, backend.target._new_cache(), last_only=True)
         ref = mx.concatenate([outs[i] for i in want], axis=-1)
         assert mx.allclose(feats, ref, atol=1e-5).item()
 

@@ -36,7 +36,7 @@ class OracleDraftBackend(TorchBackend):
         if key not in self.memo:
             seq = list(key)
             for _ in range(self.block_size - 1):
-                seq.append(int(self.model(torch.tensor([seq])).logits[0, -1].argmax()))
+                seq.append(int(self.target.model(torch.tensor([seq])).logits[0, -1].argmax()))
             self.memo[key] = torch.tensor([seq[len(self.tokens):]])
         self._verify_ids = self.memo[key]
 

@@ -44,7 +44,7 @@ def test_draft_window_keeps_output_lossless(target, random_draft_dir, prompts, b
     backend = TorchBackend(target, load_drafter(random_draft_dir), draft_window=16)
     for p, ref in list(zip(prompts, baseline))[:5]:
         assert generate(backend, p, max_new_tokens=128).tokens == ref
-    assert backend.draft_cache.capacity <= 512  # bounded: entries are recycled instead of growing the buffer
+    assert backend.drafter.cache.capacity <= 512  # bounded: entries are recycled instead of growing the buffer
 
 
 def test_chunked_prefill_and_prefix_reuse(target, random_draft_dir, prompts):
@@ -73,7 +73,7 @@ def test_save_load_round_trip(tmp_path, target, random_draft_dir, prompts):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs(tiny_target_dir, random_draft_dir, prompts, dtype):
     backend = load(tiny_target_dir, random_draft_dir, dtype=dtype, device="cpu")
-    assert backend.dtype == getattr(torch, dtype)
+    assert backend.target.dtype == getattr(torch, dtype)
     r = generate(backend, prompts[0], max_new_tokens=16)
     assert r.generation_tokens == 16
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from dflash.engine import Engine
+from dflash.engine import Engine, drafter_block_size
 from dflash.errors import DFlashError
 from dflash.sampling import SamplingParams
-from dflash.spec import check_block_size
 
 from .draft_runner import MLXDraft
 from .drafter import DFlashDrafter
@@ -126,28 +125,8 @@ class MLXBackend(Engine):
         target = MLXTarget(model, config, drafter.spec.target_layer_ids if drafter is not None else None)
         draft = None
         if drafter is not None:
-            spec = drafter.spec
-            if not validated:  # load() checks the spec against the target before it reads the drafter's weights
-                spec.validate_against(target.info, source=getattr(drafter, "source", "draft"))
-            block_size = block_size or spec.block_size
-            check_block_size(block_size, spec)
+            block_size = drafter_block_size(drafter, target.info, block_size, validated)
             embed = embedding(model)
             dtype = embed(mx.array([[0]])).dtype  # the drafter computes in the dtype the embeddings come out in
             draft = MLXDraft(drafter, embed, lm_head(model), dtype, window=draft_window)
         super().__init__(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="mlx")
-
-    @property
-    def model(self):
-        return self.target.model
-
-    @property
-    def cache(self):
-        return self.target.cache
-
-    @property
-    def runner(self):
-        return self.target.runner
-
-    @property
-    def draft_cache(self):
-        return self.drafter.cache

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from dflash.draft_context import ContextLayout, draft_visible, layer_rules
+from dflash.draft_context import ContextCache, ContextLayout, draft_visible, layer_rules
 from dflash.errors import DFlashError
 
 
-class DraftContextCache:
+class DraftContextCache(ContextCache):
     def __init__(self, spec, dtype, capacity: int = 512, window: int | None = None):
         self.spec, self.window = spec, window
         self.rules = layer_rules(spec)
@@ -18,14 +18,6 @@ class DraftContextCache:
         shape = (1, spec.num_key_value_heads, capacity, spec.head_dim)
         self.k = [mx.zeros(shape, dtype=dtype) for _ in range(spec.num_hidden_layers)]
         self.v = [mx.zeros(shape, dtype=dtype) for _ in range(spec.num_hidden_layers)]
-
-    @property
-    def position(self) -> int:
-        return self.layout.position
-
-    @property
-    def capacity(self) -> int:
-        return self.layout.capacity
 
     def reserve(self, n: int) -> None:
         shift, capacity = self.layout.plan_reserve(n)
@@ -53,15 +45,6 @@ class DraftContextCache:
             mask = draft_visible(q, mx.arange(hi - lo)[None], anchor, block, window=self.window,
                                  sliding=rule.sliding, causal=rule.causal)
         return self.k[layer][:, :, lo:hi], self.v[layer][:, :, lo:hi], mask
-
-    def advance(self, counts: list[int]) -> None:
-        self.layout.lengths = [n + c for n, c in zip(self.layout.lengths, counts)]
-
-    def crop(self, position: int) -> bool:
-        return self.layout.crop(0, position)
-
-    def reset(self) -> None:
-        self.layout.lengths, self.layout.offset = [0], 0
 
     def state(self) -> list[mx.array]:
         return self.k + self.v

@@ -11,7 +11,7 @@ import importlib
 _PUBLIC = {
     "TorchBackend": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
     "target_info": "target", "DTYPES": "target", "DFlashDrafter": "drafter", "load_drafter": "drafter",
-    "save_drafter": "drafter", "regenerate": "regenerate", "write_feature_cache": "features",
+    "save_drafter": "drafter", "regenerate": "regeneration", "write_feature_cache": "features",
     "TrainConfig": "trainer", "train": "trainer", "dflash_loss": "training",
 }
 

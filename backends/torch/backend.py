@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dflash.engine import Engine
+from dflash.engine import Engine, drafter_block_size
 from dflash.errors import DFlashError
-from dflash.spec import check_block_size
 
 from .draft_runner import TorchDraft
 from .drafter import DFlashDrafter
@@ -21,11 +20,7 @@ class TorchBackend(Engine):
                              cache_len=cache_len, compile=compile)
         draft = None
         if drafter is not None:
-            spec = drafter.spec
-            if not validated:  # load() checks the spec against the target before it reads the drafter's weights
-                spec.validate_against(target.info, source=getattr(drafter, "source", "draft"))
-            block_size = block_size or spec.block_size
-            check_block_size(block_size, spec)
+            block_size = drafter_block_size(drafter, target.info, block_size, validated)
             static = None
             if compile:
                 if cache_len is None or draft_window is not None:
@@ -35,27 +30,3 @@ class TorchBackend(Engine):
             draft = TorchDraft(drafter, model.get_input_embeddings(), model.get_output_embeddings(),
                                window=draft_window, static_capacity=static)
         super().__init__(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="torch")
-
-    @property
-    def model(self):
-        return self.target.model
-
-    @property
-    def dtype(self):
-        return self.target.dtype
-
-    @property
-    def device(self):
-        return self.target.device
-
-    @property
-    def cache(self):
-        return self.target.cache
-
-    @property
-    def cache_len(self) -> int | None:
-        return self.target.cache_len
-
-    @property
-    def draft_cache(self):
-        return self.drafter.cache

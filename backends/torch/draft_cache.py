@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash.draft_context import ContextLayout, draft_visible, layer_rules
+from dflash.draft_context import ContextCache, ContextLayout, draft_visible, layer_rules
 from dflash.errors import DFlashError
 
 
-class DraftContextCache:
+class DraftContextCache(ContextCache):
     def __init__(self, spec, dtype: torch.dtype, device, capacity: int = 512, window: int | None = None):
         self.spec, self.window = spec, window
         self.rules = layer_rules(spec)
@@ -24,19 +24,6 @@ class DraftContextCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._masks: dict[tuple, torch.Tensor] = {}
-
-    # the single-sequence view (row 0)
-    @property
-    def position(self) -> int:
-        return self.layout.position
-
-    @property
-    def capacity(self) -> int:
-        return self.layout.capacity
-
-    @property
-    def lengths(self) -> list[int]:
-        return self.layout.lengths
 
     def reserve(self, n: int) -> None:
         shift, capacity = self.layout.plan_reserve(n)
@@ -94,14 +81,8 @@ class DraftContextCache:
             self._masks[key] = mask
         return mask
 
-    def advance(self, counts: list[int]) -> None:
-        self.layout.lengths = [n + c for n, c in zip(self.layout.lengths, counts)]
-
-    def crop(self, position: int) -> bool:
-        return self.layout.crop(0, position)
-
     def reset(self) -> None:
-        self.layout.lengths, self.layout.offset = [0], 0
+        super().reset()
         self.k, self.v = self.k[:, :1], self.v[:, :1]  # one row again (a batch may have been merged in)
 
     def select(self, rows: list[int]) -> None:
