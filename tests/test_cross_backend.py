@@ -1,4 +1,4 @@
-"""Issue #3: the same target and draft directories, loaded by the torch and the MLX backend in float32 on the CPU,
+"""The same target and draft directories, loaded by the torch and the MLX backend in float32 on the CPU,
 give the same greedy tokens and the same drafted tokens in every cycle, with a drafter that gets long acceptances.
 
 Both backends run the one loop (dflash/loop.py); what is compared is the arithmetic underneath: transformers vs
@@ -63,3 +63,29 @@ def test_captured_features_agree(trained_pair):
     _, torch_feats = tb.target.forward(tb.target.ids([ids]), last_only=True)
     _, feats = mb.target.forward(mb.target.ids([ids]), last_only=True)
     np.testing.assert_allclose(np.array(feats), torch_feats.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_draft_top_k_agrees_and_matches_the_proposals(trained_pair):
+    """The per-position top-k the drafter primitive returns (for tree verification): the same ids and probabilities
+    on both backends, sorted, the first one being the proposal, probabilities of the drafter's softmax."""
+    import mlx.core as mx
+    import numpy as np
+
+    target_dir, draft_dir = trained_pair
+    tb, mb = load_both(target_dir, draft_dir, block_size=16)
+    for be in (tb, mb):
+        be.top_k = 4
+    for p in held_out_prompts(3, 12):
+        drafts = []
+        for be in (tb, mb):
+            (first,) = be.prefill([p])
+            be.draft([first])
+            d = be.last_draft
+            drafts.append([np.array(d.ids), np.array(d.top_ids), np.array(d.top_probs)])
+            if be is mb:
+                mx.eval(d.top_ids)
+        (ti, tk, tp), (mi, mk, mp) = drafts
+        assert tk.shape == (1, 15, 4) and (tk[..., 0] == ti[:, 1:]).all()
+        assert (np.diff(tp, axis=-1) <= 1e-7).all() and (tp.sum(-1) <= 1 + 1e-5).all()
+        assert (tk == mk).all() and (ti == mi).all()
+        np.testing.assert_allclose(tp, mp, rtol=1e-4, atol=1e-5)
