@@ -221,7 +221,7 @@ def test_offline_missing_model_is_one_line(hf_home):
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and p.stdout == ""
     assert p.stderr.startswith("error: --model: Qwen/Qwen3-Coder-30B-A3B-Instruct is not in the HF cache")
-    assert "hf download Qwen/Qwen3-Coder-30B-A3B-Instruct --include '*.json' '*.safetensors'" in p.stderr
+    assert "hf download Qwen/Qwen3-Coder-30B-A3B-Instruct --include '*.json' --include '*.safetensors'" in p.stderr
     # the target is cached but its registry drafter is not: the line names --draft and what to fetch
     p = run("dflash.chat", "--model", "Qwen/Qwen3-4B", input="hi\n", HF_HOME=hf_home)
     assert p.returncode == 2 and p.stderr.count("\n") == 1
