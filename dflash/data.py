@@ -15,6 +15,7 @@ import json
 import sys
 
 from . import cli
+from .deps import require
 from .errors import DFlashError
 
 
@@ -67,6 +68,7 @@ def _common(p):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    require("torch", f"python -m dflash.data {args.command}")  # both run the target through transformers on torch
     if args.command == "regenerate":
         from dflash.backends.torch.regenerate import regenerate
 
