@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from .errors import DFlashError
@@ -23,14 +25,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="tokens to generate at most (default: %(default)s; capped to the target's context)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default: %(default)s = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min-p x the top probability (default: %(default)s = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: %(default)s = off)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: none, a fresh draw every run)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: EOS only)")
 
 
 def sampling_from(args) -> SamplingParams:
@@ -52,7 +56,14 @@ def run(main, argv=None) -> int:
     """Run a CLI main(argv); a DFlashError becomes one line on stderr and exit status 2."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
-        return main(argv) or 0
+        code = main(argv) or 0
+        sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit flush
+        return code
+    except BrokenPipeError:
+        # the reader went away (`... | head`): stop quietly, as a C tool killed by SIGPIPE would; stdout goes to
+        # /dev/null so that Python's own flush at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except DFlashError as e:
         if debug:
             raise
