@@ -90,6 +90,10 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     from .spec import DraftSpec
 
     name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load
+    if name == "mlx":
+        from . import blas
+
+        blas.tell_once(blas.advice(blas.mlx_blas()))
     if model is None:
         from .reference import reference_dirs
 

@@ -43,10 +43,15 @@ def sampling_from(args) -> SamplingParams:
 
 
 def load_pipeline(args):
+    from dflash import backends
+
+    from . import blas
     from .api import load
 
     if args.draft_window is not None and args.draft_window < 1:
         raise DFlashError(f"--draft-window: got {args.draft_window}, expected >= 1")
+    if backends.pick(args.backend) == "mlx":
+        blas.restart_mlx_run_with_openblas()  # LD_PRELOAD only acts at process start: before any work
     return load(args.model, args.draft, backend=args.backend, no_draft=args.no_draft, dtype=args.dtype,
                 device=args.device, block_size=args.block_size, draft_window=args.draft_window,
                 trust_remote_code=args.trust_remote_code)
