@@ -31,9 +31,10 @@ def parse_args(argv=None):
     r.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (batched speculative "
                    "decoding)")
     r.add_argument("--draft", help="a DFlash drafter for the target (directory or hub id): same answers, faster")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--max-new-tokens", type=int, default=2048)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s = off)")
+    r.add_argument("--max-new-tokens", type=int, default=2048, help="tokens per answer at most (default: "
+                   "%(default)s)")
     r.add_argument("--max-prompt-tokens", type=int, help="skip longer prompts (default: context - max-new-tokens)")
     think = r.add_mutually_exclusive_group()
     think.add_argument("--enable-thinking", dest="enable_thinking", action="store_true", default=None,
