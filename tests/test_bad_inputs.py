@@ -176,7 +176,7 @@ CASES = [
          ("python -m dflash.data regenerate", "needs the 'torch' package"), sub=True, block=("torch",)),
     Case("bench-methods-torch-missing", "bench", "--methods dflash_b16 where torch is not installed",
          ["--methods", "dflash_b16", "--prompts", "reference", "--out", "{W}/out", "--no-progress"],
-         ("--methods", "dflash_b16", "'torch' is not installed"), sub=True, block=("torch",)),
+         ("--methods", "dflash_b16", "'torch' package, which is not installed"), sub=True, block=("torch",)),
     Case("cost-model-too-big", "bench", "cost-model at a shape whose weights exceed the free memory",
          ["cost-model", "--target-config", "{B}/huge_config.json", "--device", "cpu"],
          ("--target-config", "GiB for weights alone", "GiB free")),
@@ -482,7 +482,7 @@ def write_doc():
 
 DOC_HEAD = """# Reliability: bad inputs
 
-Every command (`generate`, `chat`, `train`, `data`, `convert`) refuses a bad input the same way: exit status 2,
+Every command (`generate`, `chat`, `train`, `data`, `convert`, `bench`) refuses a bad input the same way: exit status 2,
 ONE line on stderr, `error: <file, field or flag>: <what is wrong and what was expected>`, no traceback (pass
 `--debug` for one), and nothing left behind: outputs are validated before any work and written atomically, so a
 refused or failed run leaves no output directory, no half-written file and no `*.tmp`.

@@ -125,3 +125,15 @@ def test_models_json_into_a_closed_pipe_is_quiet():
     p.stdout.close()  # before the child writes anything (it takes a second to start)
     err = p.stderr.read()
     assert p.wait(timeout=120) == 141 and err == "", err
+
+
+@pytest.mark.parametrize("module, argv", [("generate", []), ("chat", []), ("benchmark", []), ("data", ["regenerate"])])
+def test_help_shows_the_generation_defaults(module, argv, capsys):
+    import importlib
+    import re
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"dflash.{module}").parse_args([*argv, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--max-new-tokens MAX_NEW_TOKENS", "--temperature TEMPERATURE"):
+        assert re.search(re.escape(flag) + r" (?:(?! --).)*default: [\d.]+", text), (module, flag)
