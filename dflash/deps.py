@@ -25,7 +25,7 @@ def installed(module: str) -> bool:
 
 def install_hint(module: str) -> str:
     extra = EXTRA_OF.get(module)
-    return f"pip install -e '.[{extra}]' in the dflash checkout" if extra else f"pip install {module}"
+    return f"pip install -e '.[{extra}]' in the source checkout" if extra else f"pip install {module}"
 
 
 def require(module: str, needed_by: str) -> None:
