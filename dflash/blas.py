@@ -71,11 +71,18 @@ def tell_once(line: str | None) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _started_as_a_dflash_cli() -> bool:
+    """True when this process is `python [options] -m dflash.<cli> ...`: a command line a restart can repeat as is
+    (not a script or a test that calls a CLI's main())."""
+    argv = sys.orig_argv
+    return "-m" in argv[1:-1] and argv[argv.index("-m", 1) + 1].startswith("dflash.")
+
+
 def restart_mlx_run_with_openblas() -> None:
     """For a CLI whose run is decided to be MLX, before it has done any work: re-execute the same command with
     OpenBLAS preloaded when that is possible and safe; otherwise say once, in one line, what would make it fast."""
     state = mlx_blas()
-    if state != "preloadable":
+    if state != "preloadable" or not _started_as_a_dflash_cli():
         tell_once(advice(state))
         return
     preload = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p] + [str(openblas_path())]
