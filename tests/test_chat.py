@@ -281,6 +281,17 @@ def test_max_context_drops_oldest_turns(pipe):
     assert chat.conv.turns == [] and chat.report() == ["no replies yet"]
 
 
+def test_reply_capped_by_the_context_says_so(pipe):
+    from dflash.chat import Chat, parse_args
+
+    out, err = io.StringIO(), io.StringIO()
+    chat = Chat(pipe, parse_args(["--max-new-tokens", "500", "--max-context", "40"]), out=out, err=err)
+    chat.turn("hi")
+    status = err.getvalue().strip().splitlines()[-1]
+    room = int(re.search(r"capped at (\d+) tokens: the context holds 40", status).group(1))
+    assert 0 < room < 40 and int(re.search(r"\| (\d+) tokens \|", status).group(1)) <= room
+
+
 def test_bundled_pair_hint():
     from dflash.reference import reference_dirs
 
