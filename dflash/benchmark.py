@@ -36,10 +36,12 @@ import sys
 import time
 from pathlib import Path
 
+from dflash.blas import advice, openblas_path, wheel_reference_blas
+
 from .bench_methods import BASELINES, METHODS, Method
 from .errors import DFlashError
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+OPENBLAS = str(openblas_path())  # Debian's libopenblas0-pthread, or $DFLASH_OPENBLAS
 DEFAULT_METHODS = list(METHODS)
 BATCHED = ("no_draft", "dflash_b16", "dflash_b8")  # the methods batched speculative decoding runs
 
@@ -704,6 +706,8 @@ def main(argv=None) -> int:
                 "mlx_draft_tokens": args.mlx_draft_tokens, "warmup": args.warmup,
                 "warmup_ids": prompts[0]["ids"], "batch_size": args.batch_size}
     openblas = not args.no_openblas and Path(OPENBLAS).exists()
+    if any(m.backend == "mlx" for m in methods) and not openblas and not args.no_openblas and wheel_reference_blas():
+        print(advice("no-openblas"), file=sys.stderr, flush=True)
     print(f"bench: {len(methods)} methods x {len(prompts)} prompts x {args.max_new_tokens} tokens "
           f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}); target {target}",
           file=sys.stderr, flush=True)
