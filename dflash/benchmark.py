@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from dflash.blas import advice, openblas_path, wheel_reference_blas
+from dflash.deps import install_hint, installed
 
 from .bench_methods import BASELINES, METHODS, Method
 from .errors import DFlashError
@@ -101,8 +102,6 @@ def resolve_methods(spec: str | None) -> list[Method]:
 def installed_methods(methods: list[Method], named: bool, log=print) -> list[Method]:
     """The methods whose backend's libraries are installed. Methods the user named in --methods are refused in one
     line when they cannot run; the default set leaves them out and says so."""
-    from dflash.deps import install_hint, installed
-
     libraries = {"torch": ("torch",), "mlx": ("mlx", "mlx_lm")}
     missing = {b: next(lib for lib in libs if not installed(lib)) for b, libs in libraries.items()
                if not all(installed(lib) for lib in libs)}
@@ -673,8 +672,6 @@ def main(argv=None) -> int:
                           f"decoding runs {', '.join(BATCHED)}")
     methods = installed_methods(methods, named=bool(args.methods),
                                 log=lambda s: print(s, file=sys.stderr, flush=True))
-    from dflash.deps import install_hint, installed
-
     with_plots = installed("matplotlib")
     if not with_plots:
         print(f"bench: matplotlib is not installed, so no plots: results.json and results.md only "
