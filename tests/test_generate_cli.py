@@ -75,8 +75,10 @@ def test_empty_prompt(tiny_target_dir, random_draft_dir):
     assert p.returncode == 2 and "empty" in p.stderr
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this PyTorch has a CUDA device")
 def test_cuda_on_a_cpu_only_torch_is_one_line(tiny_target_dir, random_draft_dir):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this PyTorch has a CUDA device")
     p = run("--backend", "torch", "--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "x",
             "--device", "cuda")
     assert p.returncode == 2 and p.stdout == ""
