@@ -9,11 +9,16 @@ from dflash.deps import install_hint, installed
 from dflash.errors import DFlashError
 
 BACKENDS = ("torch", "mlx")
-_MODULE = {"torch": "torch", "mlx": "mlx"}  # the library each backend runs on
+_LIBRARIES = {"torch": ("torch",), "mlx": ("mlx", "mlx_lm")}  # what each backend runs on
+
+
+def missing_library(name: str) -> str | None:
+    """The first library backend `name` needs that is not installed, or None."""
+    return next((lib for lib in _LIBRARIES[name] if not installed(lib)), None)
 
 
 def available(name: str) -> bool:
-    return installed(_MODULE[name])
+    return missing_library(name) is None
 
 
 def pick(name: str = "auto") -> str:
@@ -34,7 +39,7 @@ def pick(name: str = "auto") -> str:
 def get(name: str):
     """The backend package `dflash.backends.<name>`, with a clear line when its library is not installed."""
     name = pick(name)
-    module = _MODULE[name]
-    if not available(name):
+    module = missing_library(name)
+    if module is not None:
         raise DFlashError(f"--backend {name}: the '{module}' package is not installed ({install_hint(module)})")
     return importlib.import_module(f"dflash.backends.{name}")
