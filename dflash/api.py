@@ -42,9 +42,21 @@ class Pipeline:
         """An iterable of `Increment`s; `.result` is filled once it is exhausted."""
         sampling = sampling or SamplingParams(**sampling_kwargs)
         ids = self.encode(prompt, chat=chat)
-        max_new_tokens = fit_to_context(max_new_tokens, len(ids), getattr(self.backend, "max_context", None))
+        max_new_tokens = self.fit_to_context(max_new_tokens, len(ids))
         return Generation(self.backend, ids, tokenizer=self.tokenizer, max_new_tokens=max_new_tokens,
                           sampling=sampling, eos_token_ids=self.eos_token_ids, stop_strings=stop, trace=trace)
+
+    def fit_to_context(self, max_new_tokens: int, prompt_tokens: int) -> int:
+        """max_new_tokens, capped with one line on stderr so that prompt + generation stay within the target's
+        context (past max_position_embeddings a model's output is untrained territory, not an error)."""
+        max_context = getattr(self.backend, "max_context", None)
+        room = max_context - prompt_tokens if max_context else None
+        if room is None or room < 1 or max_new_tokens <= room:  # room < 1: prefill refuses the prompt itself
+            return max_new_tokens
+        print(f"dflash: --max-new-tokens {max_new_tokens} capped to {room}: the prompt's {prompt_tokens} tokens "
+              f"leave {room} of the target's context (max_position_embeddings {max_context})", file=sys.stderr,
+              flush=True)
+        return room
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
         return self.stream(prompt, **kwargs).run()
@@ -62,22 +74,9 @@ class Pipeline:
 
             self._batched = BatchedTorchBackend.from_backend(self.backend)
         sampling = sampling or SamplingParams(**sampling_kwargs)
-        rows = [self.encode(p, chat=chat) for p in prompts]
-        longest = max((len(r) for r in rows), default=0)
-        max_new_tokens = fit_to_context(max_new_tokens, longest, getattr(self._batched, "max_context", None))
-        return generate_batch(self._batched, rows, tokenizer=self.tokenizer, max_new_tokens=max_new_tokens,
-                              sampling=sampling, eos_token_ids=self.eos_token_ids, stop_strings=stop, trace=trace)
-
-
-def fit_to_context(max_new_tokens: int, prompt_tokens: int, max_context: int | None) -> int:
-    """max_new_tokens, capped with one line on stderr so that prompt + generation stay within the target's context
-    (past max_position_embeddings a model's output is untrained territory, not an error)."""
-    room = max_context - prompt_tokens if max_context else None
-    if room is None or room < 1 or max_new_tokens <= room:  # room < 1: prefill refuses the prompt itself
-        return max_new_tokens
-    print(f"dflash: --max-new-tokens {max_new_tokens} capped to {room}: the prompt's {prompt_tokens} tokens leave "
-          f"{room} of the target's context (max_position_embeddings {max_context})", file=sys.stderr, flush=True)
-    return room
+        return generate_batch(self._batched, [self.encode(p, chat=chat) for p in prompts], tokenizer=self.tokenizer,
+                              max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=self.eos_token_ids,
+                              stop_strings=stop, trace=trace)
 
 
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *, backend: str = "auto",
