@@ -40,7 +40,9 @@ def wheel_reference_blas() -> Path | None:
 
 
 def openblas_preloaded() -> bool:
-    return any("openblas" in Path(p).name for p in os.environ.get("LD_PRELOAD", "").split(":") if p)
+    """An OpenBLAS in LD_PRELOAD: any libopenblas*, or the DFLASH_OPENBLAS file (so a restart never loops)."""
+    preloaded = [Path(p) for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
+    return openblas_path() in preloaded or any("openblas" in p.name for p in preloaded)
 
 
 def mlx_blas() -> str:

@@ -88,3 +88,12 @@ def test_a_script_calling_a_cli_main_is_not_restarted(openblas, monkeypatch, cap
     monkeypatch.setattr(blas.os, "execve", lambda *a: pytest.fail(f"restarted: {a}"))
     blas.restart_mlx_run_with_openblas()  # this process is pytest
     assert capsys.readouterr().err.strip().endswith(f"start the process with LD_PRELOAD={openblas}")
+
+
+def test_a_preload_named_otherwise_is_recognised(tmp_path, monkeypatch):
+    """DFLASH_OPENBLAS may name a build without "openblas" in its file name; its preload still counts."""
+    other = tmp_path / "libblas-optimised.so.3"
+    other.write_bytes(b"")
+    monkeypatch.setenv("DFLASH_OPENBLAS", str(other))
+    monkeypatch.setenv("LD_PRELOAD", str(other))
+    assert blas.openblas_preloaded() and blas.mlx_blas() == "fast"
