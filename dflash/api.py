@@ -89,10 +89,6 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     from .spec import DraftSpec
 
     name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load
-    if name == "mlx":
-        from . import blas
-
-        blas.tell_once(blas.advice(blas.mlx_blas()))
     if model is None:
         from .reference import reference_dirs
 
@@ -115,6 +111,10 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     if draft_dir is not None:
         DraftSpec.load(draft_dir)  # the drafter's config.json, before any framework is imported
     package = backends.get(name)  # one line if its library is missing
+    if name == "mlx":
+        from . import blas
+
+        blas.tell_once(blas.advice(blas.mlx_blas()))  # the inputs are fine: say why this run will be slow
     tokenizer = load_tokenizer(target_dir, trust_remote_code)
     be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
                       draft_window=draft_window, trust_remote_code=trust_remote_code)

@@ -82,10 +82,9 @@ def _started_as_a_dflash_cli() -> bool:
 
 def restart_mlx_run_with_openblas() -> None:
     """For a CLI whose run is decided to be MLX, before it has done any work: re-execute the same command with
-    OpenBLAS preloaded when that is possible and safe; otherwise say once, in one line, what would make it fast."""
-    state = mlx_blas()
-    if state != "preloadable" or not _started_as_a_dflash_cli():
-        tell_once(advice(state))
+    OpenBLAS preloaded when that is possible and safe. Where it is not, dflash.load says why once, after its
+    input checks (a refused run gets its one error line and nothing else)."""
+    if mlx_blas() != "preloadable" or not _started_as_a_dflash_cli():
         return
     preload = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p] + [str(openblas_path())]
     sys.stdout.flush()

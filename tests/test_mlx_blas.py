@@ -81,13 +81,20 @@ def test_preloaded_openblas_is_left_alone(openblas, monkeypatch):
 
 
 def test_a_script_calling_a_cli_main_is_not_restarted(openblas, monkeypatch, capsys):
-    """Only `python -m dflash.<cli>` is re-executed; elsewhere the line says how to start the process."""
+    """Only `python -m dflash.<cli>` is re-executed; a script (here: pytest) is told how to start the process."""
     monkeypatch.setattr(blas, "mlx_blas", lambda: "preloadable")
     monkeypatch.setattr(blas, "_told", False)
     monkeypatch.setenv("DFLASH_OPENBLAS", openblas)
     monkeypatch.setattr(blas.os, "execve", lambda *a: pytest.fail(f"restarted: {a}"))
-    blas.restart_mlx_run_with_openblas()  # this process is pytest
+    blas.restart_mlx_run_with_openblas()
+    blas.tell_once(blas.advice(blas.mlx_blas()))  # what dflash.load says
     assert capsys.readouterr().err.strip().endswith(f"start the process with LD_PRELOAD={openblas}")
+
+
+def test_a_refused_mlx_run_prints_only_its_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dflash.generate", "--backend", "mlx", "--model", tmp_path / "nope",
+                        "--prompt", "x"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and p.stderr.startswith("error: --model"), p.stderr
 
 
 def test_a_preload_named_otherwise_is_recognised(tmp_path, monkeypatch):
