@@ -5,26 +5,32 @@ from __future__ import annotations
 import importlib
 import platform
 
+from dflash.deps import install_hint, installed
 from dflash.errors import DFlashError
 
 BACKENDS = ("torch", "mlx")
-_PACKAGES = {"torch": ("torch", "pip install 'dflash[torch]'"), "mlx": ("mlx", "pip install 'dflash[mlx]'")}
+_LIBRARIES = {"torch": ("torch",), "mlx": ("mlx", "mlx_lm")}  # what each backend runs on
+
+
+def missing_library(name: str) -> str | None:
+    """The first library backend `name` needs that is not installed, or None."""
+    return next((lib for lib in _LIBRARIES[name] if not installed(lib)), None)
 
 
 def available(name: str) -> bool:
-    try:
-        importlib.import_module(_PACKAGES[name][0])
-        return True
-    except ImportError:
-        return False
+    return missing_library(name) is None
 
 
 def pick(name: str = "auto") -> str:
-    """--backend auto: MLX on Apple silicon, PyTorch elsewhere."""
+    """--backend auto: MLX on Apple silicon, PyTorch elsewhere; whichever is installed when only one is."""
     if name == "auto":
-        if platform.system() == "Darwin" and platform.machine() == "arm64" and available("mlx"):
-            return "mlx"
-        return "torch"
+        apple_silicon = platform.system() == "Darwin" and platform.machine() == "arm64"
+        preferred = ("mlx", "torch") if apple_silicon else ("torch", "mlx")
+        for candidate in preferred:
+            if available(candidate):
+                return candidate
+        raise DFlashError("--backend auto: neither PyTorch nor MLX is installed "
+                          f"({install_hint('torch')}, or '.[mlx]')")
     if name not in BACKENDS:
         raise DFlashError(f"--backend: got {name!r}, expected one of auto, {', '.join(BACKENDS)}")
     return name
@@ -33,7 +39,7 @@ def pick(name: str = "auto") -> str:
 def get(name: str):
     """The backend package `dflash.backends.<name>`, with a clear line when its library is not installed."""
     name = pick(name)
-    module, hint = _PACKAGES[name]
-    if not available(name):
-        raise DFlashError(f"--backend {name}: the '{module}' package is not installed ({hint})")
+    module = missing_library(name)
+    if module is not None:
+        raise DFlashError(f"--backend {name}: the '{module}' package is not installed ({install_hint(module)})")
     return importlib.import_module(f"dflash.backends.{name}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dflash.deps import install_hint
 from dflash.errors import DFlashError
 from dflash.spec import WEIGHTS_NAME, DraftSpec
 
@@ -33,7 +34,7 @@ def quantize_drafter(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, b
     try:
         import mlx.core as mx
     except ImportError:
-        raise DFlashError("quantize: needs the 'mlx' package (pip install 'dflash[mlx]')") from None
+        raise DFlashError(f"quantize: needs the 'mlx' package ({install_hint('mlx')})") from None
     from dflash.io import atomic_directory
 
     from .draft import check_out

@@ -7,6 +7,7 @@ import io
 import os
 from pathlib import Path
 
+from dflash.deps import install_hint
 from dflash.errors import DFlashError
 from dflash.io import atomic_directory
 
@@ -19,7 +20,7 @@ def target_to_mlx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, quan
     try:
         from mlx_lm.convert import convert
     except ImportError:
-        raise DFlashError("target-to-mlx: needs the 'mlx-lm' package (pip install 'dflash[mlx]')") from None
+        raise DFlashError(f"target-to-mlx: needs the 'mlx-lm' package ({install_hint('mlx_lm')})") from None
     if quantize:
         check_params(bits, group_size)
     if dtype not in (None, "float32", "bfloat16", "float16"):

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -41,9 +42,22 @@ class Pipeline:
                **sampling_kwargs) -> Generation:
         """An iterable of `Increment`s; `.result` is filled once it is exhausted."""
         sampling = sampling or SamplingParams(**sampling_kwargs)
-        return Generation(self.backend, self.encode(prompt, chat=chat), tokenizer=self.tokenizer,
-                          max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=self.eos_token_ids,
-                          stop_strings=stop, trace=trace)
+        ids = self.encode(prompt, chat=chat)
+        max_new_tokens = self.fit_to_context(max_new_tokens, len(ids))
+        return Generation(self.backend, ids, tokenizer=self.tokenizer, max_new_tokens=max_new_tokens,
+                          sampling=sampling, eos_token_ids=self.eos_token_ids, stop_strings=stop, trace=trace)
+
+    def fit_to_context(self, max_new_tokens: int, prompt_tokens: int) -> int:
+        """max_new_tokens, capped with one line on stderr so that prompt + generation stay within the target's
+        context (past max_position_embeddings a model's output is untrained territory, not an error)."""
+        max_context = getattr(self.backend, "max_context", None)
+        room = max_context - prompt_tokens if max_context else None
+        if room is None or room < 1 or max_new_tokens <= room:  # room < 1: prefill refuses the prompt itself
+            return max_new_tokens
+        print(f"dflash: --max-new-tokens {max_new_tokens} capped to {room}: the prompt's {prompt_tokens} tokens "
+              f"leave {room} of the target's context (max_position_embeddings {max_context})", file=sys.stderr,
+              flush=True)
+        return room
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
         return self.stream(prompt, **kwargs).run()
@@ -79,6 +93,10 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     target_config = check_target_dir(target_dir)
     spec = DraftSpec.load(draft_dir) if draft_dir is not None else None
     package = backends.get(name)  # one line if its library is missing
+    if name == "mlx":
+        from . import blas
+
+        blas.tell_once(blas.advice(blas.mlx_blas()))  # the inputs are fine: say why this run will be slow
     tokenizer = load_tokenizer(target_dir, trust_remote_code)
     be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
                       draft_window=draft_window, trust_remote_code=trust_remote_code, spec=spec,

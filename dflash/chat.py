@@ -226,6 +226,8 @@ class Chat:
                 f"prefill {len(ids) - reused} new tokens (reused {reused}) {prefill_s * 1000:.0f} ms")
         if drop:
             line += f" | dropped the {drop} oldest turn(s) for --max-context {self.max_context}"
+        if max_new < args.max_new_tokens:
+            line += f" | capped at {max_new} tokens: the context holds {self.max_context}"
         if interrupted:
             line += f" | {interrupted}"
         self.note(line)

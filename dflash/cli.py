@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from .errors import DFlashError
@@ -10,7 +12,8 @@ from .sampling import SamplingParams
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="auto", help="auto (MLX on Apple silicon, else torch), torch or mlx")
+    p.add_argument("--backend", default="auto", help="auto (MLX on Apple silicon, else torch; the installed one "
+                   "if only one is), torch or mlx")
     p.add_argument("--model", help="target: local HF directory or hub id (default: the bundled reference target)")
     p.add_argument("--draft", help="DFlash drafter: directory or hub id (default: registry / bundled)")
     p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding (the baseline)")
@@ -23,14 +26,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="tokens to generate at most (default: %(default)s; capped to the target's context)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default: %(default)s = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min-p x the top probability (default: %(default)s = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: %(default)s = off)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: none, a fresh draw every run)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: EOS only)")
 
 
 def sampling_from(args) -> SamplingParams:
@@ -39,10 +44,15 @@ def sampling_from(args) -> SamplingParams:
 
 
 def load_pipeline(args):
+    from dflash import backends
+
+    from . import blas
     from .api import load
 
     if args.draft_window is not None and args.draft_window < 1:
         raise DFlashError(f"--draft-window: got {args.draft_window}, expected >= 1")
+    if backends.pick(args.backend) == "mlx":
+        blas.restart_mlx_run_with_openblas()  # LD_PRELOAD only acts at process start: before any work
     return load(args.model, args.draft, backend=args.backend, no_draft=args.no_draft, dtype=args.dtype,
                 device=args.device, block_size=args.block_size, draft_window=args.draft_window,
                 trust_remote_code=args.trust_remote_code)
@@ -52,7 +62,14 @@ def run(main, argv=None) -> int:
     """Run a CLI main(argv); a DFlashError becomes one line on stderr and exit status 2."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
-        return main(argv) or 0
+        code = main(argv) or 0
+        sys.stdout.flush()  # a closed pipe surfaces here, not in the interpreter's exit flush
+        return code
+    except BrokenPipeError:
+        # the reader went away (`... | head`): stop quietly, as a C tool killed by SIGPIPE would; stdout goes to
+        # /dev/null so that Python's own flush at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except DFlashError as e:
         if debug:
             raise

@@ -16,6 +16,7 @@ import sys
 
 from . import cli, hub
 from .datasets import load_samples
+from .deps import require
 from .errors import DFlashError
 from .io import check_output_dir
 from .spec import default_target_layer_ids
@@ -34,9 +35,10 @@ def parse_args(argv=None):
     r.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (batched speculative "
                    "decoding)")
     r.add_argument("--draft", help="a DFlash drafter for the target (directory or hub id): same answers, faster")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--max-new-tokens", type=int, default=2048)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s = off)")
+    r.add_argument("--max-new-tokens", type=int, default=2048, help="tokens per answer at most (default: "
+                   "%(default)s)")
     r.add_argument("--max-prompt-tokens", type=int, help="skip longer prompts (default: context - max-new-tokens)")
     think = r.add_mutually_exclusive_group()
     think.add_argument("--enable-thinking", dest="enable_thinking", action="store_true", default=None,
@@ -71,6 +73,7 @@ def _common(p):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    require("torch", f"python -m dflash.data {args.command}")  # both run the target through transformers on torch
     if args.command == "regenerate":
         from dflash.backends.torch import regenerate
 

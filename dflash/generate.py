@@ -11,6 +11,10 @@ from .errors import DFlashError
 from .stats import summary_line
 
 
+BUNDLED_PAIR_NOTE = ("dflash: the bundled pair is an 8.4M-parameter toy trained on Python source (for offline runs, "
+                     "tests and benchmarks): expect Python-shaped text; --model Qwen/Qwen3-8B runs a real model")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m dflash.generate", description=__doc__)
     cli.add_model_args(p)
@@ -58,6 +62,8 @@ def main(argv=None) -> int:
         result = gen.run()
         print(json.dumps(result.to_json(trace=args.trace)))
         return 0
+    if args.model is None:
+        print(BUNDLED_PAIR_NOTE, file=sys.stderr, flush=True)
     for inc in gen:
         sys.stdout.write(inc.text)
         sys.stdout.flush()

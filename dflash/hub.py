@@ -15,7 +15,10 @@ from pathlib import Path
 from .errors import DFlashError
 from .reference import reference_dirs
 
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "tokenizer*"]
+# What the loaders read and nothing more: config.json, generation_config.json and the safetensors index (*.json),
+# the weights (*.safetensors; never *.bin, *.pth or GGUF), and the tokenizer in each of its formats (tokenizer.json
+# and tokenizer_config.json, sentencepiece *.model, *.tiktoken, vocab.json + merges.txt, chat_template.jinja).
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
@@ -62,8 +65,12 @@ def is_repo_id(name: str) -> bool:
 
 
 def download_command(name: str) -> str:
-    """The `hf` CLI line that fetches exactly what resolve() would (for users who pre-fetch)."""
-    return f"hf download {name} --include " + " ".join(f"'{p}'" for p in ALLOW_PATTERNS)
+    """The `hf` CLI line that fetches exactly what resolve() would (for users who pre-fetch).
+
+    huggingface_hub >= 1.0 (`hf`, which transformers 5 requires) takes one pattern per `--include`; a second bare
+    pattern would be read as a file name and the `--include` dropped. (The 0.x `huggingface-cli download` took the
+    patterns as one list after a single `--include`.)"""
+    return f"hf download {name} " + " ".join(f"--include '{p}'" for p in ALLOW_PATTERNS)
 
 
 def cache_dir() -> str:

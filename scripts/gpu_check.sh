@@ -4,6 +4,7 @@
 # Usage: bash scripts/gpu_check.sh [--small]      (--small: tiny shapes, runs on CPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -c "import dflash" 2>/dev/null || python -m pip install -q -e ".[torch,test]"
+# dflash.generate, not dflash: PyPI's `dflash` (another project) has the same import name
+python -c "import dflash.generate" 2>/dev/null || python -m pip install -q -e ".[torch,test]"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python -m dflash.bench gpu-check "$@"

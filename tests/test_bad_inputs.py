@@ -40,7 +40,7 @@ FEATS = ["cache-features", "--model", "{T}", "--data", "{B}/train.jsonl", "--out
 @dataclass
 class Case:
     id: str
-    cli: str  # generate | chat | train | data | convert
+    cli: str  # generate | chat | train | data | convert | bench
     what: str  # the bad input, in words (docs/reliability.md)
     argv: list  # placeholders: {T} target, {D} drafter, {B} bad fixtures, {W} this case's empty work dir, {F} a file
     expect: tuple  # substrings of the error line (placeholders allowed)
@@ -166,6 +166,23 @@ CASES = [
     Case("backend-torch-missing", "chat", "--backend torch where torch is not installed",
          [*G, "--draft", "{D}", "--backend", "torch"], ("--backend torch", "'torch' package is not installed"),
          sub=True, stdin="hi\n", block=("torch",)),
+    Case("backend-auto-none", "generate", "--backend auto where neither torch nor mlx is installed",
+         [*G, "--draft", "{D}", "--prompt", "x"], ("--backend auto", "neither PyTorch nor MLX is installed"),
+         sub=True, block=("torch", "mlx")),
+    Case("device-cuda-absent", "generate", "--device cuda:99 (no such CUDA device)",
+         [*G, "--draft", "{D}", "--prompt", "x", "--backend", "torch", "--device", "cuda:99"],
+         ("--device cuda:99",)),
+    Case("data-torch-missing", "data", "regenerate where torch is not installed", REGEN,
+         ("python -m dflash.data regenerate", "needs the 'torch' package"), sub=True, block=("torch",)),
+    Case("bench-methods-torch-missing", "bench", "--methods dflash_b16 where torch is not installed",
+         ["--methods", "dflash_b16", "--prompts", "reference", "--out", "{W}/out", "--no-progress"],
+         ("--methods", "dflash_b16", "'torch' package, which is not installed"), sub=True, block=("torch",)),
+    Case("cost-model-too-big", "bench", "cost-model at a shape whose weights exceed the free memory",
+         ["cost-model", "--target-config", "{B}/huge_config.json", "--device", "cpu"],
+         ("--target-config", "the weights of a 200-layer target", "GiB free")),
+    Case("cost-model-too-big-mlx", "bench", "cost-model on MLX at a shape whose checkpoint exceeds the free memory",
+         ["cost-model", "--backend", "mlx", "--target-config", "{B}/huge_config.json"],
+         ("--target-config", "in float32 (written with PyTorch", "GiB free")),
     # ---- hub ids (validated before any network use) ------------------------------------------------------------------
     Case("hub-id-dotdot", "generate", "--model ../../etc (no such directory here)",
          ["--model", "../../etc", "--draft", "{D}", "--prompt", "x"],
@@ -320,6 +337,10 @@ def bad(tmp_path_factory, tiny_target_dir, random_draft_dir):
     tok.add_tokens([f"<extra_{i}>" for i in range(100)])
     tok.save_pretrained(str(copy(T, "target_bigtok")))
 
+    huge = dict(json.loads((T / "config.json").read_text()), hidden_size=16384, intermediate_size=65536,
+                num_hidden_layers=200, num_attention_heads=128, num_key_value_heads=8, head_dim=128, layer_types=None)
+    (B / "huge_config.json").write_text(json.dumps(huge))  # ~1 trillion parameters
+
     rows = [{"input_ids": list(range(5, 25)), "loss_mask": [0] * 8 + [1] * 12} for _ in range(4)]
     (B / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (B / "bad_rows.jsonl").write_text(json.dumps(dict(rows[0], prompt="def f(x):")) + "\n{not json\n")
@@ -416,7 +437,7 @@ def test_bad_input(case, bad, tmp_path, capsys, no_network):
 def test_matrix_size():
     assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
     assert sum(c.sub for c in CASES) >= 10
-    assert {c.cli for c in CASES} == {"generate", "chat", "train", "data", "convert"}
+    assert {c.cli for c in CASES} == {"generate", "chat", "train", "data", "convert", "bench"}
 
 
 def test_debug_shows_the_traceback(bad, tmp_path):
@@ -464,7 +485,7 @@ def write_doc():
 
 DOC_HEAD = """# Reliability: bad inputs
 
-Every command (`generate`, `chat`, `train`, `data`, `convert`) refuses a bad input the same way: exit status 2,
+Every command (`generate`, `chat`, `train`, `data`, `convert`, `bench`) refuses a bad input the same way: exit status 2,
 ONE line on stderr, `error: <file, field or flag>: <what is wrong and what was expected>`, no traceback (pass
 `--debug` for one), and nothing left behind: outputs are validated before any work and written atomically, so a
 refused or failed run leaves no output directory, no half-written file and no `*.tmp`.

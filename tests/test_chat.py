@@ -221,7 +221,7 @@ def test_offline_missing_model_is_one_line(hf_home):
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and p.stdout == ""
     assert p.stderr.startswith("error: --model: Qwen/Qwen3-Coder-30B-A3B-Instruct is not in the HF cache")
-    assert "hf download Qwen/Qwen3-Coder-30B-A3B-Instruct --include '*.json' '*.safetensors'" in p.stderr
+    assert "hf download Qwen/Qwen3-Coder-30B-A3B-Instruct --include '*.json' --include '*.safetensors'" in p.stderr
     # the target is cached but its registry drafter is not: the line names --draft and what to fetch
     p = run("dflash.chat", "--model", "Qwen/Qwen3-4B", input="hi\n", HF_HOME=hf_home)
     assert p.returncode == 2 and p.stderr.count("\n") == 1
@@ -279,6 +279,17 @@ def test_max_context_drops_oldest_turns(pipe):
         chat.turn("x " * 200)
     chat.command("/reset")
     assert chat.conv.turns == [] and chat.report() == ["no replies yet"]
+
+
+def test_reply_capped_by_the_context_says_so(pipe):
+    from dflash.chat import Chat, parse_args
+
+    out, err = io.StringIO(), io.StringIO()
+    chat = Chat(pipe, parse_args(["--max-new-tokens", "500", "--max-context", "40"]), out=out, err=err)
+    chat.turn("hi")
+    status = err.getvalue().strip().splitlines()[-1]
+    room = int(re.search(r"capped at (\d+) tokens: the context holds 40", status).group(1))
+    assert 0 < room < 40 and int(re.search(r"\| (\d+) tokens \|", status).group(1)) <= room
 
 
 def test_bundled_pair_hint():

@@ -73,3 +73,69 @@ def test_missing_draft_dir(tiny_target_dir, tmp_path):
 def test_empty_prompt(tiny_target_dir, random_draft_dir):
     p = run("--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "")
     assert p.returncode == 2 and "empty" in p.stderr
+
+
+def test_cuda_on_a_cpu_only_torch_is_one_line(tiny_target_dir, random_draft_dir):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this PyTorch has a CUDA device")
+    p = run("--backend", "torch", "--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "x",
+            "--device", "cuda")
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: --device cuda: this PyTorch ("), p.stderr
+    assert "use --device cpu" in p.stderr
+
+
+def test_max_new_tokens_is_capped_to_the_context(tiny_target_dir, random_draft_dir, tmp_path):
+    import shutil
+
+    target = tmp_path / "ctx16"
+    shutil.copytree(tiny_target_dir, target)
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(dict(cfg, max_position_embeddings=16)))
+    p = run("--backend", "torch", "--model", target, "--draft", random_draft_dir, "--prompt-ids", "5,6,7,8,9",
+            "--max-new-tokens", 3000, "--json")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.startswith("dflash: --max-new-tokens 3000 capped to 11: the prompt's 5 tokens leave 11 of the "
+                               "target's context (max_position_embeddings 16)\n"), p.stderr
+    out = json.loads(p.stdout)
+    assert out["generation_tokens"] <= 11 and (out["finish_reason"] == "stop" or out["generation_tokens"] == 11)
+
+
+def test_sampling_flags_show_their_defaults():
+    import argparse
+
+    from dflash import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_sampling_args(p)
+    flags = [a for a in p._actions if a.option_strings and a.dest != "help"]
+    assert {a.option_strings[0] for a in flags} >= {"--max-new-tokens", "--temperature", "--top-p", "--seed"}
+    for a in flags:
+        shown = a.help % {"default": a.default}
+        assert "default: " in shown, a.option_strings
+        if a.default not in (None, []):
+            assert f"default: {a.default}" in shown, a.option_strings
+    assert "--max-new-tokens MAX_NEW_TOKENS tokens to generate at most (default: 256;" in " ".join(
+        run("--help").stdout.split())
+
+
+def test_models_json_into_a_closed_pipe_is_quiet():
+    """`python -m dflash.models --json | head`: the reader leaves early; no BrokenPipe traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "dflash.models", "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before the child writes anything (it takes a second to start)
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141 and err == "", err
+
+
+@pytest.mark.parametrize("module, argv", [("generate", []), ("chat", []), ("bench.benchmark", []), ("data", ["regenerate"])])
+def test_help_shows_the_generation_defaults(module, argv, capsys):
+    import importlib
+    import re
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"dflash.{module}").parse_args([*argv, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--max-new-tokens MAX_NEW_TOKENS", "--temperature TEMPERATURE"):
+        assert re.search(re.escape(flag) + r" (?:(?! --).)*default: [\d.]+", text), (module, flag)

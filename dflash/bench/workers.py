@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..blas import openblas_path
 from .methods import Method
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+OPENBLAS = str(openblas_path())  # Debian's libopenblas0-pthread, or $DFLASH_OPENBLAS
 
 
 class WorkerFailed(Exception):

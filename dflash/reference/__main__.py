@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from dflash import cli
+from dflash.deps import require
 
 
 def main(argv=None) -> int:
@@ -14,6 +15,8 @@ def main(argv=None) -> int:
               "       python -m dflash.reference build-ar-draft [--build-dir DIR] [--out DIR] [--install]",
               file=sys.stderr)
         return 2
+    if not {"-h", "--help"} & set(argv):
+        require("torch", f"python -m dflash.reference {argv[0]}")  # both train with the PyTorch trainer
     if argv[0] == "build-ar-draft":
         from .ar_draft import main as ar_main
 
