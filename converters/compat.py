@@ -6,10 +6,10 @@ import json
 import os
 from pathlib import Path
 
+from dflash.checkpoint import INDEX_NAME, read_header, validate_weights
 from dflash.errors import DFlashError
 from dflash.spec import DraftSpec, TargetInfo
 
-from dflash.checkpoint import INDEX_NAME, read_header, validate_weights
 
 
 def _read_json(path: Path) -> dict:

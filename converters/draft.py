@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dflash.checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, common_prefix, weight_files
 from dflash.errors import DFlashError
 from dflash.io import atomic_directory, check_output_dir
 from dflash.spec import WEIGHTS_NAME, DraftSpec
 
-from dflash.checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, common_prefix, weight_files
 from .tensors import DTYPE_NAMES, convert, read_tensors, write_tensors
 
 

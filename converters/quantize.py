@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dflash.checkpoint import validate_weights
 from dflash.deps import install_hint
 from dflash.errors import DFlashError
 from dflash.spec import WEIGHTS_NAME, DraftSpec
 
-from dflash.checkpoint import expected_shapes, quantized_shapes, validate_weights
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)

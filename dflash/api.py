@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
-from . import backends, hub
+from . import backends, blas, hub
 from .checkpoint import check_target_dir
 from .errors import DFlashError
 from .loop import Generation, GenerationResult, Increment, generate_batch
@@ -94,8 +94,6 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     spec = DraftSpec.load(draft_dir) if draft_dir is not None else None
     package = backends.get(name)  # one line if its library is missing
     if name == "mlx":
-        from . import blas
-
         blas.tell_once(blas.advice(blas.mlx_blas()))  # the inputs are fine: say why this run will be slow
     tokenizer = load_tokenizer(target_dir, trust_remote_code)
     be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,

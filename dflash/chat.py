@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from . import cli
+from . import cli, hub
 from .errors import DFlashError
 from .sampling import common_prefix
 from .stats import mean_acceptance_length, per_position_acceptance
@@ -309,8 +309,6 @@ class Chat:
 
 
 def describe(pipe, args) -> str:
-    from . import hub
-
     target = args.model or "bundled reference target"
     draft = "no drafter"
     if pipe.draft_dir is not None:

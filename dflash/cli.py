@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 
+from . import backends, blas
+from .api import load
 from .errors import DFlashError
 from .sampling import SamplingParams
 
@@ -44,11 +46,6 @@ def sampling_from(args) -> SamplingParams:
 
 
 def load_pipeline(args):
-    from dflash import backends
-
-    from . import blas
-    from .api import load
-
     if args.draft_window is not None and args.draft_window < 1:
         raise DFlashError(f"--draft-window: got {args.draft_window}, expected >= 1")
     if backends.pick(args.backend) == "mlx":

@@ -13,7 +13,8 @@ import argparse
 import json
 import sys
 
-from . import cli
+from . import cli, hub
+from .converters import compat, draft, quantize, target
 
 
 def parse_args(argv=None):
@@ -55,9 +56,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from . import hub
-    from .converters import compat, draft, quantize, target
-
     args = parse_args(argv)
     if args.command == "check":
         report = compat.check(hub.resolve(args.model, "--model"), hub.resolve(args.draft, "--draft"))

@@ -9,6 +9,7 @@ import sys
 from . import cli
 from .errors import DFlashError
 from .stats import summary_line
+from .tokenizer import chat_ids
 
 
 BUNDLED_PAIR_NOTE = ("dflash: the bundled pair is an 8.4M-parameter toy trained on Python source (for offline runs, "
@@ -44,8 +45,6 @@ def prompt_ids_from(args, pipe) -> list[int]:
     if not text:
         raise DFlashError("--prompt: empty prompt; pass --prompt TEXT, --prompt-ids, or pipe text on stdin")
     if args.chat:
-        from .api import chat_ids
-
         return chat_ids(pipe.tokenizer, [{"role": "user", "content": text}], args.system)
     return pipe.encode(text)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DFlashError
-from .io import read_json_config
+from .io import atomic_write_text, read_json_config
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_NAME = "config.json"
@@ -207,8 +207,6 @@ class DraftSpec:
         return cls.from_dict(cfg, source=str(path))
 
     def save(self, directory: str | os.PathLike) -> None:
-        from .io import atomic_write_text
-
         atomic_write_text(Path(directory) / CONFIG_NAME, json.dumps(self.to_dict(), indent=2) + "\n")
 
     # ---- agreement with a target ---------------------------------------------------------------------------------

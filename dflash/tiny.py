@@ -9,6 +9,8 @@ import random
 import sysconfig
 from pathlib import Path
 
+from .spec import DraftSpec, default_target_layer_ids
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -204,8 +206,6 @@ def mlx_layout(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
 def draft_spec_for(target_dir: str | os.PathLike, num_layers: int = 2, block_size: int = 16,
                    mask_token_id: int | None = None, target_layer_ids: list[int] | None = None, **overrides):
     """A DraftSpec shaped for a target directory (hidden size, heads, default layer ids, spare-row mask id)."""
-    from .spec import DraftSpec, default_target_layer_ids
-
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     n_target = cfg["num_hidden_layers"]

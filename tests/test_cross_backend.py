@@ -54,7 +54,6 @@ def test_identical_with_an_untrained_drafter(tiny_target_dir, random_draft_dir, 
 
 
 def test_captured_features_agree(trained_pair):
-    import mlx.core as mx
     import numpy as np
 
     target_dir, draft_dir = trained_pair

@@ -8,11 +8,10 @@ import torch
 
 from dflash.backends.torch import load
 from dflash.backends.torch.backend import TorchBackend
-from dflash.backends.torch.drafter import DFlashDrafter, load_drafter, save_drafter
+from dflash.backends.torch.drafter import load_drafter, save_drafter
 from dflash.backends.torch.target import load_target
 from dflash.errors import DFlashError
 from dflash.loop import generate
-from dflash.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
-import torch
 
 from dflash import hub
 from dflash.datasets import prompt_messages, read_rows, row_id, row_messages
