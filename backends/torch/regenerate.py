@@ -69,7 +69,7 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
     Batches go through batched speculative decoding (dflash.loop.generate_batch): with a DFlash `draft` the answers
     come faster and are still the target's own (greedy: identical; sampled: the target's distribution)."""
     from dflash import hub
-    from dflash.api import eos_token_ids, load_tokenizer
+    from dflash.tokenizer import eos_token_ids, load_tokenizer
     from dflash.io import atomic_write_text, check_output_dir
 
     from .target import load_target, resolve_device, resolve_dtype
