@@ -34,6 +34,7 @@ class TrainConfig:
     num_anchors: int = 512
     gamma: float | None = None
     kl_weight: float = 0.0  # blend each slot's CE with CE against the target's full distribution (0: the paper)
+    kl_top_k: int = 64  # soft label = the target's top-k tokens, renormalised (0: the whole vocabulary)
     # optimisation
     lr: float = 6e-4
     min_lr_ratio: float = 0.0

@@ -96,7 +96,7 @@ def train_step(run: Run, step: int) -> dict:
             loss_sum, correct, w = block_loss_sum(
                 _drafter(run), run.embed, run.lm_head, feats, ids, mask, a, v, block_size=spec.block_size,
                 mask_token_id=spec.mask_token_id, gamma=run.gamma, forward=run.module, rules=run.rules,
-                target_final=final, kl_weight=cfg.kl_weight)
+                target_final=final, kl_weight=cfg.kl_weight, kl_top_k=cfg.kl_top_k)
             # DDP / FSDP average gradients over ranks: scale by world so the result is sum / global weight
             loss = loss_sum * (d.world / wsum)
             if not loss.requires_grad:  # no supervised slot in this micro-batch: still join the reduction

@@ -8,6 +8,7 @@ For a sequence of S tokens with target features F (S, K*H) and anchors a_1..a_N:
 With `kl_weight` a, each slot's CE is blended with the cross-entropy against the target's full next-token
 distribution at that position (same optimum, a soft label that also ranks the target's other candidates):
   slot loss = (1 - a) CE(draft, x_{a_j+k}) + a H(p_target(. | x_<a_j+k), p_draft)
+(p_target optionally truncated to its top-k tokens: the same signal where the mass is, at a fraction of the cost).
 The same DFlashDrafter.forward runs here and at inference; only the attention mask differs (training/attention.py),
 so a test can check that the packed forward of every block equals the inference-time forward for that block.
 """
@@ -82,32 +83,40 @@ def packed_forward(drafter: DFlashDrafter, embed, features, block_ids, positions
 
 
 def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_weight: float = 0.0,
-                       chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                       kl_top_k: int = 0, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """sum(w * slot loss) and sum(w * correct) over rows with w > 0, the LM head applied chunk by chunk under
     activation checkpointing, so full-vocabulary logits never exist for all rows at once (nor are kept for
-    backward). `target_hidden` (b, N*B, H): the target's final-normed state that predicts each slot's label, whose
-    LM-head distribution is the soft label when kl_weight > 0."""
+    backward). `target_hidden` (b, N*B, H): the target's final-normed state that predicts each slot's label; its
+    LM-head distribution is the soft label when kl_weight > 0, truncated to its `kl_top_k` most likely tokens
+    (renormalised) when kl_top_k > 0, computed once per chunk outside the checkpoint (backward does not redo it)."""
     h = hidden.flatten(0, 1)
     y, w = labels.flatten(), weights.flatten()
     keep = w > 0
     h, y, w = h[keep], y[keep], w[keep]
     soft = kl_weight > 0
-    t = target_hidden.flatten(0, 1)[keep] if soft else h[:, :0]
+    t = target_hidden.flatten(0, 1)[keep] if soft else None
 
-    def piece(h_, y_, w_, t_):
+    def piece(h_, y_, w_, q_, i_):
         logits = lm_head(h_).float()
         loss = F.cross_entropy(logits, y_, reduction="none")
         if soft:
-            with torch.no_grad():
-                q = torch.softmax(lm_head(t_).float(), -1)
-            soft_ce = -(q * torch.log_softmax(logits, -1)).sum(-1)
+            if i_ is None:  # the whole distribution: recomputed in backward rather than kept for every chunk
+                with torch.no_grad():
+                    q_ = torch.softmax(lm_head(q_).float(), -1)
+            logp = torch.log_softmax(logits, -1)
+            soft_ce = -(q_ * (logp if i_ is None else logp.gather(-1, i_))).sum(-1)
             loss = (1 - kl_weight) * loss + kl_weight * soft_ce
         return (loss * w_).sum(), ((logits.argmax(-1) == y_).float() * w_).sum()
 
     loss = h.new_zeros((), dtype=torch.float32)
     correct = h.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], chunk):
-        args = (h[i:i + chunk], y[i:i + chunk], w[i:i + chunk], t[i:i + chunk])
+        q, idx = (t[i:i + chunk] if soft else None), None
+        if soft and kl_top_k:
+            with torch.no_grad():
+                top, idx = lm_head(q).float().topk(min(kl_top_k, lm_head.weight.shape[0]), dim=-1)
+                q = torch.softmax(top, -1)  # = the top-k of the softmax, renormalised
+        args = (h[i:i + chunk], y[i:i + chunk], w[i:i + chunk], q, idx)
         l, c = checkpoint(piece, *args, use_reentrant=False) if torch.is_grad_enabled() else piece(*args)
         loss, correct = loss + l, correct + c
     return loss, correct
@@ -115,8 +124,8 @@ def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_
 
 def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, loss_mask, anchors, valid, *,
                    block_size: int, mask_token_id: int, gamma: float | None = None, use_flex: bool | None = None,
-                   forward=None, rules=None, target_final=None,
-                   kl_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   forward=None, rules=None, target_final=None, kl_weight: float = 0.0,
+                   kl_top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unnormalised pieces of the loss for given anchors: (sum w*loss, sum w*correct, sum w). The trainer divides by
     the weight sum of the whole global batch, so the loss does not depend on how the batch is split across ranks
     and micro-batches. `forward(x, features, positions, mask)` replaces packed_forward (a DDP/FSDP wrapper).
@@ -137,7 +146,7 @@ def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, 
         # the label at position p is predicted by the target's state at p - 1 (slot k >= 1, so p - 1 >= anchor)
         prev = (pos - 1).clamp(min=0, max=s - 1)
         target_hidden = target_final.gather(1, prev[..., None].expand(-1, -1, target_final.shape[-1]))
-    loss_sum, correct = chunked_block_loss(hidden, lm_head, labels, weights, target_hidden, kl_weight)
+    loss_sum, correct = chunked_block_loss(hidden, lm_head, labels, weights, target_hidden, kl_weight, kl_top_k)
     return loss_sum, correct, weights.sum()
 
 
