@@ -34,7 +34,8 @@ HELP = {
     "block_size": "block size B trained for (new drafter)",
     "mask_token_id": "mask token id (default: first unused embedding row past the tokenizer vocabulary)",
     "target_layer_ids": "comma-separated target layer ids (default: evenly spaced from 1 to L-3)",
-    "init_layers": "target: copy the target's last decoder layers where shapes match; random: HF-style init",
+    "init_layers": "target: copy the target's last decoder layers where shapes match; target-first: its first "
+                   "layers; random: HF-style init",
     "draft_window": "train with the draft context window inference will use (generate --draft-window N): each block "
                     "sees at most the N positions before its anchor",
     "sliding_window": "new drafter: declare sliding-window layers with this window (trained as inference runs them)",

@@ -66,7 +66,7 @@ def main() -> None:
         with torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=cuda):
             loss, _, w = block_loss_sum(drafter, embed, lm_head, feats, ids, mask, anchors, valid,
                                         block_size=spec.block_size, mask_token_id=v - 1, rules=layer_rules(spec),
-                                        target_final=final, kl_weight=recipe.kl_weight)
+                                        target_final=final, kl_weight=recipe.kl_weight, kl_top_k=recipe.kl_top_k)
             (loss / w).backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), recipe.grad_clip)
         opt.step()

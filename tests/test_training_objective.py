@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.backends.torch.training import chunked_block_loss
+from dflash.backends.torch.training.objective import target_top_k
 
 V, H = 50, 16
 
@@ -38,13 +39,17 @@ def test_kl_weight_zero_is_weighted_ce_and_one_is_soft_ce():
 
 def test_top_k_of_the_whole_vocabulary_is_the_full_distribution_and_gradients_match():
     head, hidden, target, labels, weights = setup()
-    full, _ = chunked_block_loss(hidden, head, labels, weights, target, kl_weight=0.7, kl_top_k=0, chunk=4)
+    full, _ = chunked_block_loss(hidden, head, labels, weights, target, kl_weight=0.7, chunk=4)
     (g_full,) = torch.autograd.grad(full, hidden)
-    top, _ = chunked_block_loss(hidden, head, labels, weights, target, kl_weight=0.7, kl_top_k=V, chunk=4)
+    top, _ = chunked_block_loss(hidden, head, labels, weights, kl_weight=0.7, target_top=target_top_k(head, target, V),
+                                chunk=4)
     (g_top,) = torch.autograd.grad(top, hidden)
     torch.testing.assert_close(top, full)
     torch.testing.assert_close(g_top, g_full)
-    trunc, _ = chunked_block_loss(hidden, head, labels, weights, target, kl_weight=0.7, kl_top_k=3, chunk=4)
+    q, idx = target_top_k(head, target, 3)
+    assert q.shape == (1, 12, 3) and torch.allclose(q.sum(-1), torch.ones(1, 12))
+    assert torch.equal(idx, head(target).topk(3, dim=-1).indices)
+    trunc, _ = chunked_block_loss(hidden, head, labels, weights, kl_weight=0.7, target_top=(q, idx), chunk=4)
     assert not torch.allclose(trunc, full)  # truncation really changes the label
 
 

@@ -89,7 +89,8 @@ def init_drafter(spec: DraftSpec, target_model, mode: str, seed: int) -> DFlashD
     """A new drafter. Linear weights ~ N(0, target initializer_range) (the HF Qwen3 init), norms = 1. With mode
     "target", draft layer i starts as a copy of target layer L-n+i wherever names and shapes match, and the final
     norm as the target's: the last target layers already map hidden states into the space the shared LM head reads,
-    which makes the first steps productive instead of spent aligning random layers to the LM head."""
+    which makes the first steps productive instead of spent aligning random layers to the LM head. "target-first"
+    copies the first n target layers instead (they read raw token embeddings, as draft layer 0 does)."""
     from ..target import decoder_layers
 
     torch.manual_seed(seed)
@@ -100,9 +101,9 @@ def init_drafter(spec: DraftSpec, target_model, mode: str, seed: int) -> DFlashD
             nn.init.normal_(m.weight, std=std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
-    if mode == "target":
+    if mode in ("target", "target-first"):
         layers = decoder_layers(target_model)
-        offset = len(layers) - spec.num_hidden_layers
+        offset = len(layers) - spec.num_hidden_layers if mode == "target" else 0
         with torch.no_grad():
             for i, layer in enumerate(model.layers):
                 src = layers[max(offset + i, 0)].state_dict()
@@ -113,7 +114,7 @@ def init_drafter(spec: DraftSpec, target_model, mode: str, seed: int) -> DFlashD
             if hasattr(base, "norm") and base.norm.weight.shape == model.norm.weight.shape:
                 model.norm.weight.copy_(base.norm.weight)
     elif mode != "random":
-        raise DFlashError(f"--init-layers: got {mode!r}, expected target or random")
+        raise DFlashError(f"--init-layers: got {mode!r}, expected target, target-first or random")
     return model
 
 

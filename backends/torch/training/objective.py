@@ -83,18 +83,21 @@ def packed_forward(drafter: DFlashDrafter, embed, features, block_ids, positions
 
 
 def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_weight: float = 0.0,
-                       kl_top_k: int = 0, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                       target_top=None, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """sum(w * slot loss) and sum(w * correct) over rows with w > 0, the LM head applied chunk by chunk under
     activation checkpointing, so full-vocabulary logits never exist for all rows at once (nor are kept for
-    backward). `target_hidden` (b, N*B, H): the target's final-normed state that predicts each slot's label; its
-    LM-head distribution is the soft label when kl_weight > 0, truncated to its `kl_top_k` most likely tokens
-    (renormalised) when kl_top_k > 0, computed once per chunk outside the checkpoint (backward does not redo it)."""
+    backward). The soft label of kl_weight > 0 is either the full LM-head distribution of `target_hidden`
+    (b, N*B, H: the target's final-normed state that predicts each slot's label), recomputed in backward, or
+    `target_top` = (probabilities, token ids), each (b, N*B, k): the target's top-k, renormalised."""
     h = hidden.flatten(0, 1)
     y, w = labels.flatten(), weights.flatten()
     keep = w > 0
     h, y, w = h[keep], y[keep], w[keep]
     soft = kl_weight > 0
-    t = target_hidden.flatten(0, 1)[keep] if soft else None
+    if soft and target_top is not None:
+        q_all, idx_all = (x.flatten(0, 1)[keep] for x in target_top)
+    elif soft:
+        q_all, idx_all = target_hidden.flatten(0, 1)[keep], None
 
     def piece(h_, y_, w_, q_, i_):
         logits = lm_head(h_).float()
@@ -111,15 +114,21 @@ def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_
     loss = h.new_zeros((), dtype=torch.float32)
     correct = h.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], chunk):
-        q, idx = (t[i:i + chunk] if soft else None), None
-        if soft and kl_top_k:
-            with torch.no_grad():
-                top, idx = lm_head(q).float().topk(min(kl_top_k, lm_head.weight.shape[0]), dim=-1)
-                q = torch.softmax(top, -1)  # = the top-k of the softmax, renormalised
-        args = (h[i:i + chunk], y[i:i + chunk], w[i:i + chunk], q, idx)
+        part = slice(i, i + chunk)
+        q = q_all[part] if soft else None
+        idx = idx_all[part] if soft and idx_all is not None else None
+        args = (h[part], y[part], w[part], q, idx)
         l, c = checkpoint(piece, *args, use_reentrant=False) if torch.is_grad_enabled() else piece(*args)
         loss, correct = loss + l, correct + c
     return loss, correct
+
+
+@torch.no_grad()
+def target_top_k(lm_head, target_final: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's k most likely next tokens at every position, renormalised: (probabilities, ids), (b, S, k).
+    Once per position, not per block slot (blocks overlap: each position labels several slots)."""
+    top, idx = lm_head(target_final).float().topk(min(k, lm_head.weight.shape[0]), dim=-1)
+    return torch.softmax(top, -1), idx  # softmax of the top-k logits = the top-k of the softmax, renormalised
 
 
 def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, loss_mask, anchors, valid, *,
@@ -130,7 +139,8 @@ def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, 
     the weight sum of the whole global batch, so the loss does not depend on how the batch is split across ranks
     and micro-batches. `forward(x, features, positions, mask)` replaces packed_forward (a DDP/FSDP wrapper).
     `rules`: one LayerRule per draft layer (default: full attention, the whole context). `target_final` (b, S, H):
-    the target's final-normed hidden states, needed when kl_weight > 0."""
+    the target's final-normed hidden states, needed when kl_weight > 0 (soft label: its top `kl_top_k` tokens, or
+    the whole distribution with kl_top_k 0)."""
     gamma = gamma or default_gamma(block_size)
     ids, pos, labels, weights = build_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, gamma)
     s = input_ids.shape[1]
@@ -141,12 +151,16 @@ def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, 
         hidden = packed_forward(drafter, embed, features, ids, pos, mask)
     else:
         hidden = forward(embed(ids).to(features.dtype), features, pos, mask)
-    target_hidden = None
+    target_hidden = target_top = None
     if kl_weight > 0:
         # the label at position p is predicted by the target's state at p - 1 (slot k >= 1, so p - 1 >= anchor)
         prev = (pos - 1).clamp(min=0, max=s - 1)
-        target_hidden = target_final.gather(1, prev[..., None].expand(-1, -1, target_final.shape[-1]))
-    loss_sum, correct = chunked_block_loss(hidden, lm_head, labels, weights, target_hidden, kl_weight, kl_top_k)
+        at = lambda x: x.gather(1, prev[..., None].expand(-1, -1, x.shape[-1]))
+        if kl_top_k:
+            target_top = tuple(at(x) for x in target_top_k(lm_head, target_final, kl_top_k))
+        else:
+            target_hidden = at(target_final)
+    loss_sum, correct = chunked_block_loss(hidden, lm_head, labels, weights, target_hidden, kl_weight, target_top)
     return loss_sum, correct, weights.sum()
 
 
