@@ -79,6 +79,11 @@ HELP = {
 }
 
 
+# Presets over TrainConfig's defaults (which are the "default" recipe). The paper's: HF-style random init of the
+# draft layers and the position-weighted CE on the data tokens only (no soft label).
+RECIPES = {"default": {}, "paper": {"init_layers": "random", "kl_weight": 0.0}}
+
+
 def _field_types():
     from .train_config import TrainConfig
 
@@ -125,6 +130,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="torch", help="training backend (torch)")
     p.add_argument("--config", help="YAML or JSON file of hyperparameters (flags override it)")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="default",
+                   help="default: this project's measured recipe (docs/training.md); paper: the DFlash paper's "
+                        "(random init, CE only). A --config file and explicit flags override it")
     p.add_argument("--init-from-target", action="store_true", help="new drafter shaped from the target (default)")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
     for f, tp in fields:
@@ -176,7 +184,7 @@ def load_config_file(path: str) -> dict:
 def config_from_args(args):
     TrainConfig, fields = _field_types()
     types = {f.name: tp for f, tp in fields}
-    values = {}
+    values = dict(RECIPES[args.recipe])
     if args.config:
         for key, value in load_config_file(args.config).items():
             name = key.replace("-", "_")

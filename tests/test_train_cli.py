@@ -49,3 +49,15 @@ def test_missing_torch_is_one_line(tmp_path):
 def test_flag_errors_come_before_torch(tmp_path):
     r = run_train("--model", str(tmp_path), "--num-layers", "two", code=NO_TORCH)
     assert r.returncode == 2 and r.stderr.strip() == "error: --num-layers: cannot read 'two' as int"
+
+
+def test_paper_recipe_is_one_flag_away_and_flags_override_it():
+    from dflash.train import config_from_args, parse_args
+    from dflash.train_config import TrainConfig
+
+    default = config_from_args(parse_args(["--model", "m"]))
+    assert (default.init_layers, default.kl_weight) == (TrainConfig().init_layers, TrainConfig().kl_weight)
+    paper = config_from_args(parse_args(["--model", "m", "--recipe", "paper"]))
+    assert (paper.init_layers, paper.kl_weight) == ("random", 0.0)
+    mixed = config_from_args(parse_args(["--model", "m", "--recipe", "paper", "--kl-weight", "0.25"]))
+    assert (mixed.init_layers, mixed.kl_weight) == ("random", 0.25)
