@@ -68,3 +68,20 @@ def test_soft_label_fits_the_target_distribution():
         opt.step()
     p_draft, p_target = torch.softmax(head(hidden), -1), torch.softmax(head(target), -1)
     assert (p_draft - p_target).abs().max() < 0.05
+
+
+def test_chunked_recomputed_logits_equal_the_one_piece_path(monkeypatch):
+    """Past LOGITS_BUDGET the loss runs chunk by chunk under checkpointing: same loss, same gradients."""
+    import dflash.backends.torch.training.objective as objective
+
+    head, hidden, target, labels, weights = setup(rows=23)
+    results = []
+    for budget in (objective.LOGITS_BUDGET, 0):
+        monkeypatch.setattr(objective, "LOGITS_BUDGET", budget)
+        for kw in ({}, {"target_hidden": target, "kl_weight": 0.5},
+                   {"kl_weight": 0.5, "target_top": target_top_k(head, target, 7)}):
+            loss, correct = objective.chunked_block_loss(hidden, head, labels, weights, chunk=5, **kw)
+            results.append((loss, correct, torch.autograd.grad(loss, hidden)[0]))
+    for one, chunked in zip(results[:3], results[3:]):
+        for a, b in zip(one, chunked):
+            torch.testing.assert_close(b, a)

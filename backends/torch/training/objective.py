@@ -25,6 +25,7 @@ from ..drafter import DFlashDrafter
 from .attention import LayerRule, attention_fn, build_masks
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+LOGITS_BUDGET = 1 << 26  # logits (rows x vocabulary) computed in one piece without recomputation: 256 MiB in fp32
 
 
 def default_gamma(block_size: int) -> float:
@@ -84,9 +85,9 @@ def packed_forward(drafter: DFlashDrafter, embed, features, block_ids, positions
 
 def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_weight: float = 0.0,
                        target_top=None, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(w * slot loss) and sum(w * correct) over rows with w > 0, the LM head applied chunk by chunk under
-    activation checkpointing, so full-vocabulary logits never exist for all rows at once (nor are kept for
-    backward). The soft label of kl_weight > 0 is either the full LM-head distribution of `target_hidden`
+    """sum(w * slot loss) and sum(w * correct) over rows with w > 0. Past LOGITS_BUDGET the LM head is applied chunk
+    by chunk under activation checkpointing, so full-vocabulary logits never exist for all rows at once (nor are
+    kept for backward). The soft label of kl_weight > 0 is either the full LM-head distribution of `target_hidden`
     (b, N*B, H: the target's final-normed state that predicts each slot's label), recomputed in backward, or
     `target_top` = (probabilities, token ids), each (b, N*B, k): the target's top-k, renormalised."""
     h = hidden.flatten(0, 1)
@@ -111,6 +112,10 @@ def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_
             loss = (1 - kl_weight) * loss + kl_weight * soft_ce
         return (loss * w_).sum(), ((logits.argmax(-1) == y_).float() * w_).sum()
 
+    # small logits (a small vocabulary, few rows) in one piece and kept for backward; large ones chunk by chunk,
+    # recomputed in backward: the LM head then runs twice, but memory stays at one chunk of logits
+    whole = h.shape[0] * lm_head.weight.shape[0] <= LOGITS_BUDGET
+    chunk = max(h.shape[0], 1) if whole else chunk
     loss = h.new_zeros((), dtype=torch.float32)
     correct = h.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], chunk):
@@ -118,7 +123,8 @@ def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_
         q = q_all[part] if soft else None
         idx = idx_all[part] if soft and idx_all is not None else None
         args = (h[part], y[part], w[part], q, idx)
-        l, c = checkpoint(piece, *args, use_reentrant=False) if torch.is_grad_enabled() else piece(*args)
+        recompute = torch.is_grad_enabled() and not whole
+        l, c = checkpoint(piece, *args, use_reentrant=False) if recompute else piece(*args)
         loss, correct = loss + l, correct + c
     return loss, correct
 
