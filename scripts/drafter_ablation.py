@@ -4,9 +4,13 @@ answers, then measure greedy acceptance with the real speculative loop on held-o
     python -m dflash.reference build --out runs/data --target dflash/reference/assets/target --answers-only
     OMP_NUM_THREADS=1 python scripts/drafter_ablation.py --name kl1 --set kl_weight=1.0 [--set KEY=VALUE ...]
 
-Base recipe: BuildConfig().drafter at --steps steps (no evaluation during training). Appends one JSON row (name,
-overrides, steps, train seconds, tokens/s, tau, per-position acceptance) to --log. --eval-block 8 measures a
-drafter trained at block 16 with block 8 (and the reverse).
+Base recipe: BuildConfig().drafter (3 layers, block 16, 64 anchors, batch 4, lr 2e-3, bf16 autocast) and TrainConfig's
+defaults for everything else, at --steps steps (no evaluation during training), seed 0.
+
+Appends one JSON row (name, overrides, steps, train seconds, tau, per-position acceptance) to --log; tau is
+measured with the real speculative loop (greedy, plain completion) on the first --prompts held-out benchmark
+prompts. --eval-block 8 measures a drafter trained at block 16 with block 8 (and the reverse); --from-run NAME
+measures an earlier run's drafter again without training.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ def main() -> None:
     p.add_argument("--name", required=True)
     p.add_argument("--data", default="runs/data", help="a build directory with answers_*.jsonl (--answers-only)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig override (JSON value)")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--data-fraction", type=float, default=1.0,
+                   help="train on this fraction of the samples (a seeded subset): the data-size ablation")
     p.add_argument("--prompts", type=int, default=16, help="held-out benchmark prompts measured")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--eval-block", type=int, help="measure with this block size (default: the trained one)")
@@ -52,6 +58,10 @@ def main() -> None:
     target_dir = data / "assets" / "target"
     samples = answer_samples(target_dir, data / "answers_chat.jsonl") + \
         answer_samples(completion_target(target_dir, data / "completion_target"), data / "answers_completion.jsonl")
+    if args.data_fraction < 1.0:
+        keep = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))[
+            :int(len(samples) * args.data_fraction)]
+        samples = [samples[i] for i in sorted(keep.tolist())]
     overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
     recipe = dict(BuildConfig().drafter, max_steps=args.steps, eval_every=0, eval_holdout=0, log_every=10)
     recipe.update(overrides)
@@ -81,7 +91,7 @@ def main() -> None:
         drafter.spec.block_size = args.eval_block
     t = time.perf_counter()
     r = evaluate(target, drafter, ids, args.new_tokens, eos_token_ids(target_dir, tok), recipe.get("draft_window"))
-    row = {"name": args.name, "overrides": overrides, "steps": rows[-1]["step"], "train_seconds": round(seconds, 1),
+    row = {"name": args.name, "overrides": overrides, "data_fraction": args.data_fraction, "samples": len(samples), "steps": rows[-1]["step"], "train_seconds": round(seconds, 1),
            "final_loss": round(sum(x["loss"] for x in rows[-3:]) / len(rows[-3:]), 4),
            "eval_seconds": round(time.perf_counter() - t, 1), "eval_block": args.eval_block,
            "tau": round(r["tau"], 3), "first_position": round(r["per_position"][0], 3),
