@@ -41,7 +41,8 @@ class Run:
     d: Dist
     device: str
     samples: list[dict]
-    module: nn.Module  # PackedDrafter, possibly DDP / FSDP-wrapped
+    drafter: DFlashDrafter
+    module: nn.Module  # PackedDrafter(drafter), possibly DDP / FSDP-wrapped: what the step calls
     fsdp: bool
     optimizer: torch.optim.Optimizer
     features: object  # OnlineFeatures | FeatureCache
@@ -66,7 +67,7 @@ def train_step(run: Run, step: int) -> dict:
     """One optimiser step on the global batch of `step`; returns its log row (loss, accuracy, lr, grad norm)."""
     cfg, d = run.cfg, run.d
     b, accum = cfg.batch_size, cfg.grad_accum
-    spec = _drafter(run).spec
+    spec = run.drafter.spec
     # 1. this rank's share of the global batch, and its anchors
     epoch, idx = step_indices(step, len(run.samples), run.global_batch, cfg.seed)
     mine = idx[d.rank * b * accum:(d.rank + 1) * b * accum]
@@ -94,7 +95,7 @@ def train_step(run: Run, step: int) -> dict:
             run.module.set_requires_gradient_sync(sync)
         with (run.module.no_sync() if ddp and not sync else contextlib.nullcontext()), run.autocast:
             loss_sum, correct, w = block_loss_sum(
-                _drafter(run), run.embed, run.lm_head, feats, ids, mask, a, v, block_size=spec.block_size,
+                run.drafter, run.embed, run.lm_head, feats, ids, mask, a, v, block_size=spec.block_size,
                 mask_token_id=spec.mask_token_id, gamma=run.gamma, forward=run.module, rules=run.rules,
                 target_final=final, kl_weight=cfg.kl_weight, kl_top_k=cfg.kl_top_k)
             # DDP / FSDP average gradients over ranks: scale by world so the result is sum / global weight
@@ -110,10 +111,6 @@ def train_step(run: Run, step: int) -> dict:
     stats = d.sum(stats)
     return {"step": step + 1, "epoch": epoch, "loss": float(stats[0] / wsum), "accuracy": float(stats[1] / wsum),
             "lr": lr, "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
-
-
-def _drafter(run: Run) -> DFlashDrafter:
-    return getattr(run.module, "module", run.module).drafter
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -182,7 +179,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         features = cache
     # bf16 autocast: the default on CUDA; on CPU when asked (--dtype bfloat16: fast on CPUs with AMX / AVX512-BF16)
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.startswith("cuda"))
-    run = Run(cfg, d, device, samples, module, fsdp, optimizer, features, target.get_input_embeddings(),
+    run = Run(cfg, d, device, samples, drafter, module, fsdp, optimizer, features, target.get_input_embeddings(),
               target.get_output_embeddings(), layer_rules(spec, cfg.draft_window),
               cfg.gamma or default_gamma(spec.block_size), total,
               torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if bf16 else contextlib.nullcontext())
