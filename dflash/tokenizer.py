@@ -1,5 +1,5 @@
-"""Tokenizers of target checkpoints: loading (one line when it fails), EOS ids, chat templates. A leaf: the backends'
-applications (training, regeneration) use it without reaching into the API layer."""
+"""The target's tokenizer and its chat helpers: a leaf module (transformers only), so backends and the trainer
+can use them without importing the API layer."""
 
 from __future__ import annotations
 

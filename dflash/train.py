@@ -23,7 +23,7 @@ from . import cli
 from .errors import DFlashError
 
 HELP = {
-    "target": "target model: local HF directory or hub id (flag: --model)",
+    "target": "target model: local HF directory or hub id",
     "data": "training data: JSONL (chat, ShareGPT or tokenised rows) or a datasets directory",
     "features": "offline features directory from `python -m dflash.data cache-features` (replaces --data)",
     "out": "run directory: checkpoints, log, plots, exported drafter",
@@ -34,9 +34,19 @@ HELP = {
     "block_size": "block size B trained for (new drafter)",
     "mask_token_id": "mask token id (default: first unused embedding row past the tokenizer vocabulary)",
     "target_layer_ids": "comma-separated target layer ids (default: evenly spaced from 1 to L-3)",
-    "init_layers": "target: copy the target's last decoder layers where shapes match; random: HF-style init",
+    "init_layers": "target: copy the target's last decoder layers where shapes match; target-first: its first "
+                   "layers; random: HF-style init",
+    "draft_window": "train with the draft context window inference will use (generate --draft-window N): each block "
+                    "sees at most the N positions before its anchor",
+    "sliding_window": "new drafter: declare sliding-window layers with this window (trained as inference runs them)",
+    "layer_types": "new drafter: comma-separated sliding_attention / full_attention per layer (default: all sliding "
+                   "when --sliding-window is given)",
+    "is_causal": "new drafter: sliding layers causal inside the block (default: the config rule, causal)",
     "num_anchors": "random anchors (blocks) per sequence per epoch",
     "gamma": "loss position decay w_k = exp(-(k-1)/gamma) (default 7/5/4 for block 16/10/8)",
+    "kl_weight": "blend each slot's CE on the data token with CE against the target's full next-token distribution "
+                 "(0: the paper's loss; needs online features)",
+    "kl_top_k": "the soft label keeps the target's K most likely tokens, renormalised (0: the whole vocabulary)",
     "lr": "peak learning rate (AdamW)",
     "min_lr_ratio": "cosine floor as a fraction of --lr",
     "warmup_ratio": "linear warmup as a fraction of the steps",
@@ -69,8 +79,13 @@ HELP = {
 }
 
 
+# Presets over TrainConfig's defaults (which are the "default" recipe). The paper's: HF-style random init of the
+# draft layers and the position-weighted CE on the data tokens only (no soft label).
+RECIPES = {"default": {}, "paper": {"init_layers": "random", "kl_weight": 0.0}}
+
+
 def _field_types():
-    from dflash.backends.torch.trainer import TrainConfig
+    from .train_config import TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
     return TrainConfig, [(f, hints[f.name]) for f in dataclasses.fields(TrainConfig)
@@ -100,7 +115,7 @@ def _convert(name: str, tp, value):
             raise ValueError
         if kind in (list, tuple):
             items = value if isinstance(value, (list, tuple)) else [x for x in str(value).split(",") if x.strip()]
-            inner = int if name == "target_layer_ids" else float
+            inner = {"target_layer_ids": int, "layer_types": str}.get(name, float)
             return kind(inner(x) for x in items)
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
@@ -115,21 +130,35 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="torch", help="training backend (torch)")
     p.add_argument("--config", help="YAML or JSON file of hyperparameters (flags override it)")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="default",
+                   help="default: this project's measured recipe (docs/training.md); paper: the DFlash paper's "
+                        "(random init, CE only). A --config file and explicit flags override it")
     p.add_argument("--init-from-target", action="store_true", help="new drafter shaped from the target (default)")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
     for f, tp in fields:
         flag = "--model" if f.name == "target" else "--" + f.name.replace("_", "-")
+        text = HELP.get(f.name, "") + _default_note(f)
         if _scalar(tp) is bool:
             p.add_argument(flag, dest=f.name, nargs="?", const="true", default=argparse.SUPPRESS, metavar="BOOL",
-                           help=f"{HELP.get(f.name, '')} (default {f.default})")
+                           help=text)
             if f.default is True:
                 p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_const", const="false",
                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         else:
-            default = f.default if f.default is not dataclasses.MISSING else None
-            p.add_argument(flag, dest=f.name, default=argparse.SUPPRESS,
-                           help=f"{HELP.get(f.name, '')} (default {default})")
+            p.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, metavar=f.name.upper(), help=text)
     return p.parse_args(argv)
+
+
+def _default_note(f) -> str:
+    """' (default X)', unless there is no default value to show or the help text already explains it."""
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if default in (None, "") or "default" in HELP.get(f.name, ""):
+        return ""
+    if isinstance(default, bool):
+        default = str(default).lower()
+    elif isinstance(default, tuple):
+        default = ",".join(str(x) for x in default)
+    return f" (default {default})"
 
 
 def load_config_file(path: str) -> dict:
@@ -155,7 +184,7 @@ def load_config_file(path: str) -> dict:
 def config_from_args(args):
     TrainConfig, fields = _field_types()
     types = {f.name: tp for f, tp in fields}
-    values = {}
+    values = dict(RECIPES[args.recipe])
     if args.config:
         for key, value in load_config_file(args.config).items():
             name = key.replace("-", "_")
@@ -172,11 +201,15 @@ def config_from_args(args):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # before any framework import: --help and flag errors answer at once
     if args.backend != "torch":
         raise DFlashError(f"--backend: training supports torch only, got {args.backend!r}")
     cfg = config_from_args(args)
-    from dflash.backends.torch.trainer import train
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise DFlashError("torch is not installed; training needs it: pip install 'dflash[torch,train]'") from None
+    from dflash.backends.torch.training import train
 
     try:
         result = train(cfg)

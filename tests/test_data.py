@@ -191,7 +191,7 @@ def test_regenerated_rows_train(tiny_target_dir, tmp_path, tok):
 def test_feature_cache_equals_online_features_and_trains_the_same(tiny_target_dir, tmp_path):
     from dflash.backends.torch.features import FeatureCache, OnlineFeatures
     from dflash.backends.torch.target import load_target
-    from dflash.backends.torch.trainer import TrainConfig, train
+    from dflash.backends.torch.training import TrainConfig, train
     from dflash.data import main
 
     g = torch.Generator().manual_seed(0)

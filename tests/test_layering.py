@@ -40,7 +40,9 @@ def module_level_imports(name: str, path: Path, known: dict) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             root = ".".join(base[:len(base) - node.level + 1]) if node.level else ""
             mod = ".".join(p for p in (root, node.module or "") if p)
-            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            # `from . import x` in a package's own module names the submodule, not the package being imported
+            own_package = name == mod or name.startswith(mod + ".")
+            targets = ([] if own_package else [mod]) + [f"{mod}.{a.name}" for a in node.names]
         else:
             continue
         for t in targets:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from dflash.backends.torch.trainer import TrainConfig, train
+from dflash.backends.torch.training import TrainConfig, train
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
 
@@ -56,6 +56,7 @@ def one_process_curve(tiny_target_dir, data_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
     cfg = TrainConfig(target=str(tiny_target_dir), data=str(data_file), out=str(out), num_layers=2, block_size=4,
                       num_anchors=8, lr=3e-3, progress=False, plot=False, seed=1, batch_size=1, grad_accum=2,
+                      init_layers="target",
                       max_steps=6, save_every=0, quiet=True, device="cpu")
     return train(cfg).losses
 
@@ -64,8 +65,10 @@ def one_process_curve(tiny_target_dir, data_file, tmp_path_factory):
 def test_two_process_loss_curve_matches_one_process(parallel, tiny_target_dir, data_file, tmp_path,
                                                     one_process_curve):
     out = tmp_path / parallel
+    # both curves copy the target's last layers (the init these 6-step curves were calibrated with; from the first
+    # layers the loss of so short a run need not fall: the default recipe is measured in docs/training.md)
     torchrun(base_args(tiny_target_dir, data_file, out, batch_size=1, grad_accum=1, max_steps=6, save_every=0,
-                       parallel=parallel))
+                       parallel=parallel, init_layers="target"))
     two = losses(out)
     assert len(two) == len(one_process_curve) == 6
     assert two == pytest.approx(one_process_curve, rel=1e-4, abs=1e-5)
@@ -156,7 +159,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_target_dir, da
 
 
 def test_mask_token_needs_a_free_embedding_row():
-    from dflash.backends.torch.trainer import first_free_embedding_row, new_draft_spec
+    from dflash.backends.torch.training import first_free_embedding_row, new_draft_spec
     from dflash.errors import DFlashError
     from dflash.tiny import target_config
     from transformers import AutoModelForCausalLM

@@ -202,7 +202,7 @@ def test_overfitting_one_sample_reaches_nearly_full_blocks(sharp_target, tmp_pat
     on the target's own greedy continuation of one prompt, the drafter must get nearly every block accepted when
     the target regenerates that continuation. Any silent off-by-one keeps tau near 1."""
     from dflash.backends.torch.tiny_pair import greedy_samples
-    from dflash.backends.torch.trainer import TrainConfig, train
+    from dflash.backends.torch.training import TrainConfig, train
 
     target_dir, model = sharp_target
     sample = greedy_samples(model, 1, seed=5, prompt_len=8, answer_len=64)[0]

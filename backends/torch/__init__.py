@@ -12,7 +12,7 @@ _PUBLIC = {
     "TorchBackend": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
     "target_info": "target", "DTYPES": "target", "DFlashDrafter": "drafter", "load_drafter": "drafter",
     "save_drafter": "drafter", "regenerate": "regeneration", "write_feature_cache": "features",
-    "TrainConfig": "trainer", "train": "trainer", "dflash_loss": "training",
+    "TrainConfig": "training", "train": "training", "dflash_loss": "training",
 }
 
 

@@ -33,6 +33,11 @@ class OnlineFeatures:
         # right padding: a causal target never lets a real position see the pads after it, so no attention mask
         return target_features(self.model, self.capture, input_ids)
 
+    def with_final(self, samples, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, the target's final-normed hidden states): the second gives the target's next-token
+        distribution at every position (the soft label of --kl-weight) from the same forward."""
+        return target_features(self.model, self.capture, input_ids, final=True)
+
     def close(self) -> None:
         self.capture.remove()
 

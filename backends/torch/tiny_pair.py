@@ -50,7 +50,7 @@ def build_trained_pair(root: str | os.PathLike, *, steps: int = 200, num_train: 
                        seed: int = 0, quiet: bool = True) -> tuple[Path, Path, dict]:
     """-> (target_dir, draft_dir, info). info has the held-out tau and the timings; it is also saved as
     root/pair.json, and an existing complete pair under root is reused."""
-    from .trainer import TrainConfig, train
+    from .training import TrainConfig, train
 
     root = Path(root)
     target_dir, run_dir = root / "target", root / "run"
@@ -66,7 +66,7 @@ def build_trained_pair(root: str | os.PathLike, *, steps: int = 200, num_train: 
                                                                                   for s in held],
                       out=str(run_dir), num_layers=2, block_size=16, num_anchors=48, max_steps=steps, batch_size=4,
                       lr=1e-2, save_every=0, eval_max_new_tokens=64, progress=False, plot=False, quiet=quiet,
-                      seed=seed, device="cpu")
+                      seed=seed, device="cpu", init_layers="target")  # the recipe this fixture's tau is known at
     result = train(cfg)
     info = {"tau": result.tau, "per_position": result.evals[-1]["per_position"], "steps": result.steps,
             "final_loss": result.losses[-1], "build_seconds": t1 - t0, "train_seconds": result.seconds,

@@ -40,11 +40,11 @@ class BuildConfig:
     # the target answers every training prompt twice: as a ChatML user turn, and as plain completion (how
     # `python -m dflash.generate --prompt` serves it without --chat); the drafter trains on both
     answer_formats: tuple[str, ...] = ("chat", "completion")
-    # TrainConfig overrides (dflash.train)
-    # ~15 min on 2 idle CPU cores (bf16 autocast: 0.75 s/step on AMX), held-out acceptance every 275 steps
+    # TrainConfig overrides (dflash.train; the rest are its defaults, e.g. draft layers copied from the target's
+    # first layers). ~40 min at one thread (bf16 autocast on AMX, ~0.85 s/step), held-out acceptance every 700 steps
     drafter: dict = field(default_factory=lambda: dict(num_layers=3, block_size=16, num_anchors=64, batch_size=4,
-                                                       lr=2e-3, max_steps=1100, dtype="bfloat16", log_every=10,
-                                                       eval_every=275, eval_holdout=16, eval_max_prompts=8,
+                                                       lr=2e-3, max_steps=2800, dtype="bfloat16", log_every=10,
+                                                       eval_every=700, eval_holdout=16, eval_max_prompts=8,
                                                        eval_max_new_tokens=96))
     tau_prompts: int = 32
     tau_new_tokens: int = 128
@@ -65,7 +65,11 @@ def _log(msg: str) -> None:
     print(f"[reference] {msg}", flush=True)
 
 
-def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False) -> dict:
+def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False, target: str | Path | None = None,
+          answers_only: bool = False) -> dict:
+    """The whole pipeline. `target`: an exported target directory (e.g. the bundled one) used as it is instead of
+    training a tokenizer and pretraining (the drafter recipe alone, ~22 min shorter). `answers_only`: stop once the
+    target's answers are written (the data that drafter experiments train on)."""
     import torch
 
     from dflash.tiny import train_tokenizer
@@ -91,21 +95,27 @@ def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False) 
     train_files, heldout_files = split(source_files(limit_bytes=cfg.limit_bytes))
     report["corpus"] = {"train_files": len(train_files), "heldout_files": len(heldout_files),
                         "train_chars": sum(len(f.text) for f in train_files)}
-    tok = timed("tokenizer", train_tokenizer, [f.text for f in train_files], cfg.vocab_size, out / "tokenizer",
-                model_max_length=cfg.pretrain.get("max_position_embeddings", 2048))
+    if target is None:
+        tok = timed("tokenizer", train_tokenizer, [f.text for f in train_files], cfg.vocab_size, out / "tokenizer",
+                    model_max_length=cfg.pretrain.get("max_position_embeddings", 2048))
 
-    # 2. target
-    pcfg = PretrainConfig(seed=cfg.seed, **cfg.pretrain)
-    done = out / "target_f32" / "pretrain_summary.json"
-    if reuse and done.is_file() and json.loads(done.read_text())["config"] == json.loads(
-            json.dumps(asdict(pcfg))):
-        _log(f"pretrain: reusing {done.parent} (same config)")
-        summary = json.loads(done.read_text())
+        # 2. target
+        pcfg = PretrainConfig(seed=cfg.seed, **cfg.pretrain)
+        done = out / "target_f32" / "pretrain_summary.json"
+        if reuse and done.is_file() and json.loads(done.read_text())["config"] == json.loads(
+                json.dumps(asdict(pcfg))):
+            _log(f"pretrain: reusing {done.parent} (same config)")
+            summary = json.loads(done.read_text())
+        else:
+            summary = timed("pretrain", pretrain, train_files, heldout_files, tok, pcfg, out / "target_f32",
+                            out / "pretrain.jsonl", progress=True)
+        report["target"] = {k: v for k, v in summary.items() if k != "config"}
+        plot_curve(out / "pretrain.jsonl", out / "pretrain.png")
     else:
-        summary = timed("pretrain", pretrain, train_files, heldout_files, tok, pcfg, out / "target_f32",
-                        out / "pretrain.jsonl", progress=True)
-    report["target"] = {k: v for k, v in summary.items() if k != "config"}
-    plot_curve(out / "pretrain.jsonl", out / "pretrain.png")
+        target = Path(target)
+        if not (target / "model.safetensors").is_file() or not (target / "tokenizer.json").is_file():
+            raise DFlashError(f"--target: {target} is not an exported target (model.safetensors + tokenizer.json)")
+        report["target"] = {"from": str(target)}
 
     # 3. prompts: training prompts from train files, benchmark prompts from held-out files
     train_prompts = P.training_prompts(train_files, limit=cfg.train_prompts, seed=cfg.seed,
@@ -117,7 +127,11 @@ def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False) 
     report["prompts"] = {"train": len(train_prompts), "benchmark": len(bench)}
 
     # 4. the target's own answers (greedy), then 5. the drafter
-    export_target(out / "target_f32", out / "assets" / "target")
+    if target is None:
+        export_target(out / "target_f32", out / "assets" / "target")
+    elif target.resolve() != (out / "assets" / "target").resolve():
+        shutil.rmtree(out / "assets" / "target", ignore_errors=True)
+        shutil.copytree(target, out / "assets" / "target")
     report["answers"], samples = {}, []
     for fmt in cfg.answer_formats:
         target = out / "assets" / "target" if fmt == "chat" else completion_target(out / "assets" / "target",
@@ -128,6 +142,9 @@ def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False) 
         samples += answer_samples(target, path)
     report["answers"]["samples"] = len(samples)
     report["answers"]["supervised_tokens"] = sum(sum(x["loss_mask"]) for x in samples)
+    if answers_only:
+        (out / "build.json").write_text(json.dumps(report, indent=2) + "\n")
+        return report
     result = timed("drafter", train_drafter, out / "assets" / "target", samples, out / "drafter", cfg)
     report["drafter"] = {"steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
                          "seconds": round(result.seconds, 1)}
@@ -280,7 +297,11 @@ def main(argv=None) -> int:
                    help="keep the pretrained target and the answers already in --out when their inputs match "
                         "(reruns only the drafter, export and measurement)")
     p.add_argument("--drafter-steps", type=int, help="train the drafter for this many steps (default: the "
-                   "bundled pair's 1100; evaluated 4 times)")
+                   "bundled pair's 2800; evaluated 4 times)")
+    p.add_argument("--target", help="use this exported target directory (e.g. dflash/reference/assets/target) "
+                   "instead of training a tokenizer and pretraining one: rebuilds the drafter only")
+    p.add_argument("--answers-only", action="store_true",
+                   help="stop after the target's answers (the drafter's training data) are written")
     args = p.parse_args(argv)
     cfg = BuildConfig.fast() if args.fast else BuildConfig()
     if args.drafter_steps is not None:
@@ -288,7 +309,7 @@ def main(argv=None) -> int:
             raise DFlashError(f"--drafter-steps: got {args.drafter_steps}, expected >= 1")
         cfg.drafter = dict(cfg.drafter, max_steps=args.drafter_steps,
                            eval_every=max(1, args.drafter_steps // 4))
-    build(args.out, cfg, reuse=args.reuse)
+    build(args.out, cfg, reuse=args.reuse, target=args.target, answers_only=args.answers_only)
     if args.install:
         install(Path(args.out))
         _log(f"installed into {PACKAGE_DIR}")

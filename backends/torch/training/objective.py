@@ -5,22 +5,27 @@ For a sequence of S tokens with target features F (S, K*H) and anchors a_1..a_N:
   attention = a query of block j sees context positions p < a_j (strictly: the anchor's own features are not
               known at inference time), every slot of block j (bidirectional), and nothing of other blocks
   loss      = sum_k w_k CE_k / sum_k w_k over supervised slots, w_k = exp(-(k-1)/gamma)
-The same DFlashDrafter.forward runs here and at inference; only the attention mask differs, so a test can check that
-the packed forward of every block equals the inference-time forward for that context and block.
+With `kl_weight` a, each slot's CE is blended with the cross-entropy against the target's full next-token
+distribution at that position (same optimum, a soft label that also ranks the target's other candidates):
+  slot loss = (1 - a) CE(draft, x_{a_j+k}) + a H(p_target(. | x_<a_j+k), p_draft)
+(p_target optionally truncated to its top-k tokens: the same signal where the mass is, at a fraction of the cost).
+The same DFlashDrafter.forward runs here and at inference; only the attention mask differs (training/attention.py),
+so a test can check that the packed forward of every block equals the inference-time forward for that block.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .drafter import DFlashDrafter
+from ..drafter import DFlashDrafter
+from .attention import LayerRule, attention_fn, build_masks
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+LOGITS_BUDGET = 1 << 26  # logits (rows x vocabulary) computed in one piece without recomputation: 256 MiB in fp32
 
 
 def default_gamma(block_size: int) -> float:
@@ -67,89 +72,6 @@ def build_blocks(input_ids, loss_mask, anchors, valid, block_size: int, mask_tok
     return ids.flatten(1), pos.flatten(1), labels.flatten(1), weights.flatten(1)
 
 
-def mask_rule(anchors: torch.Tensor, seq_len: int, block_size: int):
-    """The attention rule as a FlexAttention mask_mod; the dense mask below evaluates the very same function."""
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        j = q_idx // block_size
-        anchor = anchors[b, j]
-        in_context = (kv_idx < seq_len) & (kv_idx < anchor)
-        same_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == j)
-        return in_context | same_block
-
-    return mask_mod
-
-
-def dense_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """(b, 1, N*B, S + N*B) bool, True = attend."""
-    b, n = anchors.shape
-    q = torch.arange(n * block_size, device=anchors.device)[:, None]
-    kv = torch.arange(seq_len + n * block_size, device=anchors.device)[None, :]
-    rule = mask_rule(anchors, seq_len, block_size)
-    return torch.stack([rule(i, 0, q, kv) for i in range(b)])[:, None]
-
-
-def flex_mask(anchors: torch.Tensor, seq_len: int, block_size: int):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    b, n = anchors.shape
-    return create_block_mask(mask_rule(anchors, seq_len, block_size), B=b, H=None, Q_LEN=n * block_size,
-                             KV_LEN=seq_len + n * block_size, device=anchors.device)
-
-
-@dataclass(frozen=True)
-class SplitMask:
-    """mask_rule computed in two dense pieces, for devices without FlexAttention: every block against the context
-    (cut at its anchor) and every block against itself. A query scores S + B keys instead of S + N*B."""
-
-    anchors: torch.Tensor  # (b, N)
-    seq_len: int
-    block_size: int
-
-
-def split_attention(q, k, v, mask: SplitMask) -> torch.Tensor:
-    """Softmax over [context keys before the anchor ; the query's own block], as one distribution."""
-    b, h, t, d = q.shape
-    s, bs = mask.seq_len, mask.block_size
-    n = t // bs
-    if k.shape[1] != h:  # grouped-query attention
-        k, v = k.repeat_interleave(h // k.shape[1], 1), v.repeat_interleave(h // v.shape[1], 1)
-    scale = d ** -0.5
-    ctx = (q @ k[:, :, :s].transpose(-1, -2)) * scale  # (b, h, t, S)
-    before = torch.arange(s, device=q.device)[None, None, :] < mask.anchors[:, :, None]  # (b, N, S)
-    ctx = ctx.view(b, h, n, bs, s).masked_fill(~before[:, None, :, None, :], float("-inf"))
-    qb, kb, vb = (x.reshape(b, h, n, bs, d) for x in (q, k[:, :, s:], v[:, :, s:]))
-    own = (qb @ kb.transpose(-1, -2)) * scale  # (b, h, N, B, B): bidirectional inside the block
-    p = torch.softmax(torch.cat([ctx, own], -1).float(), -1).to(v.dtype)
-    out = p[..., :s].reshape(b, h, t, s) @ v[:, :, :s] + (p[..., s:] @ vb).reshape(b, h, t, d)
-    return out
-
-
-def attention_fn(mask):
-    """SDPA with a dense boolean mask, the split computation, or FlexAttention with a BlockMask."""
-    if isinstance(mask, torch.Tensor):
-        return lambda i, q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    if isinstance(mask, SplitMask):
-        return lambda i, q, k, v: split_attention(q, k, v, mask)
-    from torch.nn.attention.flex_attention import flex_attention
-
-    flex = _compiled_flex() if mask.kv_indices.is_cuda else flex_attention
-    return lambda i, q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=True)
-
-
-_COMPILED_FLEX = None
-
-
-def _compiled_flex():
-    """One compiled flex_attention per process (compiling per call would recompile on every step)."""
-    global _COMPILED_FLEX
-    if _COMPILED_FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
-    return _COMPILED_FLEX
-
-
 def packed_forward(drafter: DFlashDrafter, embed, features, block_ids, positions, mask):
     """Final-normed drafter states (b, N*B, H) for every block at once."""
     s = features.shape[1]
@@ -161,44 +83,90 @@ def packed_forward(drafter: DFlashDrafter, embed, features, block_ids, positions
     return drafter(x, ctx, rope_q, rope_kv, attention_fn(mask))
 
 
-def chunked_weighted_ce(hidden, lm_head, labels, weights, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(w * CE) and sum(w * correct) over rows with w > 0, the LM head applied chunk by chunk under activation
-    checkpointing, so full-vocabulary logits never exist for all rows at once (nor are kept for backward)."""
+def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_weight: float = 0.0,
+                       target_top=None, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum(w * slot loss) and sum(w * correct) over rows with w > 0. Past LOGITS_BUDGET the LM head is applied chunk
+    by chunk under activation checkpointing, so full-vocabulary logits never exist for all rows at once (nor are
+    kept for backward). The soft label of kl_weight > 0 is either the full LM-head distribution of `target_hidden`
+    (b, N*B, H: the target's final-normed state that predicts each slot's label), recomputed in backward, or
+    `target_top` = (probabilities, token ids), each (b, N*B, k): the target's top-k, renormalised."""
     h = hidden.flatten(0, 1)
     y, w = labels.flatten(), weights.flatten()
     keep = w > 0
     h, y, w = h[keep], y[keep], w[keep]
+    soft = kl_weight > 0
+    if soft and target_top is not None:
+        q_all, idx_all = (x.flatten(0, 1)[keep] for x in target_top)
+    elif soft:
+        q_all, idx_all = target_hidden.flatten(0, 1)[keep], None
 
-    def piece(h_, y_, w_):
+    def piece(h_, y_, w_, q_, i_):
         logits = lm_head(h_).float()
-        ce = F.cross_entropy(logits, y_, reduction="none")
-        return (ce * w_).sum(), ((logits.argmax(-1) == y_).float() * w_).sum()
+        loss = F.cross_entropy(logits, y_, reduction="none")
+        if soft:
+            if i_ is None:  # the whole distribution: recomputed in backward rather than kept for every chunk
+                with torch.no_grad():
+                    q_ = torch.softmax(lm_head(q_).float(), -1)
+            logp = torch.log_softmax(logits, -1)
+            soft_ce = -(q_ * (logp if i_ is None else logp.gather(-1, i_))).sum(-1)
+            loss = (1 - kl_weight) * loss + kl_weight * soft_ce
+        return (loss * w_).sum(), ((logits.argmax(-1) == y_).float() * w_).sum()
 
+    # small logits (a small vocabulary, few rows) in one piece and kept for backward; large ones chunk by chunk,
+    # recomputed in backward: the LM head then runs twice, but memory stays at one chunk of logits
+    whole = h.shape[0] * lm_head.weight.shape[0] <= LOGITS_BUDGET
+    chunk = max(h.shape[0], 1) if whole else chunk
     loss = h.new_zeros((), dtype=torch.float32)
     correct = h.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], chunk):
-        args = (h[i:i + chunk], y[i:i + chunk], w[i:i + chunk])
-        l, c = checkpoint(piece, *args, use_reentrant=False) if torch.is_grad_enabled() else piece(*args)
+        part = slice(i, i + chunk)
+        q = q_all[part] if soft else None
+        idx = idx_all[part] if soft and idx_all is not None else None
+        args = (h[part], y[part], w[part], q, idx)
+        recompute = torch.is_grad_enabled() and not whole
+        l, c = checkpoint(piece, *args, use_reentrant=False) if recompute else piece(*args)
         loss, correct = loss + l, correct + c
     return loss, correct
 
 
+@torch.no_grad()
+def target_top_k(lm_head, target_final: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's k most likely next tokens at every position, renormalised: (probabilities, ids), (b, S, k).
+    Once per position, not per block slot (blocks overlap: each position labels several slots)."""
+    top, idx = lm_head(target_final).float().topk(min(k, lm_head.weight.shape[0]), dim=-1)
+    return torch.softmax(top, -1), idx  # softmax of the top-k logits = the top-k of the softmax, renormalised
+
+
 def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, loss_mask, anchors, valid, *,
                    block_size: int, mask_token_id: int, gamma: float | None = None, use_flex: bool | None = None,
-                   forward=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unnormalised pieces of the loss for given anchors: (sum w*CE, sum w*correct, sum w). The trainer divides by
+                   forward=None, rules=None, target_final=None, kl_weight: float = 0.0,
+                   kl_top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalised pieces of the loss for given anchors: (sum w*loss, sum w*correct, sum w). The trainer divides by
     the weight sum of the whole global batch, so the loss does not depend on how the batch is split across ranks
-    and micro-batches. `forward(x, features, positions, mask)` replaces packed_forward (a DDP/FSDP wrapper)."""
+    and micro-batches. `forward(x, features, positions, mask)` replaces packed_forward (a DDP/FSDP wrapper).
+    `rules`: one LayerRule per draft layer (default: full attention, the whole context). `target_final` (b, S, H):
+    the target's final-normed hidden states, needed when kl_weight > 0 (soft label: its top `kl_top_k` tokens, or
+    the whole distribution with kl_top_k 0)."""
     gamma = gamma or default_gamma(block_size)
     ids, pos, labels, weights = build_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, gamma)
     s = input_ids.shape[1]
     use_flex = features.is_cuda if use_flex is None else use_flex
-    mask = flex_mask(anchors, s, block_size) if use_flex else SplitMask(anchors, s, block_size)
+    rules = rules or [LayerRule()] * drafter.spec.num_hidden_layers
+    mask = build_masks(anchors, s, block_size, rules, "flex" if use_flex else "split")
     if forward is None:
         hidden = packed_forward(drafter, embed, features, ids, pos, mask)
     else:
         hidden = forward(embed(ids).to(features.dtype), features, pos, mask)
-    loss_sum, correct = chunked_weighted_ce(hidden, lm_head, labels, weights)
+    target_hidden = target_top = None
+    if kl_weight > 0:
+        # the label at position p is predicted by the target's state at p - 1 (slot k >= 1, so p - 1 >= anchor)
+        prev = (pos - 1).clamp(min=0, max=s - 1)
+        at = lambda x: x.gather(1, prev[..., None].expand(-1, -1, x.shape[-1]))
+        if kl_top_k:
+            target_top = tuple(at(x) for x in target_top_k(lm_head, target_final, kl_top_k))
+        else:
+            target_hidden = at(target_final)
+    loss_sum, correct = chunked_block_loss(hidden, lm_head, labels, weights, target_hidden, kl_weight, target_top)
     return loss_sum, correct, weights.sum()
 
 
@@ -216,11 +184,13 @@ def dflash_loss(drafter: DFlashDrafter, embed, lm_head, features, input_ids, los
 
 
 @torch.no_grad()
-def target_features(model, capture, input_ids, attention_mask=None) -> torch.Tensor:
-    """Frozen target forward, keeping only the captured layers (no logits are computed)."""
+def target_features(model, capture, input_ids, attention_mask=None, final: bool = False):
+    """Frozen target forward, keeping only the captured layers (no logits are computed). With `final`, also the
+    decoder's final-normed hidden states (b, S, H): what the target's LM head reads."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return capture.pop()
+    out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    feats = capture.pop()
+    return (feats, out.last_hidden_state) if final else feats
 
 
 def cosine_lr(step: int, total: int, lr: float, warmup_ratio: float = 0.04, min_ratio: float = 0.0) -> float:

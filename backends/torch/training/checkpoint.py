@@ -1,0 +1,168 @@
+"""Checkpoints that survive SIGKILL, and the exported drafter.
+
+  runs/X/checkpoints/step_N/  model.pt, optimizer.pt (full, unsharded), trainer.pt (step), rng_rank{r}.pt, DONE
+Built in a hidden temporary directory, fsynced, then renamed: a directory without DONE never counts. Everything
+loads with torch.load(weights_only=True). The data position and LR follow from the step (training/data.py), and the
+log is cut back to the checkpoint's step, so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from dflash.errors import DFlashError
+
+from ..drafter import DFlashDrafter, save_drafter
+from .distributed import Dist
+
+
+def rng_state() -> dict:
+    # tensors and lists only, so resume can use torch.load(weights_only=True)
+    py = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python": [py[0], list(py[1]), py[2]]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def full_model_state(module, drafter, fsdp: bool) -> dict:
+    """The drafter's full weights with canonical names (collective under FSDP: every rank must call it)."""
+    if not fsdp:
+        return drafter.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("drafter."): v for k, v in sd.items()}
+
+
+def full_state_dicts(module, optimizer, fsdp: bool):
+    """Full (unsharded, unwrapped) model and optimiser state; keys as in PackedDrafter ("drafter.layers.0...")."""
+    if not fsdp:
+        return getattr(module, "module", module).state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(module, options=opts), get_optimizer_state_dict(module, optimizer, options=opts)
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    root = out / "checkpoints"
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / "DONE").is_file()]
+    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+
+def save_checkpoint(out: Path, step: int, module, optimizer, fsdp: bool, d: Dist, keep: int) -> None:
+    """Complete and atomic: every rank writes its RNG state into a temporary directory, rank 0 writes the weights,
+    optimiser and trainer state, then renames the directory into place (a multi-node run needs a shared `out`)."""
+    root = out / "checkpoints"
+    final, tmp = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
+    model_sd, optim_sd = full_state_dicts(module, optimizer, fsdp)  # collective under FSDP
+    if d.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    d.barrier()
+    torch.save(rng_state(), tmp / f"rng_rank{d.rank}.pt")
+    d.barrier()
+    if d.main:
+        torch.save(model_sd, tmp / "model.pt")
+        torch.save(optim_sd, tmp / "optimizer.pt")
+        torch.save({"step": step, "world": d.world}, tmp / "trainer.pt")
+        for f in tmp.iterdir():  # durable before the rename makes it visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        (tmp / "DONE").write_text("ok\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in checkpoint_dirs(out)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    d.barrier()
+
+
+def _load_weights_only(path: Path):
+    """torch.load restricted to tensors and plain containers: a checkpoint that pickles anything else (code to run on
+    load) is refused with one line, never executed."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        what = next((x.strip().rstrip(".") for x in str(e).splitlines() if "GLOBAL" in x), None)
+        raise DFlashError(f"{path}: not a weights-only checkpoint, refusing to unpickle it (" +
+                          (what or "corrupted, or it holds objects other than tensors") + ")") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DFlashError(f"{path}: cannot read the checkpoint ({first}); delete {path.parent} to start over "
+                          "or pass --resume false") from None
+
+
+def load_checkpoint(path: Path, module, optimizer, fsdp: bool, d: Dist) -> int:
+    load = lambda name: _load_weights_only(path / name)
+    model_sd, optim_sd, state = load("model.pt"), load("optimizer.pt"), load("trainer.pt")
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(module, model_sd, options=opts)
+        set_optimizer_state_dict(module, optimizer, optim_sd, options=opts)
+    else:
+        getattr(module, "module", module).load_state_dict(model_sd)
+        optimizer.load_state_dict(optim_sd)
+    rng = path / f"rng_rank{d.rank}.pt"
+    if rng.is_file():  # a run resumed on a different world size keeps fresh RNG on the new ranks
+        set_rng_state(_load_weights_only(rng))
+    return int(state["step"])
+
+
+def resume(out: Path, cfg, module, optimizer, fsdp: bool, d) -> tuple[int, list[dict]]:
+    """(step to continue from, log rows the checkpoint covers). Rows a killed run logged past its last checkpoint
+    are dropped from train_log.jsonl and replayed by the run."""
+    step = 0
+    done = checkpoint_dirs(out) if cfg.resume else []
+    if done:
+        step = load_checkpoint(done[-1], module, optimizer, fsdp, d)
+    rows = []
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        log_path = out / "train_log.jsonl"
+        if log_path.is_file() and step > 0:
+            rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r.get("step", 0) <= step]
+        log_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return step, rows
+
+
+def export_drafter(module, drafter: DFlashDrafter, fsdp: bool, d, draft_dir: Path) -> None:
+    """The canonical checkpoint (config.json + model.safetensors) of the trained weights (collective under FSDP)."""
+    state = full_model_state(module, drafter, fsdp)
+    if d.main:
+        final = DFlashDrafter(drafter.spec)
+        final.load_state_dict({k: v.cpu() for k, v in state.items()})
+        save_drafter(final, draft_dir)
+
+
+def push_to_hub(draft_dir: Path, repo: str) -> None:
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(folder_path=str(draft_dir), repo_id=repo)
+    except Exception as e:  # network, auth: the local export is already done
+        raise DFlashError(f"--push-to-hub {repo}: upload failed ({type(e).__name__}: {e})") from None
