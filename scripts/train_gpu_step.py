@@ -82,7 +82,7 @@ def main() -> None:
                       "sequence_tokens_per_second": round(seq / step, 1),
                       "block_slots_per_second": round(anchors_n * spec.block_size / step, 1),
                       "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-                      "final_loss": round(float(loss / w), 4)}))
+                      "final_loss": round(float(loss.detach() / w), 4)}))
 
 
 if __name__ == "__main__":

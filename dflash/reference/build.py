@@ -2,9 +2,10 @@
 
     corpus -> tokenizer -> target (pretrain) -> prompts -> regenerate (target answers) -> drafter -> export -> tau
 
-    python -m dflash.reference build                  # the full build (~35 min on 2 CPU cores), into runs/reference
+    python -m dflash.reference build                  # the full build (~60-70 min on 2 CPU cores), into runs/reference
     python -m dflash.reference build --install        # ... and copy the result into the package (dflash/reference)
     python -m dflash.reference build --fast --out D   # a tiny end-to-end build in well under a minute (CI)
+    python -m dflash.reference build --target dflash/reference/assets/target --out D   # the drafter only (~35 min)
 
 Everything lands under --out: tokenizer/, target_f32/ (pretrained, float32), pretrain.jsonl (curve),
 train_prompts.jsonl, prompts.jsonl (benchmark, held-out files), answers_{chat,completion}.jsonl (the target's
