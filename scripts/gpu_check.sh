@@ -8,7 +8,3 @@ cd "$(dirname "$0")/.."
 python -c "import dflash.generate" 2>/dev/null || python -m pip install -q -e ".[torch,test]"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python -m dflash.bench gpu-check "$@"
-# training with the default recipe of python -m dflash.train at Qwen3-8B shape (KL weight, anchors, bf16): tokens/s,
-# peak memory; appended to docs/gpu_check_train.jsonl
-small=""; for a in "$@"; do [ "$a" = "--small" ] && small="--small"; done
-python scripts/train_gpu_step.py $small | tee -a docs/gpu_check_train.jsonl

@@ -1,7 +1,8 @@
 """python -m dflash.bench.gpucheck: the prepared GPU check (scripts/gpu_check.sh), one report in JSON + Markdown.
 
   1. the GPU-marked tests (CUDA graphs + bf16 losslessness, FlexAttention mask == dense mask)
-  2. bf16 training steps of a drafter at a real shape (Qwen3-8B, 5 layers, block 16): tokens/s, peak memory
+  2. bf16 training steps of a drafter at a real shape (Qwen3-8B, 5 layers, block 16) with the default recipe of
+     python -m dflash.train: tokens/s, peak memory
   3. the cost model at Qwen3-8B and Qwen3-4B shapes, blocks 8 and 16: (T_draft + T_verify) / T_step
 
 `--small` runs the same pipeline at tiny shapes on whatever device is there (CPU here), so it stays runnable.
@@ -20,6 +21,7 @@ from pathlib import Path
 from .. import cli
 from ..io import atomic_write_text
 from ..spec import DraftSpec, default_target_layer_ids
+from ..train_config import TrainConfig
 from .costmodel import main as cost_model_main
 
 
@@ -32,11 +34,15 @@ def run_gpu_tests() -> dict:
 
 def training_steps(config: dict, draft_layers: int, block_size: int, seq_len: int, anchors: int, steps: int,
                    device: str) -> dict:
-    """Drafter training steps on random target features: the drafter's own cost, without a target forward."""
+    """Drafter training steps with the default recipe of `python -m dflash.train` (TrainConfig: lr, betas, clip, KL
+    weight and top-k, bf16 autocast on CUDA) on random target features and final states: the drafter's own cost
+    (packed forward, loss, backward, AdamW), without a target forward."""
     import torch
 
-    from dflash.backends.torch import DFlashDrafter, dflash_loss
+    from dflash.backends.torch import DFlashDrafter
+    from dflash.backends.torch.training import block_loss_sum, layer_rules, sample_anchors
 
+    recipe = TrainConfig()
     h, v = config["hidden_size"], config["vocab_size"]
     spec = DraftSpec(hidden_size=h, num_hidden_layers=draft_layers, num_attention_heads=config["num_attention_heads"],
                      num_key_value_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
@@ -46,23 +52,28 @@ def training_steps(config: dict, draft_layers: int, block_size: int, seq_len: in
                      mask_token_id=v - 1, block_size=block_size)
     torch.manual_seed(0)
     cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
     drafter = DFlashDrafter(spec).to(device)
-    embed = torch.nn.Embedding(v, h).to(device, torch.bfloat16 if cuda else torch.float32).requires_grad_(False)
-    lm_head = torch.nn.Linear(h, v, bias=False).to(device, embed.weight.dtype).requires_grad_(False)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=6e-4)
-    feats = torch.randn(1, seq_len, h * spec.num_context_layers, device=device, dtype=embed.weight.dtype)
+    embed = torch.nn.Embedding(v, h).to(device, dtype).requires_grad_(False)
+    lm_head = torch.nn.Linear(h, v, bias=False).to(device, dtype).requires_grad_(False)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=recipe.lr, betas=recipe.betas)
+    feats = torch.randn(1, seq_len, h * spec.num_context_layers, device=device, dtype=dtype)
+    final = torch.randn(1, seq_len, h, device=device, dtype=dtype)  # the target's last hidden states (KL term)
     ids = torch.randint(0, v - 1, (1, seq_len), device=device)
-    loss_mask = torch.ones(1, seq_len, dtype=torch.bool, device=device)
+    mask = torch.ones(1, seq_len, dtype=torch.bool, device=device)
+    anchor_ids, valid = sample_anchors(mask, anchors, torch.Generator(device=device).manual_seed(0))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
     for i in range(steps + 2):
         t = time.perf_counter()
         with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=cuda):
-            loss, _ = dflash_loss(drafter, embed, lm_head, feats, ids, loss_mask, block_size=block_size,
-                                  num_anchors=anchors, mask_token_id=v - 1)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            loss, _, weight = block_loss_sum(drafter, embed, lm_head, feats, ids, mask, anchor_ids, valid,
+                                             block_size=block_size, mask_token_id=v - 1, rules=layer_rules(spec),
+                                             target_final=final, kl_weight=recipe.kl_weight,
+                                             kl_top_k=recipe.kl_top_k)
+            (loss / weight).backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), recipe.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -71,10 +82,10 @@ def training_steps(config: dict, draft_layers: int, block_size: int, seq_len: in
             times.append(time.perf_counter() - t)
     step = sorted(times)[len(times) // 2]
     return {"draft_layers": draft_layers, "block_size": block_size, "seq_len": seq_len, "anchors": anchors,
-            "step_seconds": step, "sequence_tokens_per_second": seq_len / step,
+            "kl_weight": recipe.kl_weight, "step_seconds": step, "sequence_tokens_per_second": seq_len / step,
             "block_tokens_per_second": anchors * block_size / step,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "final_loss": float(loss)}
+            "final_loss": float(loss.detach() / weight)}
 
 
 def cost_model(shape: str, draft_layers: int, device: str, compile: bool, context: int) -> dict:
