@@ -51,13 +51,12 @@ def main() -> None:
     from dflash.backends.torch.target import load_target
     from dflash.backends.torch.training import TrainConfig, train
     from dflash.backends.torch.training.evaluate import evaluate
-    from dflash.reference.build import BuildConfig, answer_samples, completion_target
+    from dflash.reference.build import BuildConfig, build_samples
     from dflash.tokenizer import eos_token_ids, load_tokenizer
 
     data = Path(args.data)
     target_dir = data / "assets" / "target"
-    samples = answer_samples(target_dir, data / "answers_chat.jsonl") + \
-        answer_samples(completion_target(target_dir, data / "completion_target"), data / "answers_completion.jsonl")
+    samples = build_samples(data)
     if args.data_fraction < 1.0:
         keep = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0))[
             :int(len(samples) * args.data_fraction)]

@@ -30,12 +30,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from dflash.backends.torch.training import TrainConfig, train
-    from dflash.reference.build import BuildConfig, answer_samples, completion_target
+    from dflash.reference.build import BuildConfig, build_samples
 
     data = Path(args.data)
     target_dir = data / "assets" / "target"
-    samples = answer_samples(target_dir, data / "answers_chat.jsonl") + \
-        answer_samples(completion_target(target_dir, data / "completion_target"), data / "answers_completion.jsonl")
+    samples = build_samples(data)
     recipe = dict(BuildConfig().drafter, max_steps=args.steps, eval_every=0, eval_holdout=0, log_every=1)
     recipe.update({k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)})
     shutil.rmtree(args.out, ignore_errors=True)

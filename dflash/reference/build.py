@@ -212,6 +212,15 @@ def answer_samples(target_dir: Path, path: Path) -> list[dict]:
     return load_samples(path, load_tokenizer(target_dir))
 
 
+
+def build_samples(data: Path) -> list[dict]:
+    """The drafter's training samples of a build directory (`--answers-only`): the target's chat and plain-completion
+    answers, each rendered with its own template."""
+    data = Path(data)
+    target_dir = data / "assets" / "target"
+    return answer_samples(target_dir, data / "answers_chat.jsonl") + \
+        answer_samples(completion_target(target_dir, data / "completion_target"), data / "answers_completion.jsonl")
+
 def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildConfig):
     """`python -m dflash.train`, in process, on the target's answers (loss on the answer tokens only)."""
     from dflash.backends.torch import TrainConfig, train
