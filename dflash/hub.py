@@ -182,11 +182,11 @@ def resolve_pair(model: str | os.PathLike | None, draft: str | os.PathLike | Non
     the registry unless `draft` names one."""
     if model is None:
         target, default = reference_dirs()
-        return target, resolve(draft, "--draft") if draft is not None else default if want_draft else None
-    target = resolve(model, "--model")
+    else:
+        target, default = resolve(model, "--model"), None
     if not want_draft:
         return target, None
-    name = draft if draft is not None else draft_for(str(model))
+    name = draft if draft is not None else default if model is None else draft_for(str(model))
     if name is None:
         raise DFlashError(f"--draft: no known DFlash drafter for {model}; pass --draft DIR_OR_ID (or "
                           f"{no_draft_hint})")

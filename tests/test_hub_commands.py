@@ -89,3 +89,14 @@ def test_not_cached_hint_is_a_working_command(tmp_path):
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     command = re.search(r"fetch it with: (hf download .*)$", p.stderr.strip()).group(1)
     assert_fetches_what_resolve_fetches(command, "org/absent")
+
+
+def test_resolve_pair_without_a_drafter_ignores_draft(tmp_path):
+    """--no-draft wins over --draft, with the bundled pair as with a local model (the drafter is never resolved)."""
+    from dflash.reference import reference_dirs
+
+    target, draft = reference_dirs()
+    assert hub.resolve_pair(None, str(tmp_path / "missing"), want_draft=False) == (target, None)
+    assert hub.resolve_pair(None, None) == (target, draft)
+    assert hub.resolve_pair(str(target), str(draft)) == (target, draft)
+    assert hub.resolve_pair(str(target), str(tmp_path / "missing"), want_draft=False) == (target, None)
