@@ -39,6 +39,7 @@ class Target(Protocol):
 
     # trees (dflash/tree.py): a forward with `tree` puts slot j at position + depth under an ancestor mask
     def tree_refusal(self) -> str | None: ...                              # why this target cannot (None: it can)
+    def device_key(self) -> str: ...                                       # device, dtype, threads (dflash/costs.py)
     def keep_slots(self, slots: list[list[int]], width: int) -> None: ...  # row i keeps slots[i] of the last forward
     def gather(self, features, slots: list[list[int]]): ...                # row i's features at slots[i], packed
     def trim(self, n: int) -> bool: ...                                    # one row: forget the last n; False if impossible

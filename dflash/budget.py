@@ -64,6 +64,8 @@ class TreePlanner:
         self.top_k = min(MAX_TOP_K, budget)
         self.calibration = Calibration(block_size - 1)
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
+        # seconds a cycle takes beyond its forwards (host work: the heap, the walk, sampling), learnt online
+        self.overhead = {True: 0.0, False: 0.0}
 
     def drafts_this_cycle(self) -> bool:
         if self.skip > 0:
@@ -91,15 +93,21 @@ class TreePlanner:
         qs = [[1.0] + [x.q for x in c[:n]] for c, n in zip(candidates, counts)]
         return Plan(trees, qs, drafted)
 
-    def observe(self, plan: Plan, paths: Sequence[Sequence[int]]) -> None:
+    def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
+        """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
         for tree, qs, path in zip(plan.trees, plan.qs, paths):
             self.calibration.observe(tree, qs, list(path))
+        if seconds is not None and self.costs is not None:
+            rows, width = len(plan.trees), max(len(t.tokens) for t in plan.trees)
+            forwards = self.costs.verify_seconds(rows * width) + (self.costs.draft * rows if plan.drafted else 0.0)
+            extra = max(seconds - forwards, 0.0)
+            self.overhead[plan.drafted] += 0.1 * (extra - self.overhead[plan.drafted])
 
     # ---- auto ------------------------------------------------------------------------------------------------------
     def _counts(self, candidates, drafted: bool) -> tuple[list[int], float]:
         values = [[c.value for c in cs] for cs in candidates]
-        draft_s = self.costs.draft * len(candidates) if drafted else 0.0
-        return choose_counts(values, self.costs.verify_seconds, draft_s, self.budget)
+        fixed = (self.costs.draft * len(candidates) if drafted else 0.0) + self.overhead[drafted]
+        return choose_counts(values, self.costs.verify_seconds, fixed, self.budget)
 
     def _update_pause(self, copies, drafted_rate: float) -> None:
         """Compare this drafted cycle's best predicted rate with what the same cycle would give without the draft

@@ -18,6 +18,7 @@ to the target, so it sits at position n:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -99,6 +100,7 @@ class Engine:
         self.verify_mode, self.verify_note = "chain", ""
         self.planner: TreePlanner | None = None  # tree / auto verification (dflash/budget.py)
         self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
+        self.last_trees, self.last_paths = [], []
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
     @property
@@ -134,7 +136,9 @@ class Engine:
             return
         if mode == "auto" and costs is None:
             raise DFlashError("--verify auto: needs the device's measured costs (dflash.costs.measured_costs)")
-        budget = budget or self.block_size - 1
+        if budget is None:  # tree: the chain's verify tokens; auto: as many as the measured costs reach
+            budget = self.block_size - 1 if mode == "tree" else max(self.block_size - 1,
+                                                                   min(256, costs.verify[-1][0] - 1))
         self.planner = TreePlanner(mode, self.block_size, budget, costs, copy_branch)
         self.top_k = self.planner.top_k
 
@@ -203,6 +207,7 @@ class Engine:
     def _tree_step(self, anchors: list[int]) -> list[Step]:
         """Draft once, verify a tree per row in one forward, walk it, keep the accepted path's K/V and features."""
         planner, target, b = self.planner, self.target, self.block_size
+        start = time.perf_counter()
         if len(self._copies) != len(self.rows):
             self._copies = [CopyIndex() for _ in self.rows]
         copies = []
@@ -229,12 +234,13 @@ class Engine:
             paths.append(path)
             slots.append([0] + path)
             steps.append(Step(accepted + [bonus], accepted, tree.nodes, plan.drafted))
-        planner.observe(plan, paths)
+        planner.observe(plan, paths, time.perf_counter() - start)
+        self.last_trees, self.last_paths = plan.trees, paths  # (introspection: tests, traces)
         target.keep_slots(slots, inputs.width)
         for row, anchor, step in zip(self.rows, anchors, steps):
             row.extend([anchor] + step.drafted)
         kept = target.gather(features, slots)
-        if drafted or self.pending is None:
+        if self.pending is None:  # (taken by the draft; after a pause in drafting it still waits)
             self.pending = Pending(kept, [len(s) for s in slots])
         else:
             self._add_pending(kept, len(slots[0]))

@@ -118,6 +118,12 @@ class TorchTarget:
         self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None
 
+    def device_key(self) -> str:
+        """What the costs of a forward depend on besides shapes (dflash/costs.py)."""
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+        return f"torch {torch.__version__} {name} {str(self.dtype).removeprefix('torch.')} " \
+               f"{torch.get_num_threads()} threads"
+
     def tree_refusal(self) -> str | None:
         """Why this target cannot verify a tree (None: it can)."""
         if self.rewind is not None:
