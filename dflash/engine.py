@@ -239,6 +239,8 @@ class Engine:
         target.keep_slots(slots, inputs.width)
         for row, anchor, step in zip(self.rows, anchors, steps):
             row.extend([anchor] + step.drafted)
+        if features is None:
+            return steps  # (a drafter that reads no target features)
         kept = target.gather(features, slots)
         if self.pending is None:  # (taken by the draft; after a pause in drafting it still waits)
             self.pending = Pending(kept, [len(s) for s in slots])
