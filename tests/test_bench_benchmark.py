@@ -98,7 +98,8 @@ def test_torch_runners_match_the_baseline(sharp_models):
     ids = tok("class Foo:")["input_ids"]
     try:
         runs = {m: make_runner(dict(cfg, method=m)).generate(ids, seed=0)
-                for m in ("no_draft", "dflash_b8", "hf_no_draft", "prompt_lookup", "assisted")}
+                for m in ("no_draft", "dflash_b8", "dflash_tree", "dflash_tree_nocopy", "hf_no_draft",
+                          "prompt_lookup", "assisted")}
     finally:
         torch.set_num_threads(threads)
     base = runs["no_draft"]["tokens"]
@@ -108,6 +109,8 @@ def test_torch_runners_match_the_baseline(sharp_models):
     for m in ("prompt_lookup", "assisted"):
         assert sum(runs[m]["acceptance_lengths"]) == len(base)  # every streamed chunk is one cycle
     assert max(runs["dflash_b8"]["acceptance_lengths"]) <= 8
+    assert runs["dflash_b8"]["verified"] == [7] * len(runs["dflash_b8"]["verified"])  # the chain
+    assert len(runs["dflash_tree"]["verified"]) == len(runs["dflash_tree"]["acceptance_lengths"])
 
 
 def test_batched_worker_protocol(sharp_models):
@@ -151,7 +154,7 @@ def test_mlx_runners_match_the_mlx_baseline(sharp_models):
     cfg = _cfg(target, draft, ar, tok)
     ids = tok("def add(a, b):")["input_ids"]
     runs = {m: make_runner(dict(cfg, method=m)).generate(ids, seed=0)
-            for m in ("mlx_no_draft", "mlx_dflash_b16", "mlx_lm_no_draft", "mlx_lm_speculative")}
+            for m in ("mlx_no_draft", "mlx_dflash_b16", "mlx_dflash_tree", "mlx_lm_no_draft", "mlx_lm_speculative")}
     base = runs["mlx_no_draft"]["tokens"]
     assert len(base) >= 1
     for m, rec in runs.items():

@@ -22,3 +22,21 @@ def test_cost_model_runs_at_tiny_shape(tmp_path, capsys):
     assert set(res["blocks"]) == {"4", "8"} and res["t_step"] > 0
     assert res["best_block_size"] in (4, 8)
     assert "best block size" in capsys.readouterr().out
+
+
+def test_cost_model_tree_budgets(tmp_path, capsys):
+    cfg = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=128, vocab_size=512)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    curve = {"rows": [{"kind": "chain", "budget": 7, "tau": 3.0}, {"kind": "tree", "budget": 4, "tau": 3.5},
+                      {"kind": "tree", "budget": 16, "tau": 5.0}]}
+    (tmp_path / "curve.json").write_text(json.dumps(curve))
+    out = tmp_path / "cost.json"
+    assert main(["--target-config", str(tmp_path / "config.json"), "--draft-layers", "1", "--block-sizes", "8",
+                 "--context", "16", "--iters", "2", "--warmup", "1", "--tree-budgets", "1", "4", "16",
+                 "--tree-curve", str(tmp_path / "curve.json"), "--json", str(out)]) == 0
+    trees = json.loads(out.read_text())["trees"]
+    assert set(trees["budgets"]) == {"1", "4", "16"} and trees["best_budget"] in (4, 16)
+    assert trees["budgets"]["16"]["t_verify"] >= trees["budgets"]["1"]["t_verify"]  # measured, made monotone
+    assert "speedup" in trees["budgets"]["4"] and "speedup" not in trees["budgets"]["1"]
+    assert "best tree budget" in capsys.readouterr().out
