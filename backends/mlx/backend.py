@@ -128,5 +128,6 @@ class MLXBackend(Engine):
             block_size = drafter_block_size(drafter, target.info, block_size, validated)
             embed = embedding(model)
             dtype = embed(mx.array([[0]])).dtype  # the drafter computes in the dtype the embeddings come out in
-            draft = MLXDraft(drafter, embed, lm_head(model), dtype, window=draft_window)
+            draft = MLXDraft(drafter, embed, lm_head(model), dtype, window=draft_window,
+                             logit_scaling=drafter.spec.logit_scaling(target.info))
         super().__init__(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="mlx")

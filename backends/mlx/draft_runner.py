@@ -8,17 +8,21 @@ import mlx.core as mx
 from dflash.engine import Draft, Pending
 
 from .draft_cache import DraftContextCache
-from .drafter import DFlashDrafter
+from .drafter import DFlashDrafter, scale_logits, select_walk
 
 
 class MLXDraft:
-    def __init__(self, drafter: DFlashDrafter, embed, lm_head, dtype, *, window: int | None = None):
+    def __init__(self, drafter: DFlashDrafter, embed, lm_head, dtype, *, window: int | None = None,
+                 logit_scaling: tuple[float, float | None] = (1.0, None)):
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
+        self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
         spec = drafter.spec
         self.cache = DraftContextCache(spec, dtype, window=window)
         self.width, self.dtype = spec.hidden_size * spec.num_context_layers, dtype
         # slots 1..B-1 of every block are the mask token: embed them once (for any block size up to the trained)
         self._mask_embeds = embed(mx.full((1, spec.block_size - 1), spec.mask_token_id, dtype=mx.int32))
+        if spec.input_embedding_scale is not None:
+            self._mask_embeds = self._mask_embeds * spec.input_embedding_scale
         mx.eval(self._mask_embeds)
 
     @property
@@ -39,7 +43,11 @@ class MLXDraft:
         cache.advance([n])
 
     def propose(self, anchor_ids: mx.array, pending: Pending | None, block_size: int, top_k: int = 0) -> Draft:
-        block = mx.concatenate([self.embed(anchor_ids), self._mask_embeds[:, : block_size - 1]], axis=1)
+        spec = self.drafter.spec
+        anchor_embeds = self.embed(anchor_ids)
+        if spec.input_embedding_scale is not None:
+            anchor_embeds = anchor_embeds * spec.input_embedding_scale
+        block = mx.concatenate([anchor_embeds, self._mask_embeds[:, : block_size - 1]], axis=1)
         features = pending.features if pending is not None else mx.zeros((1, 0, self.width), dtype=self.dtype)
         counts = pending.counts if pending is not None else [0]
         n, cache = features.shape[1], self.cache
@@ -51,8 +59,15 @@ class MLXDraft:
         for i, layer in enumerate(self.drafter.layers):
             x = layer(x, ctx, self.drafter.rope, start, cache, i, counts)
         cache.advance(counts)
-        logits = self.lm_head(self.drafter.norm(x)[:, 1:])
-        draft = Draft(mx.concatenate([anchor_ids, mx.argmax(logits, axis=-1).astype(mx.int32)], axis=1))
+        hidden = self.drafter.norm(x)[:, 1:]
+        logits = scale_logits(self.lm_head(hidden), *self.logit_scaling)
+        if spec.is_dflash2:  # the selector's greedy walk, built lazily with the forward
+            candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
+                                                                             anchor_ids, spec.selector_top_k)
+            proposals = select_walk(candidates, scores)[0]
+        else:
+            proposals = mx.argmax(logits, axis=-1)
+        draft = Draft(mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1))
         if top_k:
             probs = mx.softmax(logits.astype(mx.float32), axis=-1)
             ids = mx.argsort(-probs, axis=-1)[..., :top_k]
