@@ -88,3 +88,25 @@ def test_draft_top_k_agrees_and_matches_the_proposals(trained_pair):
         assert (np.diff(tp, axis=-1) <= 1e-7).all() and (tp.sum(-1) <= 1 + 1e-5).all()
         assert (tk == mk).all() and (ti == mi).all()
         np.testing.assert_allclose(tp, mp, rtol=1e-4, atol=1e-5)
+
+
+def test_dflash2_identical_tokens_and_drafts(dflash2_pair):
+    """DFlash2 (convolutions, sliding-window context, the selector's walk): the same drafts and tokens in float32."""
+    target_dir, draft_dir = dflash2_pair
+    tb, mb = load_both(target_dir, draft_dir)
+    lengths = []
+    for p in held_out_prompts(6):
+        a = generate(tb, p, max_new_tokens=64, trace=True)
+        b = generate(mb, p, max_new_tokens=64, trace=True)
+        assert a.tokens == b.tokens and a.drafted == b.drafted and a.acceptance_lengths == b.acceptance_lengths
+        lengths += a.acceptance_lengths
+    assert max(lengths) >= 12 and any(2 <= n < 16 for n in lengths)
+
+
+def test_dflash2_identical_with_an_untrained_drafter(tiny_target_dir, random_dflash2_dir, prompts):
+    """Far-from-identity convolutions and codebooks, a draft window shorter than the context: identical drafts."""
+    tb, mb = load_both(tiny_target_dir, random_dflash2_dir)
+    for p in prompts[:4]:
+        a = generate(tb, p, max_new_tokens=48, trace=True)
+        b = generate(mb, p, max_new_tokens=48, trace=True)
+        assert a.tokens == b.tokens and a.drafted == b.drafted
