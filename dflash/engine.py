@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import DFlashError
-from .sampling import SamplingParams, common_prefix
+from .sampling import SamplingParams, accepted_length, common_prefix
 from .spec import check_block_size
 
 
@@ -60,6 +60,20 @@ class Draft:
     ids: object
     top_ids: object = None
     top_probs: object = None
+
+
+@dataclass
+class Step:
+    """One row's cycle: the tokens it committed (accepted draft tokens, then the target's own token) and what the
+    target verified for it."""
+
+    tokens: list[int]
+    drafted: list[int]  # the proposals the target checked (chain), or the accepted path's (tree)
+    verified: int  # draft tokens the target verified for this row
+
+    @property
+    def accepted(self) -> int:
+        return len(self.tokens) - 1
 
 
 class Engine:
@@ -144,6 +158,15 @@ class Engine:
         return self.target.to_host(first)[0][0]
 
     # ---- the cycle -------------------------------------------------------------------------------------------------
+    def step(self, anchors: Sequence[int]) -> list[Step]:
+        """One speculative cycle for every row (draft -> verify -> accept -> commit); row i's anchor is its last
+        committed token."""
+        self.draft(anchors)
+        drafted, target = self.verify()
+        steps = [Step(t[: accepted_length(d, t) + 1], d, len(d)) for d, t in zip(drafted, target)]
+        self.commit([len(s.tokens) for s in steps])
+        return steps
+
     def draft(self, anchors: Sequence[int]) -> None:
         anchor_ids = self.target.ids([[a] for a in anchors])
         if self.drafter is None:

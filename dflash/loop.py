@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 from .errors import DFlashError
-from .sampling import SamplingParams, accepted_length
+from .sampling import SamplingParams
 from .stats import mean_acceptance_length
 from .text import Detokenizer, find_stop
 
@@ -129,16 +129,12 @@ def _cycles(backend, gens: Sequence["Generation"]) -> Iterator[list[tuple[int, I
             break
 
         # --- one speculative cycle, every active row at once ------------------------------------------------------
-        backend.draft([rows[i].tokens[-1] for i in active])
-        drafted, target = backend.verify()
-        news = []
-        for i, d, t in zip(active, drafted, target):
-            accepted = accepted_length(d, t)
-            rows[i].lengths.append(accepted + 1)
+        steps = backend.step([rows[i].tokens[-1] for i in active])
+        for i, step in zip(active, steps):
+            rows[i].lengths.append(len(step.tokens))
             if gens[i].trace:
-                rows[i].drafted.append(d)
-            news.append(t[: accepted + 1])
-        backend.commit([len(n) for n in news])
+                rows[i].drafted.append(step.drafted)
+        news = [step.tokens for step in steps]
 
     for g, row in zip(gens, rows):
         g.result = GenerationResult(

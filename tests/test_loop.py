@@ -2,6 +2,7 @@
 
 import pytest
 
+from dflash.engine import Engine
 from dflash.errors import DFlashError
 from dflash.loop import Generation, generate
 from dflash.sampling import SamplingParams, accepted_length
@@ -54,6 +55,8 @@ class FakeBackend:
 
     def retire(self, rows):
         pass
+
+    step = Engine.step  # the engine's cycle over this fake's draft / verify / commit
 
 
 def reference(prompt, n):
