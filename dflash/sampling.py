@@ -4,6 +4,12 @@ At every verified position the backend draws the target's token from the target'
 (greedy = argmax). A drafted token is accepted while it equals the target's token at the same position. The
 draft is a point mass, so this is exactly speculative sampling: every emitted token is a sample of target-only
 decoding with the same settings. Do not sample the draft: it lowers acceptance and buys nothing.
+
+A drafter with a proper draft distribution (DFlash2: its selector's q_t = softmax(S_t(a, .) / T) over the top-k
+candidates) also allows exact rejection sampling ("rejection"): the draft samples x_t ~ q_t, the target accepts it
+with probability min(1, p(x_t) / q(x_t)) and, at the first rejection, draws from the residual max(0, p - q)
+normalised; after a fully accepted block the bonus token is drawn from p. The draft and the acceptance / residual
+draws use independent noise streams (a shared one biases the output). Which rule a run uses is `verify_rule`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    verify: str = "auto"  # the acceptance rule when sampling: "auto", "match" or "rejection" (see verify_rule)
 
     @property
     def greedy(self) -> bool:
@@ -47,7 +54,28 @@ class SamplingParams:
             bad("repetition-penalty", self.repetition_penalty, "> 0 (1 = off)")
         if self.seed is not None and self.seed < 0:
             bad("seed", self.seed, ">= 0")
+        if self.verify not in VERIFY_RULES:
+            bad("verify", self.verify, " or ".join(repr(r) for r in VERIFY_RULES))
         return self
+
+
+VERIFY_RULES = ("auto", "match", "rejection")
+# The rule "auto" picks for drafters with a draft distribution, from the acceptance measured at temperatures 0.8
+# and 1.0 (docs/dflash2.md).
+DISTRIBUTION_DEFAULT = "rejection"
+
+
+def verify_rule(params: SamplingParams, has_distribution: bool) -> str:
+    """"match" (sample-and-match against the draft's point mass) or "rejection" (exact rejection sampling against
+    the drafter's own distribution). Greedy decoding always matches."""
+    if params.greedy:
+        return "match"
+    if params.verify == "rejection" and not has_distribution:
+        raise DFlashError("--verify: 'rejection' needs a drafter with a draft distribution (a DFlash2 drafter); "
+                          "use 'match'")
+    if params.verify == "auto":
+        return DISTRIBUTION_DEFAULT if has_distribution else "match"
+    return params.verify
 
 
 def common_prefix(a, b) -> int:

@@ -248,3 +248,108 @@ def test_loaded_drafter_is_the_saved_one(random_dflash2_dir):
     state = model.state_dict()
     assert set(state) == set(saved)
     assert all(torch.equal(state[k], saved[k]) for k in saved)
+
+
+# ---- sampling: exact rejection sampling against the selector's distribution -----------------------------------------
+V = 16
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    """A 16-token target (sharp enough to matter) and a random DFlash2 drafter whose 16 candidates are the whole
+    vocabulary, so q is a full distribution that overlaps p only partly."""
+    from dflash import tiny
+    from dflash.backends.torch.drafter import DFlashDrafter
+    from dflash.backends.torch.tiny_pair import dflash2_from
+
+    d = tmp_path_factory.mktemp("v16")
+    model = tiny.build_target(d, vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, intermediate_size=64, seed=5, init_std=0.3).eval()
+    torch.manual_seed(4)
+    spec = tiny.draft_spec_for(d, num_layers=1, block_size=4, mask_token_id=V - 1)
+    drafter = dflash2_from(DFlashDrafter(spec), tiny.dflash2_spec(spec, selector_rank=8), conv_noise=0.3,
+                           selector_scale=0.5, seed=4)
+    return model, drafter
+
+
+def exact_pair_distribution(model, temperature):
+    """P(t2, t3) of target-only sampling after PROMPT, t1 summed out."""
+    with torch.no_grad():
+        def probs(prefixes):
+            logits = model(torch.tensor(prefixes)).logits[:, -1].double()
+            return torch.softmax(logits / temperature, -1)
+
+        p1 = probs([PROMPT])[0]
+        p2 = probs([PROMPT + [a] for a in range(V)])  # (t1, t2)
+        p3 = probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)  # (t1, t2, t3)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
+
+
+def sampled_pairs(model, drafter, temperature, n, verify):
+    from dflash.backends.torch.backend import TorchBackend
+    from dflash.sampling import SamplingParams
+
+    backend = TorchBackend(model, drafter, block_size=4)
+    observed = torch.zeros(V, V, dtype=torch.float64)
+    accepted = []
+    for i in range(n):
+        r = generate(backend, PROMPT, max_new_tokens=3,
+                     sampling=SamplingParams(temperature=temperature, seed=i, verify=verify))
+        observed[r.tokens[1], r.tokens[2]] += 1
+        accepted.append(r.acceptance_lengths[0] - 1)
+    assert backend.verify_rule == verify
+    return observed, accepted
+
+
+def chi_square_ok(observed, expected):
+    """Pearson chi-square with cells of expectation < 5 pooled; bound ~ 6 sigma above the dof."""
+    keep = expected > 5
+    chi2 = (((observed[keep] - expected[keep]) ** 2) / expected[keep]).sum()
+    rest_o, rest_e = observed[~keep].sum(), expected[~keep].sum()
+    if rest_e > 0:
+        chi2 += (rest_o - rest_e) ** 2 / rest_e
+    dof = int(keep.sum()) + int(rest_e > 0) - 1
+    return chi2 < dof + 6 * (2 * dof) ** 0.5, f"chi2 {chi2:.1f} with {dof} dof"
+
+
+N = 2000
+
+
+@pytest.mark.parametrize("verify", ["rejection", "match"])
+def test_both_rules_are_lossless(small_vocab_pair, verify):
+    """The 2nd and 3rd tokens (both committed by the first cycle when it accepts, the 3rd from position 2 of the
+    block) follow target-only sampling, under either rule."""
+    model, drafter = small_vocab_pair
+    observed, accepted = sampled_pairs(model, drafter, 1.0, N, verify)
+    assert sum(a >= 1 for a in accepted) > N * 0.15  # the rule decides often...
+    if verify == "rejection":  # ...and at position 2 too (the greedy walk's second token rarely survives a match)
+        assert sum(a >= 2 for a in accepted) > N * 0.02
+    ok, why = chi_square_ok(observed.flatten(), exact_pair_distribution(model, 1.0).flatten() * N)
+    assert ok, why
+
+
+def test_accepting_every_sampled_draft_would_fail(small_vocab_pair, monkeypatch):
+    """Power: emitting the drafter's samples unchecked (a wrong rule) is rejected by the same bound."""
+    from dflash.backends.torch import sampling
+
+    monkeypatch.setattr(sampling, "rejection_tokens", lambda p, drafted, q_ids, q_probs, generator: torch.cat(
+        [drafted, torch.multinomial(p[-1:], 1, generator=generator)[:, 0]]))
+    model, drafter = small_vocab_pair
+    observed, _ = sampled_pairs(model, drafter, 1.0, N, "rejection")
+    ok, _ = chi_square_ok(observed.flatten(), exact_pair_distribution(model, 1.0).flatten() * N)
+    assert not ok
+
+
+def test_rejection_tokens_keep_the_draft_or_redraw_elsewhere():
+    from dflash.backends.torch.sampling import rejection_tokens
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(4, 10), -1)
+    q_ids = torch.arange(10).repeat(3, 1)
+    same = rejection_tokens(p, torch.tensor([1, 2, 3]), q_ids, p[:-1], g)  # q == p: always accepted
+    assert same[:3].tolist() == [1, 2, 3]
+    q = torch.zeros(3, 10)
+    q[:, 0] = 1.0  # q certain of token 0 where p gives it less: a rejection redraws a token other than 0
+    redrawn = [rejection_tokens(p, torch.zeros(3, dtype=torch.long), q_ids, q, g) for _ in range(50)]
+    assert any((r[:3] != 0).any() for r in redrawn) and all(((r[:3] == 0) | (r[:3] != 0)).all() for r in redrawn)

@@ -15,6 +15,8 @@ from dflash.engine import Draft, Pending
 from .draft_cache import DraftContextCache, StaticDraftCache
 from .drafter import DFlashDrafter, rotate, scale_logits, select_walk
 
+DRAFT_NOISE_OFFSET = 0x5EED_D2  # the draft's stream: seed + offset, never the target sampler's own seed
+
 
 def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftContextCache) -> None:
     """Append context K/V without drafting (prefill). Context K/V depends only on the features, not on the block
@@ -95,6 +97,8 @@ class TorchDraft:
         self.drafter, self.embed, self.lm_head, self.window = drafter, embed, lm_head, window
         spec = drafter.spec
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
+        self.distribution = spec.is_dflash2  # the selector's q_t: proposals can be sampled (rejection verification)
+        self.temperature, self.generator = 0.0, None
         weight = embed.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.width = spec.hidden_size * spec.num_context_layers
@@ -115,6 +119,18 @@ class TorchDraft:
     def spawn(self) -> "TorchDraft":
         """The same weights with an empty context cache (a row prefilled alone, then merged)."""
         return TorchDraft(self.drafter, self.embed, self.lm_head, window=self.window, logit_scaling=self.logit_scaling)
+
+    def set_sampling(self, params) -> None:
+        """Sample the selector's walk at the run's temperature (None: the greedy walk), from a noise stream of its
+        own: the target's acceptance and residual draws must not share it."""
+        self.temperature, self.generator = 0.0, None
+        if params is not None and not params.greedy:
+            self.temperature = params.temperature
+            self.generator = torch.Generator(device=self.device)
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed + DRAFT_NOISE_OFFSET)
+            else:
+                self.generator.seed()
 
     @torch.inference_mode()
     def extend(self, pending: Pending | None) -> None:
@@ -140,7 +156,7 @@ class TorchDraft:
             hidden = draft_step(self.drafter, self.embed_block(block), pending.features, pending.counts,
                                 self.cache)[:, 1:]
             logits = self.logits(hidden)
-        draft = Draft(torch.cat([anchor_ids, self.choose(anchor_ids, logits, hidden)], dim=1))
+        draft = self.choose(anchor_ids, logits, hidden)
         if top_k:
             probs, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
             draft.top_ids, draft.top_probs = ids, probs
@@ -151,14 +167,19 @@ class TorchDraft:
         scale = self.drafter.spec.input_embedding_scale
         return x if scale is None else x * scale
 
-    def choose(self, anchor_ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The proposals (rows, B-1): the argmax of the draft logits, or DFlash2's greedy selector walk."""
+    def choose(self, anchor_ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> Draft:
+        """[anchor, proposals]: the argmax of the draft logits, or DFlash2's selector walk (greedy, or sampled
+        from q_t = softmax(S_t(a, .) / T), q returned with the draft)."""
         spec = self.drafter.spec
         if not spec.is_dflash2:
-            return logits.argmax(dim=-1)
+            return Draft(torch.cat([anchor_ids, logits.argmax(dim=-1)], dim=1))
         candidates, scores = self.drafter.candidate_selector.pair_scores(logits.float(), hidden, anchor_ids,
                                                                          spec.selector_top_k)
-        return select_walk(candidates, scores)[0]
+        tokens, rows = select_walk(candidates, scores, self.temperature, self.generator)
+        draft = Draft(torch.cat([anchor_ids, tokens], dim=1))
+        if self.temperature > 0:
+            draft.q_ids, draft.q_probs = candidates, torch.softmax(rows / self.temperature, dim=-1)
+        return draft
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return scale_logits(self.lm_head(hidden), *self.logit_scaling)
