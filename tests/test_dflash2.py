@@ -260,7 +260,7 @@ def small_vocab_pair(tmp_path_factory):
     """A 16-token target (sharp enough to matter) and a random DFlash2 drafter whose 16 candidates are the whole
     vocabulary, so q is a full distribution that overlaps p only partly."""
     from dflash import tiny
-    from dflash.backends.torch.drafter import DFlashDrafter
+    from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
     from dflash.backends.torch.tiny_pair import dflash2_from
 
     d = tmp_path_factory.mktemp("v16")
@@ -270,7 +270,8 @@ def small_vocab_pair(tmp_path_factory):
     spec = tiny.draft_spec_for(d, num_layers=1, block_size=4, mask_token_id=V - 1)
     drafter = dflash2_from(DFlashDrafter(spec), tiny.dflash2_spec(spec, selector_rank=8), conv_noise=0.3,
                            selector_scale=0.5, seed=4)
-    return model, drafter
+    save_drafter(drafter, d / "draft")
+    return model, drafter, d
 
 
 def exact_pair_distribution(model, temperature):
@@ -286,11 +287,15 @@ def exact_pair_distribution(model, temperature):
     return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
 
 
-def sampled_pairs(model, drafter, temperature, n, verify):
+def sampled_pairs(pair, temperature, n, verify, backend_name="torch"):
     from dflash.backends.torch.backend import TorchBackend
     from dflash.sampling import SamplingParams
 
-    backend = TorchBackend(model, drafter, block_size=4)
+    model, drafter, directory = pair
+    if backend_name == "torch":
+        backend = TorchBackend(model, drafter, block_size=4)
+    else:
+        backend = backends.get(backend_name).load(directory, directory / "draft", dtype="float32", device="cpu")
     observed = torch.zeros(V, V, dtype=torch.float64)
     accepted = []
     for i in range(n):
@@ -316,12 +321,14 @@ def chi_square_ok(observed, expected):
 N = 2000
 
 
-@pytest.mark.parametrize("verify", ["rejection", "match"])
-def test_both_rules_are_lossless(small_vocab_pair, verify):
+@pytest.mark.parametrize("verify, backend", [("rejection", "torch"), ("match", "torch"), ("rejection", "mlx")])
+def test_both_rules_are_lossless(small_vocab_pair, verify, backend):
     """The 2nd and 3rd tokens (both committed by the first cycle when it accepts, the 3rd from position 2 of the
     block) follow target-only sampling, under either rule."""
-    model, drafter = small_vocab_pair
-    observed, accepted = sampled_pairs(model, drafter, 1.0, N, verify)
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    model = small_vocab_pair[0]
+    observed, accepted = sampled_pairs(small_vocab_pair, 1.0, N, verify, backend)
     assert sum(a >= 1 for a in accepted) > N * 0.15  # the rule decides often...
     if verify == "rejection":  # ...and at position 2 too (the greedy walk's second token rarely survives a match)
         assert sum(a >= 2 for a in accepted) > N * 0.02
@@ -335,8 +342,8 @@ def test_accepting_every_sampled_draft_would_fail(small_vocab_pair, monkeypatch)
 
     monkeypatch.setattr(sampling, "rejection_tokens", lambda p, drafted, q_ids, q_probs, generator: torch.cat(
         [drafted, torch.multinomial(p[-1:], 1, generator=generator)[:, 0]]))
-    model, drafter = small_vocab_pair
-    observed, _ = sampled_pairs(model, drafter, 1.0, N, "rejection")
+    model = small_vocab_pair[0]
+    observed, _ = sampled_pairs(small_vocab_pair, 1.0, N, "rejection")
     ok, _ = chi_square_ok(observed.flatten(), exact_pair_distribution(model, 1.0).flatten() * N)
     assert not ok
 

@@ -68,6 +68,10 @@ class MLXTarget:
     def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None) -> mx.array:
         return self.sampler(logits[0], histories[0], None if block is None else block[0])[None].astype(mx.int32)
 
+    def sample_rejection(self, logits: mx.array, histories: list[list[int]], block: mx.array, draft) -> mx.array:
+        return self.sampler.rejection(logits[0], histories[0], block[0], draft.q_ids[0],
+                                      draft.q_probs[0])[None].astype(mx.int32)
+
     # ---- forward, keep, trim -----------------------------------------------------------------------------------------
     def forward(self, ids: mx.array, last_only: bool):
         if self.rewind is None:

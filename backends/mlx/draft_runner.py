@@ -3,12 +3,16 @@ lazy: the proposals feed the verify forward as an array."""
 
 from __future__ import annotations
 
+import random
+
 import mlx.core as mx
 
 from dflash.engine import Draft, Pending
 
 from .draft_cache import DraftContextCache
 from .drafter import DFlashDrafter, scale_logits, select_walk
+
+DRAFT_NOISE_OFFSET = 0x5EED_D2  # the draft's stream: seed + offset, never the target sampler's own seed
 
 
 class MLXDraft:
@@ -17,6 +21,8 @@ class MLXDraft:
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
         spec = drafter.spec
+        self.distribution = spec.is_dflash2  # the selector's q_t: proposals can be sampled (rejection verification)
+        self.temperature, self.key = 0.0, None
         self.cache = DraftContextCache(spec, dtype, window=window)
         self.width, self.dtype = spec.hidden_size * spec.num_context_layers, dtype
         # slots 1..B-1 of every block are the mask token: embed them once (for any block size up to the trained)
@@ -28,6 +34,15 @@ class MLXDraft:
     @property
     def position(self) -> int:
         return self.cache.position
+
+    def set_sampling(self, params) -> None:
+        """Sample the selector's walk at the run's temperature (None: greedy) with keys of its own, split per
+        draft: the target's acceptance and residual draws use mlx's global generator, never these."""
+        self.temperature, self.key = 0.0, None
+        if params is not None and not params.greedy:
+            self.temperature = params.temperature
+            seed = params.seed + DRAFT_NOISE_OFFSET if params.seed is not None else random.getrandbits(32)
+            self.key = mx.random.key(seed)
 
     def extend(self, pending: Pending | None) -> None:
         """Append context K/V without drafting (prefill). Context K/V depends only on the features, not on the
@@ -64,10 +79,15 @@ class MLXDraft:
         if spec.is_dflash2:  # the selector's greedy walk, built lazily with the forward
             candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
                                                                              anchor_ids, spec.selector_top_k)
-            proposals = select_walk(candidates, scores)[0]
+            key = None
+            if self.temperature > 0:
+                self.key, key = mx.random.split(self.key)
+            proposals, rows = select_walk(candidates, scores, self.temperature, key)
         else:
             proposals = mx.argmax(logits, axis=-1)
         draft = Draft(mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1))
+        if spec.is_dflash2 and self.temperature > 0:
+            draft.q_ids, draft.q_probs = candidates, mx.softmax(rows / self.temperature, axis=-1)
         if top_k:
             probs = mx.softmax(logits.astype(mx.float32), axis=-1)
             ids = mx.argsort(-probs, axis=-1)[..., :top_k]

@@ -142,15 +142,20 @@ class CandidateSelector(nn.Module):
         return candidates, unary[:, :, None, :] + query @ keys.swapaxes(-1, -2)
 
 
-def select_walk(candidates: mx.array, scores: mx.array) -> tuple[mx.array, mx.array]:
-    """The greedy walk from the anchor (lazy: nothing is read back): argmax_j S_t(a, j) per position. Returns the
-    tokens (rows, P) and each step's scores row (rows, P, k)."""
+def select_walk(candidates: mx.array, scores: mx.array, temperature: float = 0.0,
+                key: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """The walk from the anchor (lazy: nothing is read back): greedy takes argmax_j S_t(a, j); with a temperature,
+    draws j from softmax(S_t(a, .) / T) with `key`. Returns the tokens (rows, P) and each step's scores row."""
     rows, positions, k = candidates.shape
     choice = mx.zeros((rows, 1), dtype=mx.int32)
+    keys = mx.random.split(key, positions) if temperature > 0 else None
     picks, chosen_rows = [], []
     for t in range(positions):
         row = mx.take_along_axis(scores[:, t], mx.broadcast_to(choice[:, :, None], (rows, 1, k)), axis=1)[:, 0]
-        choice = mx.argmax(row, axis=-1, keepdims=True).astype(mx.int32)
+        if temperature > 0:
+            choice = mx.random.categorical(row / temperature, axis=-1, key=keys[t])[:, None].astype(mx.int32)
+        else:
+            choice = mx.argmax(row, axis=-1, keepdims=True).astype(mx.int32)
         picks.append(choice)
         chosen_rows.append(row)
     index = mx.concatenate(picks, axis=1)
