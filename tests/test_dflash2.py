@@ -360,3 +360,13 @@ def test_rejection_tokens_keep_the_draft_or_redraw_elsewhere():
     q[:, 0] = 1.0  # q certain of token 0 where p gives it less: a rejection redraws a token other than 0
     redrawn = [rejection_tokens(p, torch.zeros(3, dtype=torch.long), q_ids, q, g) for _ in range(50)]
     assert any((r[:3] != 0).any() for r in redrawn) and all(((r[:3] == 0) | (r[:3] != 0)).all() for r in redrawn)
+
+
+def test_batched_rows_equal_their_single_outputs(tiny_target_dir, random_dflash2_dir, prompts):
+    from dflash.loop import generate_batch
+
+    run = backends.get("torch").load(tiny_target_dir, random_dflash2_dir, dtype="float32", device="cpu")
+    batch = generate_batch(run, prompts[:3], max_new_tokens=24, trace=True)
+    for p, got in zip(prompts[:3], batch):
+        single = generate(run, p, max_new_tokens=24, trace=True)
+        assert got.tokens == single.tokens and got.drafted == single.drafted

@@ -125,3 +125,18 @@ def test_same_seed_same_tokens(small_vocab_target):
     a = generate(backend, PROMPT, max_new_tokens=40, sampling=params).tokens
     b = generate(backend, PROMPT, max_new_tokens=40, sampling=params).tokens
     assert a == b
+
+
+def test_verify_rule():
+    from dflash.errors import DFlashError
+    from dflash.sampling import DISTRIBUTION_DEFAULT, verify_rule
+
+    sampled = SamplingParams(temperature=0.8)
+    assert verify_rule(SamplingParams(verify="rejection"), True) == "match"  # greedy always matches
+    assert verify_rule(sampled, False) == "match"
+    assert verify_rule(sampled, True) == DISTRIBUTION_DEFAULT
+    assert verify_rule(SamplingParams(temperature=0.8, verify="match"), True) == "match"
+    with pytest.raises(DFlashError, match="--verify: 'rejection' needs a drafter with a draft distribution"):
+        verify_rule(SamplingParams(temperature=0.8, verify="rejection"), False)
+    with pytest.raises(DFlashError, match="--verify"):
+        SamplingParams(verify="always").validate()
