@@ -35,6 +35,10 @@ class GenerationResult:
     decode_seconds: float
     block_size: int
     drafted: list[list[int]] = field(default_factory=list)
+    verify_mode: str = "chain"
+    verified: list[int] = field(default_factory=list)  # draft tokens the target verified, per cycle
+    cycles_without_draft: int = 0  # --verify auto: cycles that verified without a draft forward
+    verify_note: str = ""
 
     @property
     def generation_tokens(self) -> int:
@@ -63,7 +67,13 @@ class GenerationResult:
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "finish_reason": self.finish_reason,
             "block_size": self.block_size,
+            "verify_mode": self.verify_mode,
+            "verified_tokens": sum(self.verified),
+            "verified_per_cycle": self.verified,
+            "cycles_without_draft": self.cycles_without_draft,
         }
+        if self.verify_note:
+            out["verify_note"] = self.verify_note
         if trace:
             out["drafted"] = self.drafted
         return out
@@ -78,6 +88,8 @@ class _Row:
         self.detok = Detokenizer(gen.tokenizer)
         self.tokens: list[int] = []
         self.lengths: list[int] = []
+        self.verified: list[int] = []
+        self.undrafted = 0
         self.drafted: list[list[int]] = []
         self.finish: str | None = None
         self.emitted = 0
@@ -132,6 +144,8 @@ def _cycles(backend, gens: Sequence["Generation"]) -> Iterator[list[tuple[int, I
         steps = backend.step([rows[i].tokens[-1] for i in active])
         for i, step in zip(active, steps):
             rows[i].lengths.append(len(step.tokens))
+            rows[i].verified.append(step.verified)
+            rows[i].undrafted += not step.draft_forward
             if gens[i].trace:
                 rows[i].drafted.append(step.drafted)
         news = [step.tokens for step in steps]
@@ -140,7 +154,9 @@ def _cycles(backend, gens: Sequence["Generation"]) -> Iterator[list[tuple[int, I
         g.result = GenerationResult(
             tokens=row.tokens, text=row.detok.text if g.tokenizer else "", prompt_tokens=len(g.prompt_ids),
             finish_reason=row.finish, acceptance_lengths=row.lengths, prefill_seconds=t1 - t0,
-            decode_seconds=row.seconds, block_size=backend.block_size, drafted=row.drafted)
+            decode_seconds=row.seconds, block_size=backend.block_size, drafted=row.drafted,
+            verify_mode=getattr(backend, "verify_mode", "chain"), verified=row.verified,
+            cycles_without_draft=row.undrafted, verify_note=getattr(backend, "verify_note", ""))
 
 
 class Generation:

@@ -9,7 +9,7 @@ A drafter with a proper draft distribution (DFlash2: its selector's q_t = softma
 candidates) also allows exact rejection sampling ("rejection"): the draft samples x_t ~ q_t, the target accepts it
 with probability min(1, p(x_t) / q(x_t)) and, at the first rejection, draws from the residual max(0, p - q)
 normalised; after a fully accepted block the bonus token is drawn from p. The draft and the acceptance / residual
-draws use independent noise streams (a shared one biases the output). Which rule a run uses is `verify_rule`.
+draws use independent noise streams (a shared one biases the output). Which rule a run uses is `acceptance_rule`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
-    verify: str = "auto"  # the acceptance rule when sampling: "auto", "match" or "rejection" (see verify_rule)
+    accept: str = "auto"  # the acceptance rule when sampling: "auto", "match" or "rejection" (acceptance_rule)
 
     @property
     def greedy(self) -> bool:
@@ -54,28 +54,28 @@ class SamplingParams:
             bad("repetition-penalty", self.repetition_penalty, "> 0 (1 = off)")
         if self.seed is not None and self.seed < 0:
             bad("seed", self.seed, ">= 0")
-        if self.verify not in VERIFY_RULES:
-            bad("verify", self.verify, " or ".join(repr(r) for r in VERIFY_RULES))
+        if self.accept not in ACCEPT_RULES:
+            bad("accept", self.accept, " or ".join(repr(r) for r in ACCEPT_RULES))
         return self
 
 
-VERIFY_RULES = ("auto", "match", "rejection")
+ACCEPT_RULES = ("auto", "match", "rejection")
 # The rule "auto" picks for drafters with a draft distribution, from the acceptance measured at temperatures 0.8
 # and 1.0 (docs/dflash2.md).
 DISTRIBUTION_DEFAULT = "rejection"
 
 
-def verify_rule(params: SamplingParams, has_distribution: bool) -> str:
+def acceptance_rule(params: SamplingParams, has_distribution: bool) -> str:
     """"match" (sample-and-match against the draft's point mass) or "rejection" (exact rejection sampling against
     the drafter's own distribution). Greedy decoding always matches."""
     if params.greedy:
         return "match"
-    if params.verify == "rejection" and not has_distribution:
-        raise DFlashError("--verify: 'rejection' needs a drafter with a draft distribution (a DFlash2 drafter); "
+    if params.accept == "rejection" and not has_distribution:
+        raise DFlashError("--accept: 'rejection' needs a drafter with a draft distribution (a DFlash2 drafter); "
                           "use 'match'")
-    if params.verify == "auto":
+    if params.accept == "auto":
         return DISTRIBUTION_DEFAULT if has_distribution else "match"
-    return params.verify
+    return params.accept
 
 
 def common_prefix(a, b) -> int:

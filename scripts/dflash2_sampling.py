@@ -45,7 +45,7 @@ def main() -> None:
             for rule in ("match", "rejection"):
                 lengths = []
                 for seed, p in enumerate(prompts):
-                    params = SamplingParams(temperature=temperature, seed=seed, verify=rule)
+                    params = SamplingParams(temperature=temperature, seed=seed, accept=rule)
                     lengths += generate(engine, p, max_new_tokens=args.max_new_tokens, sampling=params
                                         ).acceptance_lengths
                 row = {"selector_scale": selector_scale, "temperature": temperature, "rule": rule,

@@ -287,7 +287,7 @@ def exact_pair_distribution(model, temperature):
     return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
 
 
-def sampled_pairs(pair, temperature, n, verify, backend_name="torch"):
+def sampled_pairs(pair, temperature, n, accept, backend_name="torch"):
     from dflash.backends.torch.backend import TorchBackend
     from dflash.sampling import SamplingParams
 
@@ -300,10 +300,10 @@ def sampled_pairs(pair, temperature, n, verify, backend_name="torch"):
     accepted = []
     for i in range(n):
         r = generate(backend, PROMPT, max_new_tokens=3,
-                     sampling=SamplingParams(temperature=temperature, seed=i, verify=verify))
+                     sampling=SamplingParams(temperature=temperature, seed=i, accept=accept))
         observed[r.tokens[1], r.tokens[2]] += 1
         accepted.append(r.acceptance_lengths[0] - 1)
-    assert backend.verify_rule == verify
+    assert backend.accept_rule == accept
     return observed, accepted
 
 
@@ -321,16 +321,16 @@ def chi_square_ok(observed, expected):
 N = 2000
 
 
-@pytest.mark.parametrize("verify, backend", [("rejection", "torch"), ("match", "torch"), ("rejection", "mlx")])
-def test_both_rules_are_lossless(small_vocab_pair, verify, backend):
+@pytest.mark.parametrize("accept, backend", [("rejection", "torch"), ("match", "torch"), ("rejection", "mlx")])
+def test_both_rules_are_lossless(small_vocab_pair, accept, backend):
     """The 2nd and 3rd tokens (both committed by the first cycle when it accepts, the 3rd from position 2 of the
     block) follow target-only sampling, under either rule."""
     if backend == "mlx":
         pytest.importorskip("mlx_lm")
     model = small_vocab_pair[0]
-    observed, accepted = sampled_pairs(small_vocab_pair, 1.0, N, verify, backend)
+    observed, accepted = sampled_pairs(small_vocab_pair, 1.0, N, accept, backend)
     assert sum(a >= 1 for a in accepted) > N * 0.15  # the rule decides often...
-    if verify == "rejection":  # ...and at position 2 too (the greedy walk's second token rarely survives a match)
+    if accept == "rejection":  # ...and at position 2 too (the greedy walk's second token rarely survives a match)
         assert sum(a >= 2 for a in accepted) > N * 0.02
     ok, why = chi_square_ok(observed.flatten(), exact_pair_distribution(model, 1.0).flatten() * N)
     assert ok, why

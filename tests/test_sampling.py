@@ -127,16 +127,16 @@ def test_same_seed_same_tokens(small_vocab_target):
     assert a == b
 
 
-def test_verify_rule():
+def test_acceptance_rule():
     from dflash.errors import DFlashError
-    from dflash.sampling import DISTRIBUTION_DEFAULT, verify_rule
+    from dflash.sampling import DISTRIBUTION_DEFAULT, acceptance_rule
 
     sampled = SamplingParams(temperature=0.8)
-    assert verify_rule(SamplingParams(verify="rejection"), True) == "match"  # greedy always matches
-    assert verify_rule(sampled, False) == "match"
-    assert verify_rule(sampled, True) == DISTRIBUTION_DEFAULT
-    assert verify_rule(SamplingParams(temperature=0.8, verify="match"), True) == "match"
-    with pytest.raises(DFlashError, match="--verify: 'rejection' needs a drafter with a draft distribution"):
-        verify_rule(SamplingParams(temperature=0.8, verify="rejection"), False)
-    with pytest.raises(DFlashError, match="--verify"):
-        SamplingParams(verify="always").validate()
+    assert acceptance_rule(SamplingParams(accept="rejection"), True) == "match"  # greedy always matches
+    assert acceptance_rule(sampled, False) == "match"
+    assert acceptance_rule(sampled, True) == DISTRIBUTION_DEFAULT
+    assert acceptance_rule(SamplingParams(temperature=0.8, accept="match"), True) == "match"
+    with pytest.raises(DFlashError, match="--accept: 'rejection' needs a drafter with a draft distribution"):
+        acceptance_rule(SamplingParams(temperature=0.8, accept="rejection"), False)
+    with pytest.raises(DFlashError, match="--accept"):
+        SamplingParams(accept="always").validate()

@@ -22,7 +22,7 @@ class MLXDraft:
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
         spec = drafter.spec
         self.distribution = spec.is_dflash2  # the selector's q_t: proposals can be sampled (rejection verification)
-        self.temperature, self.key = 0.0, None
+        self.walk_temperature, self.key = 0.0, None
         self.cache = DraftContextCache(spec, dtype, window=window)
         self.width, self.dtype = spec.hidden_size * spec.num_context_layers, dtype
         # slots 1..B-1 of every block are the mask token: embed them once (for any block size up to the trained)
@@ -38,9 +38,9 @@ class MLXDraft:
     def set_sampling(self, params) -> None:
         """Sample the selector's walk at the run's temperature (None: greedy) with keys of its own, split per
         draft: the target's acceptance and residual draws use mlx's global generator, never these."""
-        self.temperature, self.key = 0.0, None
+        self.walk_temperature, self.key = 0.0, None
         if params is not None and not params.greedy:
-            self.temperature = params.temperature
+            self.walk_temperature = params.temperature
             seed = params.seed + DRAFT_NOISE_OFFSET if params.seed is not None else random.getrandbits(32)
             self.key = mx.random.key(seed)
 
@@ -57,7 +57,8 @@ class MLXDraft:
             cache.write(i, k, v, [n], 0)
         cache.advance([n])
 
-    def propose(self, anchor_ids: mx.array, pending: Pending | None, block_size: int, top_k: int = 0) -> Draft:
+    def propose(self, anchor_ids: mx.array, pending: Pending | None, block_size: int, top_k: int = 0,
+                temperature: float = 1.0) -> Draft:
         spec = self.drafter.spec
         anchor_embeds = self.embed(anchor_ids)
         if spec.input_embedding_scale is not None:
@@ -80,16 +81,16 @@ class MLXDraft:
             candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
                                                                              anchor_ids, spec.selector_top_k)
             key = None
-            if self.temperature > 0:
+            if self.walk_temperature > 0:
                 self.key, key = mx.random.split(self.key)
-            proposals, rows = select_walk(candidates, scores, self.temperature, key)
+            proposals, rows = select_walk(candidates, scores, self.walk_temperature, key)
         else:
             proposals = mx.argmax(logits, axis=-1)
         draft = Draft(mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1))
-        if spec.is_dflash2 and self.temperature > 0:
-            draft.q_ids, draft.q_probs = candidates, mx.softmax(rows / self.temperature, axis=-1)
+        if spec.is_dflash2 and self.walk_temperature > 0:
+            draft.q_ids, draft.q_probs = candidates, mx.softmax(rows / self.walk_temperature, axis=-1)
         if top_k:
-            probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+            probs = mx.softmax(logits.astype(mx.float32) / temperature, axis=-1)
             ids = mx.argsort(-probs, axis=-1)[..., :top_k]
             draft.top_ids, draft.top_probs = ids, mx.take_along_axis(probs, ids, axis=-1)
         mx.async_eval(draft.ids)  # the draft runs while Python builds the verify graph

@@ -31,9 +31,11 @@ class MLXSampler:
             if p.seed is not None:
                 mx.random.seed(p.seed)  # mlx-lm's samplers draw from the global generator
 
-    def __call__(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
-        """logits (T, V) for the T positions that follow history + block[:i+1]; returns T token ids (lazy)."""
-        logits = self.processed(logits, history, block)
+    def __call__(self, logits: mx.array, history: list[int], block: mx.array | None,
+                 paths: list[list[int]] | None = None) -> mx.array:
+        """logits (T, V) for the T positions that follow history + block[:i+1] (a tree: history + paths[i]);
+        returns T token ids (lazy)."""
+        logits = self.processed(logits, history, block, paths)
         if self.sampler is None:
             return mx.argmax(logits, axis=-1)
         logits = logits.astype(mx.float32)
@@ -58,12 +60,16 @@ class MLXSampler:
         """Rejection sampling of one row (dflash.sampling: the rule; backends/torch/sampling.py: the same)."""
         return rejection_tokens(self.probabilities(logits, history, block), block[1:], q_ids, q_probs)
 
-    def processed(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
+    def processed(self, logits: mx.array, history: list[int], block: mx.array | None,
+                  paths: list[list[int]] | None = None) -> mx.array:
         if self.processors:
             hist = mx.array(history, dtype=mx.int32)
             rows = []
             for i in range(logits.shape[0]):
-                tokens = hist if block is None else mx.concatenate([hist, block[: i + 1].astype(mx.int32)])
+                if paths is not None:
+                    tokens = mx.array(history + paths[i], dtype=mx.int32)
+                else:
+                    tokens = hist if block is None else mx.concatenate([hist, block[: i + 1].astype(mx.int32)])
                 row = logits[i:i + 1].astype(mx.float32)
                 for proc in self.processors:
                     row = proc(tokens, row)

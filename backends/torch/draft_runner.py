@@ -98,7 +98,7 @@ class TorchDraft:
         spec = drafter.spec
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
         self.distribution = spec.is_dflash2  # the selector's q_t: proposals can be sampled (rejection verification)
-        self.temperature, self.generator = 0.0, None
+        self.walk_temperature, self.generator = 0.0, None
         weight = embed.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.width = spec.hidden_size * spec.num_context_layers
@@ -123,9 +123,9 @@ class TorchDraft:
     def set_sampling(self, params) -> None:
         """Sample the selector's walk at the run's temperature (None: the greedy walk), from a noise stream of its
         own: the target's acceptance and residual draws must not share it."""
-        self.temperature, self.generator = 0.0, None
+        self.walk_temperature, self.generator = 0.0, None
         if params is not None and not params.greedy:
-            self.temperature = params.temperature
+            self.walk_temperature = params.temperature
             self.generator = torch.Generator(device=self.device)
             if params.seed is not None:
                 self.generator.manual_seed(params.seed + DRAFT_NOISE_OFFSET)
@@ -138,7 +138,8 @@ class TorchDraft:
             extend_context(self.drafter, pending.features, self.cache)
 
     @torch.inference_mode()
-    def propose(self, anchor_ids: torch.Tensor, pending: Pending | None, block_size: int, top_k: int = 0) -> Draft:
+    def propose(self, anchor_ids: torch.Tensor, pending: Pending | None, block_size: int, top_k: int = 0,
+                temperature: float = 1.0) -> Draft:
         rows = anchor_ids.shape[0]
         mask_id = self.drafter.spec.mask_token_id
         block = torch.cat([anchor_ids, anchor_ids.new_full((rows, block_size - 1), mask_id)], dim=1)
@@ -158,7 +159,7 @@ class TorchDraft:
             logits = self.logits(hidden)
         draft = self.choose(anchor_ids, logits, hidden)
         if top_k:
-            probs, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            probs, ids = torch.softmax(logits.float() / temperature, dim=-1).topk(top_k, dim=-1)
             draft.top_ids, draft.top_probs = ids, probs
         return draft
 
@@ -175,10 +176,10 @@ class TorchDraft:
             return Draft(torch.cat([anchor_ids, logits.argmax(dim=-1)], dim=1))
         candidates, scores = self.drafter.candidate_selector.pair_scores(logits.float(), hidden, anchor_ids,
                                                                          spec.selector_top_k)
-        tokens, rows = select_walk(candidates, scores, self.temperature, self.generator)
+        tokens, rows = select_walk(candidates, scores, self.walk_temperature, self.generator)
         draft = Draft(torch.cat([anchor_ids, tokens], dim=1))
-        if self.temperature > 0:
-            draft.q_ids, draft.q_probs = candidates, torch.softmax(rows / self.temperature, dim=-1)
+        if self.walk_temperature > 0:
+            draft.q_ids, draft.q_probs = candidates, torch.softmax(rows / self.walk_temperature, dim=-1)
         return draft
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from transformers import DynamicCache, StaticCache
 
 from dflash.errors import DFlashError
 from dflash.sampling import SamplingParams
+from dflash.tree import TreeInputs
 
 from .rewind import CacheRewind, bounded_layers
 from .sampling import TorchSampler
@@ -85,11 +86,14 @@ class TorchTarget:
     def set_sampling(self, params: SamplingParams) -> None:
         self.sampler = TorchSampler(params, self.device)
 
-    def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None) -> torch.Tensor:
-        """The target's token at every position of every row (rows, T), each row with its own history."""
+    def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None,
+               paths: list[list[list[int]]] | None = None) -> torch.Tensor:
+        """The target's token at every position of every row (rows, T), each row with its own history; for a tree,
+        position j follows history + paths[row][j] (the tokens from the root to node j)."""
         if self.sampler.params.greedy and not self.sampler.processors:
             return logits.argmax(dim=-1)
-        return torch.stack([self.sampler(logits[i], histories[i], None if block is None else block[i])
+        return torch.stack([self.sampler(logits[i], histories[i], None if block is None else block[i],
+                                         None if paths is None else paths[i])
                             for i in range(logits.shape[0])])
 
     def sample_rejection(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor,
@@ -99,9 +103,12 @@ class TorchTarget:
 
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append `ids` (rows, T) after every row's cached positions; logits and the captured features."""
+    def forward(self, ids: torch.Tensor, last_only: bool, tree: TreeInputs | None = None):
+        """Append `ids` (rows, T) after every row's cached positions; logits and the captured features. With
+        `tree`, slot j of row i sits at the row's next position + depth and sees the context and its ancestors."""
         t = ids.shape[1]
+        if tree is not None:
+            return self._forward_tree(ids, tree)
         if self.valid is not None:
             return self._forward_rows(ids, last_only)
         if self.cache_len is not None and self.length + t > self.cache_len:
@@ -115,6 +122,81 @@ class TorchTarget:
             self.rewind.after_forward(t)
         self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None
+
+    def device_key(self) -> str:
+        """What the costs of a forward depend on besides shapes (dflash/costs.py)."""
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+        return f"torch {torch.__version__} {name} {str(self.dtype).removeprefix('torch.')} " \
+               f"{torch.get_num_threads()} threads"
+
+    def tree_refusal(self) -> str | None:
+        """Why this target cannot verify a tree (None: it can)."""
+        if self.rewind is not None:
+            return (f"{self.info.model_type} has sliding-window or linear-attention layers, whose caches cannot "
+                    "keep a tree's accepted path")
+        if self.cache_len is not None:
+            return "the static cache (--compile / cache_len) keeps no tree; use the dynamic cache"
+        if self.model.config._attn_implementation not in ("sdpa", "eager"):
+            return (f"attention {self.model.config._attn_implementation!r} takes no 4D ancestor mask; "
+                    "load the target with sdpa or eager attention")
+        return None
+
+    def _forward_tree(self, ids, tree: TreeInputs):
+        rows, t = ids.shape
+        dev = self.device
+        depth = torch.tensor(tree.depths, device=dev)
+        allowed = torch.tensor(tree.allowed, device=dev)  # (rows, t, t)
+        if self.valid is None:
+            context = torch.ones(rows, self.length, dtype=torch.bool, device=dev)
+            positions = self.length + depth
+        else:
+            context, positions = self.valid, self.positions[:, None] + depth
+        mask = torch.cat([context[:, None, :].expand(-1, t, -1), allowed], dim=2)[:, None]
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask,
+                                                                                     torch.finfo(self.dtype).min)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, logits_to_keep=0)
+        if self.valid is None:
+            self.length += t
+        else:
+            self.valid = torch.cat([self.valid, torch.tensor(tree.real, device=dev)], dim=1)
+            self.positions = self.positions + t
+        return out.logits, self.capture.pop() if self.capture is not None else None
+
+    @staticmethod
+    def gather(features: torch.Tensor, slots: list[list[int]]) -> torch.Tensor:
+        """Row i's features at slots[i] of the last forward, packed to the left (zero-padded)."""
+        width = max(len(s) for s in slots)
+        idx = torch.tensor([s + [s[-1]] * (width - len(s)) for s in slots], device=features.device)
+        return features.gather(1, idx[:, :, None].expand(-1, -1, features.shape[2]))
+
+    @torch.inference_mode()
+    def keep_slots(self, slots: list[list[int]], width: int) -> None:
+        """After a tree forward of `width` slots, row i keeps slots[i] (the root and its accepted path, in order)."""
+        if all(s == list(range(len(s))) for s in slots):
+            self.keep([len(s) for s in slots], width)
+            return
+        if self.valid is None:
+            start = self.length - width
+            idx = start + torch.tensor(slots[0], device=self.device)
+            for layer in self.cache.layers:
+                layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, idx]], dim=2)
+                layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, idx]], dim=2)
+            self.length = start + len(slots[0])
+            return
+        # rows: the kept slots stay where they are and the rest become holes (their RoPE positions are already
+        # the accepted path's: root at the row's position, depth d at position + d)
+        most = max(max(s) + 1 for s in slots)
+        if most < width:
+            self.cache.crop(-(width - most))
+        self.valid = self.valid[:, :self.valid.shape[1] - (width - most)].clone()
+        kept = torch.zeros(len(slots), most, dtype=torch.bool, device=self.device)
+        for i, s in enumerate(slots):
+            kept[i, s] = True
+        self.valid[:, self.valid.shape[1] - most:] = kept
+        self.positions = self.positions - width + torch.tensor([len(s) for s in slots], device=self.device)
+        self._compact_if_sparse()
 
     def _forward_rows(self, ids, last_only: bool):
         rows, t = ids.shape
@@ -147,9 +229,7 @@ class TorchTarget:
         kept = slot[None] < torch.tensor(keeps, device=self.device)[:, None]
         self.valid[:, self.valid.shape[1] - most:] = kept
         self.positions = self.positions - width + kept.sum(1)
-        holes = self.valid.numel() - int(self.valid.sum())
-        if self.valid.shape[1] > 64 and 2 * holes > self.valid.numel():
-            self._compact()
+        self._compact_if_sparse()
         return True
 
     def trim(self, n: int) -> bool:
@@ -220,6 +300,11 @@ class TorchTarget:
         self.check_batchable()
         self.valid = torch.ones(1, self.length, dtype=torch.bool, device=self.device)
         self.positions = torch.tensor([self.length], device=self.device)
+
+    def _compact_if_sparse(self) -> None:
+        holes = self.valid.numel() - int(self.valid.sum())
+        if self.valid.shape[1] > 64 and 2 * holes > self.valid.numel():
+            self._compact()
 
     def _compact(self) -> None:
         idx = _right_aligned(self.valid)
