@@ -370,3 +370,14 @@ def test_batched_rows_equal_their_single_outputs(tiny_target_dir, random_dflash2
     for p, got in zip(prompts[:3], batch):
         single = generate(run, p, max_new_tokens=24, trace=True)
         assert got.tokens == single.tokens and got.drafted == single.drafted
+
+
+def test_compiled_fixed_shape_path_gives_the_same_drafts(tiny_target_dir, random_dflash2_dir, prompts):
+    """compile=True (static caches, the drafter compiled at fixed shapes; the selector runs after it)."""
+    pkg = backends.get("torch")
+    eager = pkg.load(tiny_target_dir, random_dflash2_dir, dtype="float32", device="cpu")
+    compiled = pkg.load(tiny_target_dir, random_dflash2_dir, dtype="float32", device="cpu", cache_len=256,
+                        compile=True)
+    a = generate(eager, prompts[0], max_new_tokens=24, trace=True)
+    b = generate(compiled, prompts[0], max_new_tokens=24, trace=True)
+    assert a.tokens == b.tokens and a.drafted == b.drafted
