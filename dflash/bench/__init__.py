@@ -1,13 +1,15 @@
 """Measuring: the end-to-end benchmark against peers (benchmark, its prompts, worker processes, methods and
-report), the cost model of one cycle, and the GPU check. `python -m dflash.bench [run | cost-model | gpu-check]`."""
+report), the cost model of one cycle, what verify budgets buy, and the GPU check.
+`python -m dflash.bench [run | cost-model | tree-curve | gpu-check]`."""
 
 from __future__ import annotations
 
 import sys
 
-from . import benchmark, costmodel, gpucheck
+from . import benchmark, costmodel, gpucheck, treecurve
 
-COMMANDS = {"run": benchmark.main, "cost-model": costmodel.main, "gpu-check": gpucheck.main}
+COMMANDS = {"run": benchmark.main, "cost-model": costmodel.main, "gpu-check": gpucheck.main,
+            "tree-curve": treecurve.main}
 
 
 def main(argv=None) -> int:
