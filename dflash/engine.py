@@ -24,7 +24,7 @@ from typing import Sequence
 
 from .budget import VERIFY_MODES, Costs, TreePlanner
 from .errors import DFlashError
-from .sampling import SamplingParams, accepted_length, common_prefix, acceptance_rule
+from .sampling import SamplingParams, acceptance_rule, accepted_length, common_prefix
 from .spec import check_block_size
 from .tree import CopyIndex, TreeInputs
 

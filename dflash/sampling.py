@@ -3,7 +3,7 @@
 At every verified position the backend draws the target's token from the target's own processed distribution
 (greedy = argmax). A drafted token is accepted while it equals the target's token at the same position. The
 draft is a point mass, so this is exactly speculative sampling: every emitted token is a sample of target-only
-decoding with the same settings. Do not sample the draft: it lowers acceptance and buys nothing.
+decoding with the same settings. Under this rule, do not sample the draft: it lowers acceptance and buys nothing.
 
 A drafter with a proper draft distribution (DFlash2: its selector's q_t = softmax(S_t(a, .) / T) over the top-k
 candidates) also allows exact rejection sampling ("rejection"): the draft samples x_t ~ q_t, the target accepts it
