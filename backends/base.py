@@ -32,6 +32,9 @@ class Target(Protocol):
     # sampling: the target's token at each position, as target-only decoding would draw it
     def set_sampling(self, params: SamplingParams) -> None: ...
     def sample(self, logits, histories: list[list[int]], block, paths=None): ...  # (rows, T, V) -> (rows, T)
+    # rejection sampling against a sampled draft (Draft.q_ids / q_probs): the draft token where accepted, else
+    # the residual's sample; the last position draws the bonus from p. (rows, T, V) -> (rows, T)
+    def sample_rejection(self, logits, histories: list[list[int]], block, draft: Draft): ...
 
     # the model and its cache
     def forward(self, ids, last_only: bool, tree: TreeInputs | None = None) -> tuple: ...  # -> (logits, features)
@@ -55,6 +58,9 @@ class Target(Protocol):
 
 class Drafter(Protocol):
     position: int  # row 0's context length (= its anchor's position)
+    distribution: bool  # True: propose can sample from a proper draft distribution (DFlash2's selector)
+
+    def set_sampling(self, params: SamplingParams | None) -> None: ...    # None: propose greedily (a point mass)
 
     def extend(self, pending: Pending | None) -> None: ...                 # absorb context without drafting (prefill)
     def propose(self, anchor_ids, pending: Pending | None, block_size: int, top_k: int = 0,

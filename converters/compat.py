@@ -81,11 +81,15 @@ def check(model_dir: str | os.PathLike, draft_dir: str | os.PathLike) -> dict:
         "target": {"dir": str(model_dir), "model_type": info.model_type, "hidden_size": info.hidden_size,
                    "num_hidden_layers": info.num_hidden_layers, "embedding_rows": info.vocab_size,
                    "tokenizer_size": tok, "rope_theta": info.rope_theta, "quantization_bits": extra["quantization_bits"]},
-        "draft": {"dir": str(draft_dir), "num_hidden_layers": spec.num_hidden_layers, "hidden_size": spec.hidden_size,
+        "draft": {"dir": str(draft_dir), "architecture": spec.architecture,
+                  "num_hidden_layers": spec.num_hidden_layers, "hidden_size": spec.hidden_size,
                   "target_layer_ids": spec.target_layer_ids, "num_target_layers": spec.num_target_layers,
                   "vocab_size": spec.vocab_size, "mask_token_id": spec.mask_token_id, "block_size": spec.block_size,
                   "rope_theta": spec.rope_theta, "rope_scaling": spec.rope_scaling,
-                  "quantization_bits": (spec.extra.get("quantization") or {}).get("bits")},
+                  "quantization_bits": (spec.extra.get("quantization") or {}).get("bits"),
+                  "selector": ({"rank": spec.selector_rank, "top_k": spec.selector_top_k,
+                                "conv_kernel_size": spec.conv_kernel_size, "conv_group_size": spec.conv_group_size}
+                               if spec.is_dflash2 else None)},
         "notes": notes,
     }
 
@@ -98,7 +102,10 @@ def report_lines(r: dict) -> list[str]:
         f"target  {t['dir']}: {t['model_type'] or '?'}{tq}, {t['num_hidden_layers']} layers, hidden "
         f"{t['hidden_size']}, {t['embedding_rows']} embedding rows"
         + (f" (tokenizer {t['tokenizer_size']})" if t["tokenizer_size"] else ""),
-        f"draft   {d['dir']}: {d['num_hidden_layers']} layers{dq}, block {d['block_size']}",
+        f"draft   {d['dir']}: {d['architecture']}, {d['num_hidden_layers']} layers{dq}, block {d['block_size']}",
+        *([f"  selector         top {d['selector']['top_k']} of the draft logits, rank {d['selector']['rank']}; "
+           f"{d['selector']['conv_kernel_size']}-tap convolutions, groups of {d['selector']['conv_group_size']}"]
+          if d["selector"] else []),
         f"  hidden size      {d['hidden_size']} = {t['hidden_size']}",
         f"  target layers    {d['target_layer_ids']} of {t['num_hidden_layers']}"
         + (f" (draft expects {d['num_target_layers']})" if d["num_target_layers"] != -1 else ""),

@@ -49,7 +49,8 @@ def quantize_drafter(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, b
         weights.update(mx.load(str(f)))
     out = {}
     for name, w in weights.items():
-        if w.ndim == 2 and w.shape[-1] % group_size == 0:
+        # Linears only: DFlash2's codebooks (2-D, no '.weight') are gathered by row and stay in floating point
+        if w.ndim == 2 and name.endswith(".weight") and w.shape[-1] % group_size == 0:
             q, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
             prefix = name[: -len(".weight")]
             out[name], out[prefix + ".scales"], out[prefix + ".biases"] = q, scales, biases

@@ -49,6 +49,15 @@ def expected_shapes(spec: DraftSpec) -> dict[str, tuple[int, ...]]:
         if spec.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (nh * hd,), p + "self_attn.k_proj.bias": (nkv * hd,),
                            p + "self_attn.v_proj.bias": (nkv * hd,), p + "self_attn.o_proj.bias": (h,)})
+        if spec.is_dflash2:
+            taps, groups = spec.conv_kernel_size, h // spec.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):  # [side (before / after the sublayer), tap, channel]
+                shapes[p + conv + ".base_kernel"] = (2, taps, h)
+                shapes[p + conv + ".kernel_projection.weight"] = (2 * taps * groups, h)
+    if spec.is_dflash2:  # the codebooks are stored without a '.weight' suffix
+        shapes.update({"candidate_selector.predecessor_codebook": (spec.vocab_size, spec.selector_rank),
+                       "candidate_selector.successor_codebook": (spec.vocab_size, spec.selector_rank),
+                       "candidate_selector.hidden_projection.weight": (spec.selector_rank, h)})
     return shapes
 
 

@@ -45,11 +45,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: %(default)s = off)")
     p.add_argument("--seed", type=int, help="sampling seed (default: none, a fresh draw every run)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: EOS only)")
+    p.add_argument("--accept", default="auto", choices=("auto", "match", "rejection"),
+                   help="acceptance rule when sampling: sample-and-match, or rejection sampling against a DFlash2 "
+                        "drafter's distribution (default: %(default)s = the measured better one)")
 
 
 def sampling_from(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          accept=args.accept).validate()
 
 
 def load_pipeline(args):

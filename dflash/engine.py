@@ -24,7 +24,7 @@ from typing import Sequence
 
 from .budget import VERIFY_MODES, Costs, TreePlanner
 from .errors import DFlashError
-from .sampling import SamplingParams, accepted_length, common_prefix
+from .sampling import SamplingParams, acceptance_rule, accepted_length, common_prefix
 from .spec import check_block_size
 from .tree import CopyIndex, TreeInputs
 
@@ -63,6 +63,10 @@ class Draft:
     ids: object
     top_ids: object = None
     top_probs: object = None
+    # when the drafter sampled its proposals (rejection verification): per proposal the candidate ids and the draft
+    # distribution q over them (rows, B-1, k)
+    q_ids: object = None
+    q_probs: object = None
 
 
 @dataclass
@@ -97,6 +101,7 @@ class Engine:
         self.top_k = 0  # > 0: every draft also returns the per-position top-k (tree verification)
         self.last_draft: Draft | None = None
         self.sampling = SamplingParams()
+        self.accept_rule = "match"  # when sampling: sample-and-match, or rejection (dflash.sampling)
         self.verify_mode, self.verify_note = "chain", ""
         self.planner: TreePlanner | None = None  # tree / auto verification (dflash/budget.py)
         self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
@@ -115,6 +120,10 @@ class Engine:
     def set_sampling(self, params: SamplingParams) -> None:
         self.sampling = params
         self.target.set_sampling(params)
+        # drafters with a draft distribution (DFlash2) say so; for them sampling may verify by rejection
+        self.accept_rule = acceptance_rule(params, getattr(self.drafter, "distribution", False))
+        if getattr(self.drafter, "distribution", False):
+            self.drafter.set_sampling(params if self.accept_rule == "rejection" else None)
 
     def set_verify(self, mode: str = "chain", budget: int | None = None, costs: Costs | None = None,
                    copy_branch: bool = True) -> None:
@@ -259,7 +268,7 @@ class Engine:
     def verify(self) -> tuple[list[list[int]], list[list[int]]]:
         ids = self._verify_ids
         logits, self._features = self.target.forward(ids, last_only=False)
-        target = self.target.sample(logits, self.rows, ids)
+        target = self._target_tokens(logits, ids)
         rows = self.target.to_host(self.target.cat([ids, target]))  # the cycle's one device -> host read
         b = len(rows[0]) // 2
         self._verified = [r[:b] for r in rows]
@@ -327,6 +336,15 @@ class Engine:
         self.target.close()
 
     # ---- internals -----------------------------------------------------------------------------------------------
+    def _target_tokens(self, logits, ids):
+        """The target's token at every verified position under the run's rule: its own sample (sample-and-match),
+        or, when the draft was sampled from a distribution, the draft token where rejection sampling accepts it and
+        the residual's sample where it does not (so the longest agreeing prefix is the accepted one either way)."""
+        draft = self.last_draft
+        if self.accept_rule == "rejection" and draft is not None and draft.q_probs is not None:
+            return self.target.sample_rejection(logits, self.rows, ids, draft)
+        return self.target.sample(logits, self.rows, ids)
+
     def _add_pending(self, features, n: int) -> None:
         if self.pending is None:
             self.pending = Pending(features, [n])

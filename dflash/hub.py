@@ -54,6 +54,14 @@ PAIRS: tuple[Pair, ...] = (
     Pair("google/gemma-4-12B-it", "z-lab/gemma4-12B-it-DFlash", ("torch",), "sliding-window attention"),
     Pair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", ("torch",), "sliding-window attention, MoE"),
     Pair("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", ("torch",), "sliding-window attention"),
+    # DFlash2 drafters (Inco AI and z-lab): the drafter runs on both backends (docs/dflash2.md). The target ids
+    # below are not confirmed against the drafters' model cards here; pass --model explicitly when they differ.
+    Pair("Qwen/Qwen3.8-27B", "z-lab/Qwen3.8-27B-DFlash2", ("torch", "mlx"),
+         "DFlash2 (= incoai/Qwen3.8-27B-DFlash2); target id and family (hybrid, as Qwen3.5) not confirmed"),
+    Pair("zai-org/GLM-5.3-Flash", "incoai/GLM-5.3-Flash-DFlash2", (),
+         "DFlash2; target id not confirmed; the GLM-5.3 target family is not supported yet"),
+    Pair("zai-org/GLM-5.3", "incoai/GLM-5.3-DFlash2", (),
+         "DFlash2; target id not confirmed; the GLM-5.3 target family is not supported yet"),
 )
 
 # target model id -> public DFlash drafter id; --draft overrides

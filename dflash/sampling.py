@@ -3,7 +3,13 @@
 At every verified position the backend draws the target's token from the target's own processed distribution
 (greedy = argmax). A drafted token is accepted while it equals the target's token at the same position. The
 draft is a point mass, so this is exactly speculative sampling: every emitted token is a sample of target-only
-decoding with the same settings. Do not sample the draft: it lowers acceptance and buys nothing.
+decoding with the same settings. Under this rule, do not sample the draft: it lowers acceptance and buys nothing.
+
+A drafter with a proper draft distribution (DFlash2: its selector's q_t = softmax(S_t(a, .) / T) over the top-k
+candidates) also allows exact rejection sampling ("rejection"): the draft samples x_t ~ q_t, the target accepts it
+with probability min(1, p(x_t) / q(x_t)) and, at the first rejection, draws from the residual max(0, p - q)
+normalised; after a fully accepted block the bonus token is drawn from p. The draft and the acceptance / residual
+draws use independent noise streams (a shared one biases the output). Which rule a run uses is `acceptance_rule`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    accept: str = "auto"  # the acceptance rule when sampling: "auto", "match" or "rejection" (acceptance_rule)
 
     @property
     def greedy(self) -> bool:
@@ -47,7 +54,28 @@ class SamplingParams:
             bad("repetition-penalty", self.repetition_penalty, "> 0 (1 = off)")
         if self.seed is not None and self.seed < 0:
             bad("seed", self.seed, ">= 0")
+        if self.accept not in ACCEPT_RULES:
+            bad("accept", self.accept, " or ".join(repr(r) for r in ACCEPT_RULES))
         return self
+
+
+ACCEPT_RULES = ("auto", "match", "rejection")
+# The rule "auto" picks for drafters with a draft distribution, from the acceptance measured at temperatures 0.8
+# and 1.0 (docs/dflash2.md).
+DISTRIBUTION_DEFAULT = "rejection"
+
+
+def acceptance_rule(params: SamplingParams, has_distribution: bool) -> str:
+    """"match" (sample-and-match against the draft's point mass) or "rejection" (exact rejection sampling against
+    the drafter's own distribution). Greedy decoding always matches."""
+    if params.greedy:
+        return "match"
+    if params.accept == "rejection" and not has_distribution:
+        raise DFlashError("--accept: 'rejection' needs a drafter with a draft distribution (a DFlash2 drafter); "
+                          "use 'match'")
+    if params.accept == "auto":
+        return DISTRIBUTION_DEFAULT if has_distribution else "match"
+    return params.accept
 
 
 def common_prefix(a, b) -> int:

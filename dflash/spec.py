@@ -1,8 +1,11 @@
 """DraftSpec: the drafter's config.json (the format z-lab, vLLM and SGLang share) as a validated dataclass.
 
 The checkpoint config is a Qwen3 config plus `architectures: ["DFlashDraftModel"]`, `block_size`,
-`num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`. Unknown keys other tools add are kept
-in `extra` and written back unchanged.
+`num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`. DFlash2 drafters
+(`["DFlash2DraftModel"]`) add to `dflash_config` the convolution (`conv_kernel_size`, `conv_group_size`) and the
+candidate selector (`selector_rank`, `selector_top_k`). Either may carry `output_multiplier`,
+`final_logit_softcapping` and `input_embedding_scale`. Unknown keys other tools add (top level or inside
+`dflash_config`) are kept and written back unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ from .errors import DFlashError
 from .io import atomic_write_text, read_json_config
 
 ARCHITECTURE = "DFlashDraftModel"
+DFLASH2 = "DFlash2DraftModel"
+ARCHITECTURES = (ARCHITECTURE, DFLASH2)
+# dflash_config keys a DFlash2 drafter must set (the convolution and the candidate selector)
+_DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_SCALES = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -35,6 +43,7 @@ class TargetInfo:
     vocab_size: int  # rows of the input embedding table
     model_type: str = ""
     rope_theta: float | None = None
+    final_logit_softcapping: float | None = None  # the target's own cap (Gemma), inherited by drafters without one
 
 
 @dataclass
@@ -58,12 +67,34 @@ class DraftSpec:
     sliding_window: int | None = None
     use_sliding_window: bool = False
     layer_types: list[str] | None = None
+    architecture: str = ARCHITECTURE
+    # DFlash2: the two-tap dynamic convolutions and the candidate selector (None for DFlash)
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    # draft logits = softcap(lm_head(h) * output_multiplier); block embeddings * input_embedding_scale
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float | None = None
     extra: dict = field(default_factory=dict)
+    extra_dflash: dict = field(default_factory=dict)  # dflash_config keys we do not read, written back unchanged
 
     # ---- derived -----------------------------------------------------------------------------------------------
     @property
     def num_context_layers(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.architecture == DFLASH2
+
+    def logit_scaling(self, target: TargetInfo | None = None) -> tuple[float, float | None]:
+        """(multiplier, softcap) of the draft logits: the drafter's own when it sets either, else the target's cap
+        (the authors' rule: a drafter without its own inherits the target's)."""
+        if self.output_multiplier is not None or self.final_logit_softcapping is not None:
+            return (1.0 if self.output_multiplier is None else self.output_multiplier), self.final_logit_softcapping
+        return 1.0, target.final_logit_softcapping if target is not None else None
 
     def window_for_layer(self, i: int) -> int | None:
         """Sliding-window size of draft layer i, or None for full attention."""
@@ -83,9 +114,10 @@ class DraftSpec:
         if not isinstance(cfg, dict):
             raise DFlashError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures")
-        if archs is not None and (not isinstance(archs, list) or ARCHITECTURE not in archs):
-            raise DFlashError(f"{source}: architectures is {archs}, expected [\"{ARCHITECTURE}\"] (is this a target "
-                              "model rather than a DFlash drafter?)")
+        if archs is not None and (not isinstance(archs, list) or not any(a in archs for a in ARCHITECTURES)):
+            raise DFlashError(f"{source}: architectures is {archs}, expected [\"{ARCHITECTURE}\"] or "
+                              f"[\"{DFLASH2}\"] (is this a target model rather than a DFlash drafter?)")
+        architecture = DFLASH2 if archs is not None and DFLASH2 in archs else ARCHITECTURE
         for key in _REQUIRED:
             if key not in cfg:
                 raise DFlashError(f"{source}: missing required field '{key}'")
@@ -115,8 +147,17 @@ class DraftSpec:
         if not isinstance(layer_ids, list) or not layer_ids or not all(_is_int(i) for i in layer_ids):
             raise DFlashError(f"{source}: field 'dflash_config.target_layer_ids' must be a non-empty list of ints, "
                               f"got {layer_ids!r}")
+        if architecture == DFLASH2:
+            for key in _DFLASH2_REQUIRED:
+                if key not in dcfg:
+                    raise DFlashError(f"{source}: missing required field 'dflash_config.{key}' (a {DFLASH2} sets it)")
+        dflash2 = {key: _optional_int({f"dflash_config.{key}": dcfg.get(key)}, f"dflash_config.{key}", source)
+                   for key in _DFLASH2_REQUIRED}
+        scales = {key: _optional_float({f"dflash_config.{key}": dcfg.get(key, cfg.get(key))}, f"dflash_config.{key}",
+                                       source) for key in _SCALES}
         owned = set(f.name for f in dataclasses.fields(cls)) | {"architectures", "dflash_config", "rope_parameters",
                                                                 "model_type", "torch_dtype", "dtype"}
+        owned_dflash = {"target_layer_ids", "mask_token_id", "block_size", *_DFLASH2_REQUIRED, *_SCALES}
         spec = cls(
             hidden_size=hidden,
             num_hidden_layers=num_layers,
@@ -137,7 +178,11 @@ class DraftSpec:
             sliding_window=_optional_int(cfg, "sliding_window", source),
             use_sliding_window=bool(cfg.get("use_sliding_window", False)),
             layer_types=layer_types,
+            architecture=architecture,
+            **dflash2,
+            **scales,
             extra={k: v for k, v in cfg.items() if k not in owned},
+            extra_dflash={k: v for k, v in dcfg.items() if k not in owned_dflash},
         )
         spec.check(source)
         return spec
@@ -162,6 +207,23 @@ class DraftSpec:
         if self.layer_types is not None and any(t not in ("full_attention", "sliding_attention")
                                                 for t in self.layer_types):
             raise DFlashError(f"{source}: field 'layer_types' entries must be 'full_attention' or 'sliding_attention'")
+        if self.is_dflash2:
+            for name in _DFLASH2_REQUIRED:
+                if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                    raise DFlashError(f"{source}: field 'dflash_config.{name}' must be a positive int, got "
+                                      f"{getattr(self, name)!r}")
+            if self.hidden_size % self.conv_group_size:
+                raise DFlashError(f"{source}: field 'dflash_config.conv_group_size' ({self.conv_group_size}) must "
+                                  f"divide hidden_size ({self.hidden_size})")
+            if self.conv_kernel_size > self.block_size:
+                raise DFlashError(f"{source}: field 'dflash_config.conv_kernel_size' ({self.conv_kernel_size}) must "
+                                  f"be at most block_size ({self.block_size})")
+            if self.selector_top_k > self.vocab_size:
+                raise DFlashError(f"{source}: field 'dflash_config.selector_top_k' ({self.selector_top_k}) must be at "
+                                  f"most vocab_size ({self.vocab_size})")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            raise DFlashError(f"{source}: field 'dflash_config.final_logit_softcapping' must be positive, got "
+                              f"{self.final_logit_softcapping}")
         if any(self.window_for_layer(i) is not None for i in range(self.num_hidden_layers)):
             if not _is_int(self.sliding_window) or self.sliding_window < 1:
                 raise DFlashError(f"{source}: field 'sliding_window' must be a positive int when sliding layers are "
@@ -169,8 +231,16 @@ class DraftSpec:
 
     def to_dict(self) -> dict:
         cfg = dict(self.extra)
+        dflash_config = dict(self.extra_dflash)
+        dflash_config.update(target_layer_ids=list(self.target_layer_ids), mask_token_id=self.mask_token_id,
+                             block_size=self.block_size)
+        for name in (*_DFLASH2_REQUIRED, *_SCALES):
+            if getattr(self, name) is not None:
+                dflash_config[name] = getattr(self, name)
+        if self.is_dflash2:  # transformers 5 spelling, as the public DFlash2 configs write it
+            cfg["rope_parameters"] = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         cfg.update(
-            architectures=[ARCHITECTURE],
+            architectures=[self.architecture],
             model_type=self.extra.get("model_type", "qwen3"),
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_hidden_layers,
@@ -191,8 +261,7 @@ class DraftSpec:
             tie_word_embeddings=False,
             block_size=self.block_size,
             num_target_layers=self.num_target_layers,
-            dflash_config={"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
-                           "block_size": self.block_size},
+            dflash_config=dflash_config,
         )
         return cfg
 
@@ -259,6 +328,10 @@ def _int(cfg: dict, key: str, source: str, default: int | None = None) -> int:
 
 def _optional_int(cfg: dict, key: str, source: str) -> int | None:
     return None if cfg.get(key) is None else _int(cfg, key, source)
+
+
+def _optional_float(cfg: dict, key: str, source: str) -> float | None:
+    return None if cfg.get(key) is None else _float(cfg, key, source, 0.0)
 
 
 def _float(cfg: dict, key: str, source: str, default: float) -> float:

@@ -222,3 +222,17 @@ def draft_spec_for(target_dir: str | os.PathLike, num_layers: int = 2, block_siz
         max_position_embeddings=cfg.get("max_position_embeddings", 4096))
     fields.update(overrides)
     return DraftSpec(**fields)
+
+
+def dflash2_spec(spec: DraftSpec, *, selector_rank: int = 16, selector_top_k: int = 16, conv_group_size: int = 16,
+                 sliding_window: int = 2048, **overrides) -> DraftSpec:
+    """The DFlash2 form of a DFlash spec, laid out as the public DFlash2 configs are: every layer
+    `sliding_attention`, `is_causal: false`, two-tap convolutions and a candidate selector."""
+    import dataclasses
+
+    fields = dict(architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=conv_group_size,
+                  selector_rank=selector_rank, selector_top_k=selector_top_k, sliding_window=sliding_window,
+                  layer_types=["sliding_attention"] * spec.num_hidden_layers,
+                  extra={**spec.extra, "is_causal": False})
+    fields.update(overrides)
+    return dataclasses.replace(spec, **fields)

@@ -84,3 +84,36 @@ def trained_pair(tmp_path_factory):
     target_dir, draft_dir, info = build_trained_pair(tmp_path_factory.mktemp("trained_pair"))
     assert info["tau"] >= 3.0, f"trained_pair fixture: held-out tau {info['tau']:.2f} < 3"
     return target_dir, draft_dir
+
+
+@pytest.fixture(scope="session")
+def dflash2_pair(tmp_path_factory, trained_pair):
+    """(target_dir, draft_dir): the trained pair's drafter as a DFlash2 drafter in the public layout (identity
+    convolutions with a little noise, random codebooks of rank 16): long acceptances with partial ones among them."""
+    from dflash import tiny
+    from dflash.backends.torch.drafter import load_drafter, save_drafter
+    from dflash.backends.torch.tiny_pair import dflash2_from
+
+    target_dir, draft_dir = trained_pair
+    source = load_drafter(draft_dir)
+    d = tmp_path_factory.mktemp("dflash2")
+    save_drafter(dflash2_from(source, tiny.dflash2_spec(source.spec), conv_noise=0.02, selector_scale=0.3), d)
+    return target_dir, d
+
+
+@pytest.fixture(scope="session")
+def random_dflash2_dir(tmp_path_factory, tiny_target_dir):
+    """An untrained DFlash2 drafter (block 8, sliding window 16: shorter than the prompts' contexts) whose
+    convolutions and selector are far from the identity."""
+    import torch
+
+    from dflash import tiny
+    from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
+    from dflash.backends.torch.tiny_pair import dflash2_from
+
+    torch.manual_seed(2)
+    spec = tiny.draft_spec_for(tiny_target_dir, num_layers=2, block_size=8)
+    d = tmp_path_factory.mktemp("dflash2_random")
+    save_drafter(dflash2_from(DFlashDrafter(spec), tiny.dflash2_spec(spec, sliding_window=16), conv_noise=0.3,
+                              selector_scale=1.0, seed=3), d)
+    return d

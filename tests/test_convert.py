@@ -147,3 +147,39 @@ def test_target_to_mlx(tmp_path, tiny_target_dir, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_dflash2_check_dtype_and_quantize(tmp_path, tiny_target_dir, random_dflash2_dir, prompts, capsys):
+    """A DFlash2 drafter through every converter: check reports its selector, dtype conversion keeps its keys and
+    architecture, an MLX 4-bit copy (Linears quantized, codebooks kept in float) decodes losslessly."""
+    assert convert("check", "--model", tiny_target_dir, "--draft", random_dflash2_dir) == 0
+    out = capsys.readouterr().out
+    assert "DFlash2DraftModel" in out and "selector         top 16 of the draft logits, rank 16" in out
+    half = tmp_path / "bf16"
+    assert convert("dtype", "--draft", random_dflash2_dir, "--out", half, "--dtype", "bfloat16") == 0
+    cfg = json.loads((half / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_rank"] == 16
+    from dflash.backends.torch.drafter import load_drafter as load_torch
+
+    model = load_torch(half, dtype=torch.bfloat16)
+    assert model.candidate_selector.predecessor_codebook.dtype == torch.bfloat16
+    pytest.importorskip("mlx_lm")
+    from safetensors import safe_open
+
+    from dflash import backends
+    from dflash.loop import generate
+
+    q4 = tmp_path / "q4"
+    assert convert("quantize", "--draft", random_dflash2_dir, "--out", q4, "--bits", 4, "--group-size", 64) == 0
+    with safe_open(str(q4 / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert "layers.0.attention_conv.kernel_projection.scales" in names
+    assert "candidate_selector.hidden_projection.scales" in names
+    assert not any(n.startswith("candidate_selector.predecessor_codebook.") for n in names)
+    assert convert("check", "--model", tiny_target_dir, "--draft", q4) == 0
+    mlx = backends.get("mlx")
+    assert type(mlx.load_drafter(q4).layers[0].mlp_conv.kernel_projection).__name__ == "QuantizedLinear"
+    quantized = mlx.load(tiny_target_dir, q4, dtype="float32", device="cpu")
+    plain = mlx.load(tiny_target_dir, None, dtype="float32", device="cpu")
+    for p in prompts[:2]:
+        assert generate(quantized, p, max_new_tokens=32).tokens == generate(plain, p, max_new_tokens=32).tokens

@@ -141,3 +141,25 @@ def test_mlx_cache_after_a_tree_commit(trained_pair):
     ref, _ = fresh.target.forward(fresh.target.ids([mb.tokens + [anchor]]), last_only=False)
     np.testing.assert_allclose(np.array(logits[0, -1]), np.array(ref[0, -1]), rtol=1e-4, atol=1e-4)
     mx.eval(logits)
+
+
+def test_dflash2_identical_tokens_and_drafts(dflash2_pair):
+    """DFlash2 (convolutions, sliding-window context, the selector's walk): the same drafts and tokens in float32."""
+    target_dir, draft_dir = dflash2_pair
+    tb, mb = load_both(target_dir, draft_dir)
+    lengths = []
+    for p in held_out_prompts(6):
+        a = generate(tb, p, max_new_tokens=64, trace=True)
+        b = generate(mb, p, max_new_tokens=64, trace=True)
+        assert a.tokens == b.tokens and a.drafted == b.drafted and a.acceptance_lengths == b.acceptance_lengths
+        lengths += a.acceptance_lengths
+    assert max(lengths) >= 12 and any(2 <= n < 16 for n in lengths)
+
+
+def test_dflash2_identical_with_an_untrained_drafter(tiny_target_dir, random_dflash2_dir, prompts):
+    """Far-from-identity convolutions and codebooks, a draft window shorter than the context: identical drafts."""
+    tb, mb = load_both(tiny_target_dir, random_dflash2_dir)
+    for p in prompts[:4]:
+        a = generate(tb, p, max_new_tokens=48, trace=True)
+        b = generate(mb, p, max_new_tokens=48, trace=True)
+        assert a.tokens == b.tokens and a.drafted == b.drafted

@@ -125,3 +125,18 @@ def test_same_seed_same_tokens(small_vocab_target):
     a = generate(backend, PROMPT, max_new_tokens=40, sampling=params).tokens
     b = generate(backend, PROMPT, max_new_tokens=40, sampling=params).tokens
     assert a == b
+
+
+def test_acceptance_rule():
+    from dflash.errors import DFlashError
+    from dflash.sampling import DISTRIBUTION_DEFAULT, acceptance_rule
+
+    sampled = SamplingParams(temperature=0.8)
+    assert acceptance_rule(SamplingParams(accept="rejection"), True) == "match"  # greedy always matches
+    assert acceptance_rule(sampled, False) == "match"
+    assert acceptance_rule(sampled, True) == DISTRIBUTION_DEFAULT
+    assert acceptance_rule(SamplingParams(temperature=0.8, accept="match"), True) == "match"
+    with pytest.raises(DFlashError, match="--accept: 'rejection' needs a drafter with a draft distribution"):
+        acceptance_rule(SamplingParams(temperature=0.8, accept="rejection"), False)
+    with pytest.raises(DFlashError, match="--accept"):
+        SamplingParams(accept="always").validate()

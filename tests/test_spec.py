@@ -95,3 +95,67 @@ def test_block_size_bounds():
     for bad in (1, 17):
         with pytest.raises(DFlashError, match="--block-size"):
             check_block_size(bad, spec)
+
+
+# the shape of a public DFlash2 drafter config (the format of DFlash2DraftModel), extra keys included
+DFLASH2 = {
+    "architectures": ["DFlash2DraftModel"], "attention_bias": False, "dtype": "bfloat16", "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "is_causal": False,
+    "layer_types": ["sliding_attention"] * 5, "max_position_embeddings": 262144, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 36,
+    "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"},
+    "sliding_window": 2048, "tie_word_embeddings": False, "vocab_size": 151936,
+    "dflash_config": {"block_size": 16, "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                      "selector_top_k": 16, "mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33],
+                      "attention_mode": "gqa"},
+}
+
+
+def test_dflash2_config_parses_and_round_trips(tmp_path):
+    spec = DraftSpec.from_dict(DFLASH2)
+    assert spec.is_dflash2 and spec.block_size == 16 and spec.rope_theta == 1e7
+    assert (spec.conv_kernel_size, spec.conv_group_size, spec.selector_rank, spec.selector_top_k) == (2, 16, 256, 16)
+    assert [spec.window_for_layer(i) for i in range(5)] == [2048] * 5
+    assert not any(spec.causal_for_layer(i) for i in range(5))  # is_causal: false
+    assert spec.logit_scaling() == (1.0, None) and spec.input_embedding_scale is None
+    spec.validate_against(QWEN3_8B)
+    spec.save(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["architectures"] == ["DFlash2DraftModel"]
+    assert written["dflash_config"]["attention_mode"] == "gqa"  # unread dflash_config keys kept
+    assert written["rope_parameters"]["rope_theta"] == 1e7
+    assert DraftSpec.load(tmp_path) == spec
+
+
+@pytest.mark.parametrize("arch", ["DFlashDraftModel", "DFlash2DraftModel"])
+def test_logit_and_embedding_scales_are_read(arch):
+    cfg = json.loads(json.dumps(DFLASH2 if arch == "DFlash2DraftModel" else ZLAB))
+    cfg["dflash_config"].update(output_multiplier=0.5, final_logit_softcapping=30.0, input_embedding_scale=64.0)
+    spec = DraftSpec.from_dict(cfg)
+    assert spec.logit_scaling() == (0.5, 30.0) and spec.input_embedding_scale == 64.0
+    assert DraftSpec.from_dict(spec.to_dict()) == spec
+    gemma = TargetInfo(hidden_size=4096, num_hidden_layers=36, vocab_size=151936, final_logit_softcapping=25.0)
+    assert spec.logit_scaling(gemma) == (0.5, 30.0)  # its own win
+    assert DraftSpec.from_dict(ZLAB).logit_scaling(gemma) == (1.0, 25.0)  # none of its own: the target's
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"selector_rank": None}, "dflash_config.selector_rank"),
+    ({"conv_kernel_size": "2"}, "dflash_config.conv_kernel_size"),
+    ({"conv_group_size": 48}, "dflash_config.conv_group_size"),
+    ({"selector_top_k": 0}, "dflash_config.selector_top_k"),
+    ({"final_logit_softcapping": -1.0}, "dflash_config.final_logit_softcapping"),
+])
+def test_dflash2_bad_field_is_one_line_naming_it(change, field):
+    cfg = json.loads(json.dumps(DFLASH2))
+    cfg["dflash_config"].update(change)
+    cfg["dflash_config"] = {k: v for k, v in cfg["dflash_config"].items() if v is not None}
+    with pytest.raises(DFlashError) as e:
+        DraftSpec.from_dict(cfg)
+    assert field in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_drafter_architecture_names_both_known_ones():
+    with pytest.raises(DFlashError) as e:
+        DraftSpec.from_dict(dict(DFLASH2, architectures=["DFlash3DraftModel"]))
+    assert all(a in str(e.value) for a in ("DFlash3DraftModel", "DFlashDraftModel", "DFlash2DraftModel"))

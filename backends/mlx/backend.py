@@ -71,6 +71,10 @@ class MLXTarget:
         return self.sampler(logits[0], histories[0], None if block is None else block[0],
                             None if paths is None else paths[0])[None].astype(mx.int32)
 
+    def sample_rejection(self, logits: mx.array, histories: list[list[int]], block: mx.array, draft) -> mx.array:
+        return self.sampler.rejection(logits[0], histories[0], block[0], draft.q_ids[0],
+                                      draft.q_probs[0])[None].astype(mx.int32)
+
     # ---- forward, keep, trim -----------------------------------------------------------------------------------------
     def forward(self, ids: mx.array, last_only: bool, tree: TreeInputs | None = None):
         if tree is not None:
@@ -157,5 +161,6 @@ class MLXBackend(Engine):
             block_size = drafter_block_size(drafter, target.info, block_size, validated)
             embed = embedding(model)
             dtype = embed(mx.array([[0]])).dtype  # the drafter computes in the dtype the embeddings come out in
-            draft = MLXDraft(drafter, embed, lm_head(model), dtype, window=draft_window)
+            draft = MLXDraft(drafter, embed, lm_head(model), dtype, window=draft_window,
+                             logit_scaling=drafter.spec.logit_scaling(target.info))
         super().__init__(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="mlx")

@@ -2,7 +2,8 @@
 
 A few Qwen3 decoder layers without embedding or LM head (the target's are shared). In every layer the keys and
 values are [proj(context) ; proj(block)] along the sequence axis and the queries come from the block only; attention
-is not causal. Context = hidden_norm(fc(concat of the target's hidden states at target_layer_ids)).
+is not causal. Context = hidden_norm(fc(concat of the target's hidden states at target_layer_ids)). DFlash2 drafters add the
+dynamic convolutions around every sublayer and the candidate selector (see backends/torch/drafter.py).
 """
 
 from __future__ import annotations
@@ -75,11 +76,109 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DynamicConv(nn.Module):
+    """DFlash2's convolution over the block axis around one sublayer: y_t[c] = sum_j (base_kernel[s, j, c] +
+    delta_t[s, j, c // group]) * x_{t-j}[c], side 0 before the sublayer, side 1 after; one block per row, so taps
+    never reach before the block's first position."""
+
+    def __init__(self, hidden: int, taps: int, group: int):
+        super().__init__()
+        self.taps, self.groups = taps, hidden // group
+        self.base_kernel = mx.zeros((2, taps, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * self.groups, bias=False)
+
+    def convolve(self, x: mx.array, delta: mx.array, side: int) -> mx.array:
+        """x (rows, T, H), delta (rows, T, taps, groups) -> (rows, T, H)."""
+        b, t, h = x.shape
+        grouped = x.reshape(b, t, self.groups, -1)
+        out = mx.zeros_like(grouped)
+        for j in range(self.taps):
+            coefficient = self.base_kernel[side, j].reshape(self.groups, -1) + delta[:, :, j, :, None]
+            shift = min(j, t)
+            shifted = grouped if j == 0 else mx.concatenate(
+                [mx.zeros((b, shift, *grouped.shape[2:]), dtype=x.dtype), grouped[:, :t - shift]], axis=1)
+            out = out + coefficient * shifted
+        return out.reshape(b, t, h)
+
+    def prepare(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        delta = self.kernel_projection(x).reshape(*x.shape[:2], 2, self.taps, self.groups)
+        return self.convolve(x, delta[:, :, 0], 0), delta[:, :, 1]
+
+
+class DFlash2Layer(DraftLayer):
+    def __init__(self, spec: DraftSpec):
+        super().__init__(spec)
+        self.attention_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
+        self.mlp_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
+
+    def __call__(self, x, ctx, rope, start, cache, layer, counts):
+        inner, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        attended = self.self_attn(inner, ctx, rope, start, cache, layer, counts)
+        x = x + self.attention_conv.convolve(attended, delta, 1)
+        inner, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.convolve(self.mlp(inner), delta, 1)
+
+
+class CandidateSelector(nn.Module):
+    """S_t(a, b) = U_t(b) + <A[a] * (W h_t), B[b]> over the top-k candidates of every position (DFlash2)."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int):
+        super().__init__()
+        self.predecessor_codebook = mx.zeros((vocab, rank))
+        self.successor_codebook = mx.zeros((vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def pair_scores(self, logits: mx.array, hidden: mx.array, anchor: mx.array, top_k: int):
+        """logits (rows, P, V) float32, hidden (rows, P, H), anchor (rows, 1) -> candidates (rows, P, k) and
+        scores (rows, P, k, k): [t, i, j] = S_t(i-th candidate of t-1, j-th of t); at t = 0 every i is the anchor."""
+        candidates = mx.argsort(-logits, axis=-1)[..., :top_k]
+        unary = mx.take_along_axis(logits, candidates, axis=-1)
+        rows = anchor.shape[0]
+        predecessors = mx.concatenate([mx.broadcast_to(anchor[:, :, None], (rows, 1, top_k)), candidates[:, :-1]],
+                                      axis=1)
+        projected = self.hidden_projection(hidden).astype(mx.float32)
+        query = self.predecessor_codebook[predecessors].astype(mx.float32) * projected[:, :, None]
+        keys = self.successor_codebook[candidates].astype(mx.float32)
+        return candidates, unary[:, :, None, :] + query @ keys.swapaxes(-1, -2)
+
+
+def select_walk(candidates: mx.array, scores: mx.array, temperature: float = 0.0,
+                key: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """The walk from the anchor (lazy: nothing is read back): greedy takes argmax_j S_t(a, j); with a temperature,
+    draws j from softmax(S_t(a, .) / T) with `key`. Returns the tokens (rows, P) and each step's scores row."""
+    rows, positions, k = candidates.shape
+    choice = mx.zeros((rows, 1), dtype=mx.int32)
+    keys = mx.random.split(key, positions) if temperature > 0 else None
+    picks, chosen_rows = [], []
+    for t in range(positions):
+        row = mx.take_along_axis(scores[:, t], mx.broadcast_to(choice[:, :, None], (rows, 1, k)), axis=1)[:, 0]
+        if temperature > 0:
+            choice = mx.random.categorical(row / temperature, axis=-1, key=keys[t])[:, None].astype(mx.int32)
+        else:
+            choice = mx.argmax(row, axis=-1, keepdims=True).astype(mx.int32)
+        picks.append(choice)
+        chosen_rows.append(row)
+    index = mx.concatenate(picks, axis=1)
+    return mx.take_along_axis(candidates, index[:, :, None], axis=-1)[..., 0], mx.stack(chosen_rows, axis=1)
+
+
+def scale_logits(logits: mx.array, multiplier: float, softcap: float | None) -> mx.array:
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap is not None:
+        logits = mx.tanh(logits / softcap) * softcap
+    return logits
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, spec: DraftSpec):
         super().__init__()
         self.spec = spec
-        self.layers = [DraftLayer(spec) for _ in range(spec.num_hidden_layers)]
+        if spec.is_dflash2:
+            self.layers = [DFlash2Layer(spec) for _ in range(spec.num_hidden_layers)]
+            self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank)
+        else:
+            self.layers = [DraftLayer(spec) for _ in range(spec.num_hidden_layers)]
         self.fc = nn.Linear(spec.hidden_size * spec.num_context_layers, spec.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)

@@ -10,7 +10,7 @@ other than 1 the two backends filter slightly different sets, each exactly as it
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from dflash.sampling import SamplingParams
 
@@ -35,6 +35,33 @@ class MLXSampler:
                  paths: list[list[int]] | None = None) -> mx.array:
         """logits (T, V) for the T positions that follow history + block[:i+1] (a tree: history + paths[i]);
         returns T token ids (lazy)."""
+        logits = self.processed(logits, history, block, paths)
+        if self.sampler is None:
+            return mx.argmax(logits, axis=-1)
+        logits = logits.astype(mx.float32)
+        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    def probabilities(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
+        """The distribution (T, V) the sampler draws from: mlx-lm's filters on the log-probs, then the
+        temperature (its categorical draw's order)."""
+        p = self.params
+        logits = self.processed(logits, history, block).astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if 0 < p.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p:
+            logprobs = apply_min_p(logprobs, p.min_p)
+        if p.top_k:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        return mx.softmax(logprobs / p.temperature, axis=-1)
+
+    def rejection(self, logits: mx.array, history: list[int], block: mx.array, q_ids: mx.array,
+                  q_probs: mx.array) -> mx.array:
+        """Rejection sampling of one row (dflash.sampling: the rule; backends/torch/sampling.py: the same)."""
+        return rejection_tokens(self.probabilities(logits, history, block), block[1:], q_ids, q_probs)
+
+    def processed(self, logits: mx.array, history: list[int], block: mx.array | None,
+                  paths: list[list[int]] | None = None) -> mx.array:
         if self.processors:
             hist = mx.array(history, dtype=mx.int32)
             rows = []
@@ -48,7 +75,20 @@ class MLXSampler:
                     row = proc(tokens, row)
                 rows.append(row)
             logits = mx.concatenate(rows, axis=0)
-        if self.sampler is None:
-            return mx.argmax(logits, axis=-1)
-        logits = logits.astype(mx.float32)
-        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return logits
+
+
+def rejection_tokens(p: mx.array, drafted: mx.array, q_ids: mx.array, q_probs: mx.array) -> mx.array:
+    """p (B, V), drafted (B-1,) sampled from the sparse q (B-1, k over q_ids): keep drafted[i] with probability
+    min(1, p/q), else draw from max(0, p - q) normalised; the last position draws the bonus from p. The draws use
+    the global generator (the target's stream; the drafter samples with keys of its own)."""
+    drafted = drafted.astype(mx.int32)
+    q = mx.put_along_axis(mx.zeros_like(p[:-1]), q_ids.astype(mx.int32), q_probs.astype(p.dtype), axis=1)
+    px = mx.take_along_axis(p[:-1], drafted[:, None], axis=1)[:, 0]
+    qx = mx.take_along_axis(q, drafted[:, None], axis=1)[:, 0]
+    accept = mx.random.uniform(shape=px.shape) * qx <= px
+    residual = mx.maximum(p[:-1] - q, 0.0)
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p[:-1])
+    redrawn = mx.random.categorical(mx.log(residual), axis=-1).astype(mx.int32)
+    bonus = mx.random.categorical(mx.log(p[-1:]), axis=-1).astype(mx.int32)
+    return mx.concatenate([mx.where(accept, drafted, redrawn), bonus])

@@ -97,7 +97,8 @@ def target_info(model, config: dict) -> TargetInfo:
     rope = cfg.get("rope_parameters") or {}
     return TargetInfo(hidden_size=cfg["hidden_size"], num_hidden_layers=len(decoder_layers(model)),
                       vocab_size=embedding(model).weight.shape[0], model_type=cfg.get("model_type", ""),
-                      rope_theta=rope.get("rope_theta", cfg.get("rope_theta")))
+                      rope_theta=rope.get("rope_theta", cfg.get("rope_theta")),
+                      final_logit_softcapping=cfg.get("final_logit_softcapping"))
 
 
 class _Tap:

@@ -28,5 +28,6 @@ class TorchBackend(Engine):
                                       "draft_window")
                 static = cache_len + 2 * block_size
             draft = TorchDraft(drafter, model.get_input_embeddings(), model.get_output_embeddings(),
-                               window=draft_window, static_capacity=static)
+                               window=draft_window, static_capacity=static,
+                               logit_scaling=drafter.spec.logit_scaling(target.info))
         super().__init__(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="torch")

@@ -1,8 +1,8 @@
 """The drafter's primitives for dflash.engine on torch: absorb context, propose a block, rewind, batch rows.
 
 A draft forward embeds [anchor, mask x (B-1)] for every row, runs the drafter over the row's context cache and
-returns the argmax proposals, plus, when asked, the per-position top-k ids and probabilities (on the device: the
-engine reads nothing back here).
+returns the proposals (the argmax of the draft logits; for DFlash2, the candidate selector's walk), plus, when asked,
+the per-position top-k ids and probabilities (on the device: the engine reads nothing back here).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from dflash.engine import Draft, Pending
 
 from .draft_cache import DraftContextCache, StaticDraftCache
-from .drafter import DFlashDrafter, rotate
+from .drafter import DFlashDrafter, rotate, scale_logits, select_walk
+
+DRAFT_NOISE_OFFSET = 0x5EED_D2  # the draft's stream: seed + offset, never the target sampler's own seed
 
 
 def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftContextCache) -> None:
@@ -91,9 +93,12 @@ class TorchDraft:
     """A DFlash drafter and its context cache, sharing the target's embedding and LM head."""
 
     def __init__(self, drafter: DFlashDrafter, embed, lm_head, *, window: int | None = None,
-                 static_capacity: int | None = None):
+                 static_capacity: int | None = None, logit_scaling: tuple[float, float | None] = (1.0, None)):
         self.drafter, self.embed, self.lm_head, self.window = drafter, embed, lm_head, window
         spec = drafter.spec
+        self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
+        self.distribution = spec.is_dflash2  # the selector's q_t: proposals can be sampled (rejection verification)
+        self.walk_temperature, self.generator = 0.0, None
         weight = embed.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.width = spec.hidden_size * spec.num_context_layers
@@ -104,7 +109,7 @@ class TorchDraft:
             # the drafter at fixed shapes too: a static context buffer as long as the target's, compiled once
             self.cache = StaticDraftCache(spec, self.dtype, self.device, static_capacity)
             self._rope = drafter.rope_range(0, self.cache.capacity, self.cache.k)
-            self._compiled = torch.compile(self._static_logits, dynamic=False, fullgraph=False,
+            self._compiled = torch.compile(self._static_forward, dynamic=False, fullgraph=False,
                                            mode="reduce-overhead" if self.device.type == "cuda" else None)
 
     @property
@@ -113,7 +118,19 @@ class TorchDraft:
 
     def spawn(self) -> "TorchDraft":
         """The same weights with an empty context cache (a row prefilled alone, then merged)."""
-        return TorchDraft(self.drafter, self.embed, self.lm_head, window=self.window)
+        return TorchDraft(self.drafter, self.embed, self.lm_head, window=self.window, logit_scaling=self.logit_scaling)
+
+    def set_sampling(self, params) -> None:
+        """Sample the selector's walk at the run's temperature (None: the greedy walk), from a noise stream of its
+        own: the target's acceptance and residual draws must not share it."""
+        self.walk_temperature, self.generator = 0.0, None
+        if params is not None and not params.greedy:
+            self.walk_temperature = params.temperature
+            self.generator = torch.Generator(device=self.device)
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed + DRAFT_NOISE_OFFSET)
+            else:
+                self.generator.seed()
 
     @torch.inference_mode()
     def extend(self, pending: Pending | None) -> None:
@@ -134,20 +151,43 @@ class TorchDraft:
             self.cache.reserve(n + block_size)
             features = F.pad(features, (0, 0, 0, block_size - n))
             as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-            logits = self._compiled(block, features, as_tensor(self.cache.position), as_tensor(n))
+            logits, hidden = self._compiled(block, features, as_tensor(self.cache.position), as_tensor(n))
             self.cache.advance([n])
         else:
-            hidden = draft_step(self.drafter, self.embed(block), pending.features, pending.counts, self.cache)
-            logits = self.lm_head(hidden[:, 1:])
-        draft = Draft(torch.cat([anchor_ids, logits.argmax(dim=-1)], dim=1))
+            hidden = draft_step(self.drafter, self.embed_block(block), pending.features, pending.counts,
+                                self.cache)[:, 1:]
+            logits = self.logits(hidden)
+        draft = self.choose(anchor_ids, logits, hidden)
         if top_k:
             probs, ids = torch.softmax(logits.float() / temperature, dim=-1).topk(top_k, dim=-1)
             draft.top_ids, draft.top_probs = ids, probs
         return draft
 
-    def _static_logits(self, block, features, start, n):
-        hidden = static_draft(self.drafter, self.embed(block), features, start, n, self.cache, *self._rope)
-        return self.lm_head(hidden[:, 1:])
+    def embed_block(self, block: torch.Tensor) -> torch.Tensor:
+        x = self.embed(block)
+        scale = self.drafter.spec.input_embedding_scale
+        return x if scale is None else x * scale
+
+    def choose(self, anchor_ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> Draft:
+        """[anchor, proposals]: the argmax of the draft logits, or DFlash2's selector walk (greedy, or sampled
+        from q_t = softmax(S_t(a, .) / T), q returned with the draft)."""
+        spec = self.drafter.spec
+        if not spec.is_dflash2:
+            return Draft(torch.cat([anchor_ids, logits.argmax(dim=-1)], dim=1))
+        candidates, scores = self.drafter.candidate_selector.pair_scores(logits.float(), hidden, anchor_ids,
+                                                                         spec.selector_top_k)
+        tokens, rows = select_walk(candidates, scores, self.walk_temperature, self.generator)
+        draft = Draft(torch.cat([anchor_ids, tokens], dim=1))
+        if self.walk_temperature > 0:
+            draft.q_ids, draft.q_probs = candidates, torch.softmax(rows / self.walk_temperature, dim=-1)
+        return draft
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return scale_logits(self.lm_head(hidden), *self.logit_scaling)
+
+    def _static_forward(self, block, features, start, n):
+        hidden = static_draft(self.drafter, self.embed_block(block), features, start, n, self.cache, *self._rope)
+        return self.logits(hidden[:, 1:]), hidden[:, 1:]
 
     def crop(self, position: int) -> bool:
         return self.cache.crop(position)

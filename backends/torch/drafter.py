@@ -3,6 +3,9 @@
 A few Qwen3 decoder layers without embedding or LM head (the target's are shared). In every layer the keys and
 values are [proj(context) ; proj(block)] along the sequence axis and the queries come from the block only; attention
 is not causal. Context = hidden_norm(fc(concat of the target's hidden states at target_layer_ids)).
+
+DFlash2 drafters (spec.is_dflash2) wrap each sublayer in a two-tap dynamic convolution over the block and choose
+their proposals with a candidate selector (a walk over the top-k of every position, scored by token pairs).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
@@ -76,12 +80,109 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DynamicConv(nn.Module):
+    """DFlash2's convolution over the block axis around one sublayer. The normed input is projected once into
+    per-token kernel deltas (2 sides x taps x channel groups); side s computes
+    y_t[c] = sum_j (base_kernel[s, j, c] + delta_t[s, j, c // group]) * x_{t-j}[c], side 0 on the sublayer's input,
+    side 1 on its output. x is one block per row: taps never reach before the block's first position."""
+
+    def __init__(self, hidden: int, taps: int, group: int):
+        super().__init__()
+        self.taps, self.groups = taps, hidden // group
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * self.groups, bias=False)
+
+    def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
+        """x (rows, T, H), delta (rows, T, taps, groups) -> (rows, T, H)."""
+        b, t, h = x.shape
+        grouped = x.view(b, t, self.groups, -1)
+        out = torch.zeros_like(grouped)
+        for j in range(self.taps):
+            coefficient = self.base_kernel[side, j].view(self.groups, -1) + delta[:, :, j, :, None]
+            shifted = F.pad(grouped[:, :max(t - j, 0)], (0, 0, 0, 0, min(j, t), 0))  # x_{t-j}, zero before the block
+            out = out + coefficient * shifted
+        return out.reshape(b, t, h)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolved sublayer input and the deltas of side 1, for `convolve(sublayer output, delta, 1)`."""
+        delta = self.kernel_projection(x).view(*x.shape[:2], 2, self.taps, self.groups)
+        return self.convolve(x, delta[:, :, 0], 0), delta[:, :, 1]
+
+
+class DFlash2Layer(DraftLayer):
+    """A draft layer whose attention and MLP are each wrapped in a DynamicConv: h + conv1(sublayer(conv0(norm(h))))."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int, spec: DraftSpec):
+        super().__init__(config, layer_idx)
+        self.attention_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
+        self.mlp_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
+
+    def forward(self, x, ctx, rope_q, rope_kv, attend):
+        inner, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.convolve(self.self_attn(inner, ctx, rope_q, rope_kv, attend), delta, 1)
+        inner, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.convolve(self.mlp(inner), delta, 1)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's proposal chooser. Per block position t the candidates are the top-k tokens of the draft logits
+    (their logits the unary scores U_t); a pair scores S_t(a, b) = U_t(b) + <A[a] * (W h_t), B[b]>, a the token
+    chosen at t-1 (the anchor at the first position)."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int):
+        super().__init__()
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def pair_scores(self, logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor, top_k: int):
+        """logits (rows, P, V) float32, hidden (rows, P, H), anchor (rows, 1) -> candidates (rows, P, k) and
+        scores (rows, P, k, k): [t, i, j] = S_t(i-th candidate of t-1, j-th of t); at t = 0 every i is the anchor.
+        All pairs at once, so the walk that follows is gathers only."""
+        unary, candidates = logits.topk(top_k, dim=-1)
+        predecessors = torch.cat([anchor[:, :, None].expand(-1, 1, top_k), candidates[:, :-1]], dim=1)
+        query = self.predecessor_codebook[predecessors].float() * self.hidden_projection(hidden).float()[:, :, None]
+        keys = self.successor_codebook[candidates].float()
+        return candidates, unary[:, :, None, :] + query @ keys.transpose(-1, -2)
+
+
+def select_walk(candidates: torch.Tensor, scores: torch.Tensor, temperature: float = 0.0, generator=None):
+    """The walk from the anchor, on the device: greedy takes argmax_j S_t(a, j); with a temperature, draws j from
+    q_t = softmax(S_t(a, .) / T). Returns the tokens (rows, P) and each step's scores row (rows, P, k)."""
+    rows, positions, k = candidates.shape
+    choice = torch.zeros(rows, 1, dtype=torch.long, device=candidates.device)  # row 0 of step 0: the anchor
+    picks, chosen_rows = [], []
+    for t in range(positions):
+        row = scores[:, t].gather(1, choice[:, :, None].expand(-1, 1, k))[:, 0]
+        if temperature > 0:
+            probs = torch.softmax(row / temperature, dim=-1)
+            choice = torch.multinomial(probs, 1, generator=generator)
+        else:
+            choice = row.argmax(dim=-1, keepdim=True)
+        picks.append(choice)
+        chosen_rows.append(row)
+    index = torch.cat(picks, dim=1)
+    return candidates.gather(-1, index[:, :, None])[..., 0], torch.stack(chosen_rows, dim=1)
+
+
+def scale_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, spec: DraftSpec):
         super().__init__()
         self.spec = spec
         config = qwen3_config(spec)
-        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(spec.num_hidden_layers))
+        if spec.is_dflash2:
+            self.layers = nn.ModuleList(DFlash2Layer(config, i, spec) for i in range(spec.num_hidden_layers))
+            self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank)
+        else:
+            self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(spec.num_hidden_layers))
         self.fc = nn.Linear(spec.hidden_size * spec.num_context_layers, spec.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)

@@ -43,6 +43,22 @@ class TorchSampler:
                  paths: list[list[int]] | None = None) -> torch.Tensor:
         """logits (T, V) for the T positions that follow history + block[:i+1] (a tree: history + paths[i]);
         returns T token ids."""
+        scores = self.scores(logits, history, block, paths)
+        if self.params.greedy:
+            return scores.argmax(dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def rejection(self, logits: torch.Tensor, history: list[int], block: torch.Tensor, q_ids: torch.Tensor,
+                  q_probs: torch.Tensor) -> torch.Tensor:
+        """Rejection sampling of one row (sampling mode): logits (B, V), block (B,) = [anchor, drafts], the draft
+        distributions q_probs over q_ids (B-1, k). Returns B ids (dflash.sampling: the rule)."""
+        p = torch.softmax(self.scores(logits, history, block).float(), dim=-1)
+        return rejection_tokens(p, block[1:], q_ids, q_probs.float(), self.generator)
+
+    def scores(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None,
+               paths: list[list[int]] | None = None) -> torch.Tensor:
+        """The processed logits (T, V) sampling draws from (a tree: row i follows history + paths[i])."""
         if self.processors:
             scores = logits.float()
             if self.params.repetition_penalty != 1.0:
@@ -53,10 +69,23 @@ class TorchSampler:
                 scores = self.processors(None, scores)
         else:
             scores = logits
-        if self.params.greedy:
-            return scores.argmax(dim=-1)
-        probs = torch.softmax(scores.float(), dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return scores
+
+
+def rejection_tokens(p: torch.Tensor, drafted: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
+                     generator) -> torch.Tensor:
+    """p (B, V) target probabilities at the B verified positions, drafted (B-1,) sampled from the sparse q (B-1, k
+    over q_ids). Position i keeps drafted[i] with probability min(1, p/q), else draws from max(0, p - q)
+    normalised; position B-1 draws the bonus from p. Every position at once: only the first rejection counts."""
+    q = torch.zeros_like(p[:-1]).scatter_(1, q_ids, q_probs)
+    px, qx = p[:-1].gather(1, drafted[:, None])[:, 0], q.gather(1, drafted[:, None])[:, 0]
+    u = torch.rand(px.shape, generator=generator, device=p.device, dtype=p.dtype)
+    accept = u * qx <= px
+    residual = (p[:-1] - q).clamp_(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:-1])  # p == q: never rejected anyway
+    redrawn = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    bonus = torch.multinomial(p[-1:], 1, generator=generator)[:, 0]
+    return torch.cat([torch.where(accept, drafted, redrawn), bonus])
 
 
 def _histories(history: list[int], block: torch.Tensor | None, device) -> torch.Tensor:

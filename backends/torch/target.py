@@ -98,7 +98,8 @@ def target_info(model) -> TargetInfo:
     rope = getattr(cfg, "rope_parameters", None) or {}
     return TargetInfo(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
                       vocab_size=model.get_input_embeddings().weight.shape[0], model_type=cfg.model_type,
-                      rope_theta=rope.get("rope_theta", getattr(cfg, "rope_theta", None)))
+                      rope_theta=rope.get("rope_theta", getattr(cfg, "rope_theta", None)),
+                      final_logit_softcapping=getattr(cfg, "final_logit_softcapping", None))
 
 
 class LayerCapture:

@@ -96,6 +96,11 @@ class TorchTarget:
                                          None if paths is None else paths[i])
                             for i in range(logits.shape[0])])
 
+    def sample_rejection(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor,
+                         draft) -> torch.Tensor:
+        return torch.stack([self.sampler.rejection(logits[i], histories[i], block[i], draft.q_ids[i],
+                                                   draft.q_probs[i]) for i in range(logits.shape[0])])
+
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, last_only: bool, tree: TreeInputs | None = None):

@@ -73,3 +73,29 @@ def build_trained_pair(root: str | os.PathLike, *, steps: int = 200, num_train: 
             "eval_prompts": cfg.eval_prompts}
     info_path.write_text(json.dumps(info) + "\n")
     return target_dir, result.draft_dir, info
+
+
+def dflash2_from(draft, spec2, *, conv_noise: float = 0.0, selector_scale: float = 1.0, seed: int = 0):
+    """A DFlash2 drafter (torch module) that starts from a DFlash one: its attention / MLP weights copied, each
+    convolution the identity (tap 0 = 1) plus `conv_noise` in the other tap and the kernel projection, and random
+    codebooks of scale `selector_scale` (0: the selector is the plain argmax). Noise > 0 makes the drafter
+    disagree with its source now and then, which gives cycles with partial acceptance next to long ones."""
+    import torch
+
+    from .drafter import DFlashDrafter
+
+    g = torch.Generator().manual_seed(seed)
+    model = DFlashDrafter(spec2)
+    state = model.state_dict()
+    for name, value in draft.state_dict().items():
+        state[name] = value.clone()
+    for name, value in state.items():
+        if name.endswith("base_kernel"):
+            value.normal_(0.0, conv_noise, generator=g) if conv_noise else value.zero_()
+            value[:, 0] += 1.0
+        elif "kernel_projection" in name:
+            value.normal_(0.0, conv_noise, generator=g) if conv_noise else value.zero_()
+        elif name.startswith("candidate_selector."):
+            value.normal_(0.0, selector_scale, generator=g) if selector_scale else value.zero_()
+    model.load_state_dict(state, strict=True)
+    return model.eval()
