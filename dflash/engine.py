@@ -138,6 +138,10 @@ class Engine:
             self.verify_mode = "chain"
             return
         reason = self.target.tree_refusal()
+        if mode == "auto" and getattr(self.drafter, "distribution", False):
+            # DFlash2: its selector walk picks each proposal given the previous one; trees would branch over the
+            # raw top-k without it
+            reason = reason or "DFlash2's selector chooses the proposals"
         if reason:
             if mode == "tree":
                 raise DFlashError(f"--verify tree: {reason}; use --verify chain or auto")
