@@ -40,3 +40,14 @@ def test_cost_model_tree_budgets(tmp_path, capsys):
     assert trees["budgets"]["16"]["t_verify"] >= trees["budgets"]["1"]["t_verify"]  # measured, made monotone
     assert "speedup" in trees["budgets"]["4"] and "speedup" not in trees["budgets"]["1"]
     assert "best tree budget" in capsys.readouterr().out
+
+
+def test_cost_model_times_a_dflash2_drafter(tmp_path):
+    cfg = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=128, vocab_size=512)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "cost.json"
+    assert main(["--target-config", str(tmp_path / "config.json"), "--draft-layers", "1", "--block-sizes", "8",
+                 "--context", "16", "--iters", "2", "--warmup", "1", "--arch", "dflash2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["arch"] == "dflash2" and res["blocks"]["8"]["t_cycle"] > 0

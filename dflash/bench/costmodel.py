@@ -82,8 +82,16 @@ def measure(make_backend, block_sizes, context: int, iters: int, warmup: int, vo
     return out
 
 
+def drafter_spec(spec: DraftSpec, arch: str) -> DraftSpec:
+    """The DFlash spec, or its DFlash2 form at the public checkpoints' selector shape."""
+    if arch == "dflash2":
+        return tiny.dflash2_spec(spec, selector_rank=min(256, spec.hidden_size), selector_top_k=16,
+                                 conv_group_size=16)
+    return spec
+
+
 def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cache_len: int | None = None,
-                  compile: bool = False):
+                  compile: bool = False, arch: str = "dflash"):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -109,6 +117,7 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cac
                      num_target_layers=text.num_hidden_layers,
                      target_layer_ids=default_target_layer_ids(text.num_hidden_layers, draft_layers),
                      mask_token_id=text.vocab_size - 1, block_size=max(16, 2))
+    spec = drafter_spec(spec, arch)
     with torch.device("meta"):  # shapes only: what the weights will take, before any of it is allocated
         need = weight_bytes(build_target()) + weight_bytes(DFlashDrafter(spec).to(dt))
     check_memory(need, device, f"a {text.num_hidden_layers}-layer target of hidden size {text.hidden_size} "
@@ -163,7 +172,7 @@ def check_memory(need: int, device: str, what: str, remedy: str = "a smaller sha
                           f"{free / 2**30:.1f} GiB free; try {remedy}")
 
 
-def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str, device: str):
+def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str, device: str, arch: str = "dflash"):
     """Any backend, through checkpoint directories (tiny shapes): what a user's load() would do."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -179,8 +188,8 @@ def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str
     root = Path(tempfile.mkdtemp(prefix="dflash-cost-"))
     tiny.build_target(root / "target", family=family, **cfg)
     torch.manual_seed(0)
-    save_drafter(DFlashDrafter(tiny.draft_spec_for(root / "target", num_layers=draft_layers, block_size=16)),
-                 root / "draft")
+    spec = drafter_spec(tiny.draft_spec_for(root / "target", num_layers=draft_layers, block_size=16), arch)
+    save_drafter(DFlashDrafter(spec), root / "draft")
     mod = backends.get(backend)
     target = tiny.mlx_layout(root / "target", root / "target_mlx") if backend == "mlx" else root / "target"
     loaded = {}
@@ -203,6 +212,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target-config", help="config.json path or hub id of the target shape (default: tiny 8x256)")
     p.add_argument("--draft-layers", type=int, default=3)
+    p.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
+                   help="drafter architecture (dflash2: convolutions + the candidate selector)")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16])
     p.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     p.add_argument("--iters", type=int, default=30)
@@ -235,13 +246,14 @@ def main(argv=None) -> int:
 
         conf = AutoConfig.for_model(**cfg) if isinstance(cfg, dict) else cfg
         cache_len = args.context + 4 * max(args.block_sizes) + 8 if args.compile else None
-        make, vocab = torch_factory(conf, args.draft_layers, args.dtype, args.device, cache_len, args.compile)
+        make, vocab = torch_factory(conf, args.draft_layers, args.dtype, args.device, cache_len, args.compile,
+                                    args.arch)
     else:
         if not isinstance(cfg, dict):
             cfg = {k: v for k, v in cfg.to_dict().items() if k in TINY or k == "model_type"}
-        make, vocab = dir_factory(name, cfg, args.draft_layers, args.dtype, args.device)
+        make, vocab = dir_factory(name, cfg, args.draft_layers, args.dtype, args.device, args.arch)
     res = measure(make, args.block_sizes, args.context, args.iters, args.warmup, vocab)
-    res.update(backend=name, draft_layers=args.draft_layers,
+    res.update(backend=name, draft_layers=args.draft_layers, arch=args.arch,
                target=args.target_config or "tiny (8 layers, hidden 256)")
     print(f"{name}: T_step {res['t_step'] * 1e3:.2f} ms at context {args.context}")
     print(f"{'block':>5} {'T_draft ms':>10} {'T_verify ms':>11} {'cycle/step':>10}" +
