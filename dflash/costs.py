@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -47,6 +48,9 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True) -> Cos
                 return costs
         except (ValueError, KeyError, TypeError, IndexError):
             pass  # a damaged cache file is measured again
+    if use_cache:
+        print(f"dflash: measuring draft and verify costs on this device for --verify auto (once; cached in "
+              f"{path.parent})", file=sys.stderr, flush=True)
     costs = measure(engine, max_tokens)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,10 +61,11 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True) -> Cos
 
 
 def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
-    """The fastest of `repeats` seconds (the cost without interference; other load shows in the online overhead
-    estimate instead) of a target forward of n tokens (a chain-shaped tree: the tree path's own mask and
-    positions) for n on GRID up to max_tokens, stopping once n tokens cost 4 single-token steps and n covers a block
-    (beyond that no tree pays on this device), and of one draft forward."""
+    """Seconds of one draft forward and of a target forward of n tokens (a chain-shaped tree: the tree path's own
+    mask and positions) for n on GRID up to max_tokens, stopping once n tokens cost 4 single-token steps and n
+    covers a block (beyond that no tree pays on this device). Each is the fastest of up to `repeats` timings: the
+    cost without interference (other load shows in the planner's online overhead instead); forwards slower than
+    20 ms are timed fewer times, so a large model on a CPU profiles in seconds, not minutes."""
     target, drafter = engine.target, engine.drafter
     engine.reset()
     vocab = engine.info.vocab_size
@@ -78,10 +83,13 @@ def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
         target.trim(n)
         return seconds
 
+    def times(first: float) -> int:
+        return repeats if first < 0.02 else max(1, min(repeats, 2 if first < 0.2 else 1))
+
     verify = []
     for n in (g for g in GRID if g <= max_tokens):
-        verify_once(n)  # warm-up (allocation, kernel selection)
-        seconds = min(verify_once(n) for _ in range(repeats))
+        first = verify_once(n)  # also the warm-up (allocation, kernel selection)
+        seconds = min(verify_once(n) for _ in range(times(first)))
         verify.append((n, max(seconds, verify[-1][1] if verify else 0.0)))  # more tokens never cost less
         if seconds > 4 * verify[0][1] and n >= engine.block_size:
             break
@@ -93,7 +101,7 @@ def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
             target.to_host(out.top_ids)
             return time.perf_counter() - start
 
-        draft_once()
-        draft = min(draft_once() for _ in range(repeats))
+        first = draft_once()
+        draft = min(draft_once() for _ in range(times(first)))
     engine.reset()
     return Costs(draft, verify)
