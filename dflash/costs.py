@@ -44,7 +44,8 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True) -> Cos
     if use_cache and path.exists():
         try:
             costs = Costs.from_json(json.loads(path.read_text()))
-            if costs.verify[-1][0] >= min(max_tokens, GRID[-1]) or costs.verify_seconds(1) * 4 < costs.verify[-1][1]:
+            covered = costs.verify[-1][0] >= max(g for g in GRID if g <= max(max_tokens, 1))
+            if covered or costs.verify[-1][1] > 4 * costs.verify[0][1]:  # (measuring stopped there last time)
                 return costs
         except (ValueError, KeyError, TypeError, IndexError):
             pass  # a damaged cache file is measured again

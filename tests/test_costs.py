@@ -1,0 +1,41 @@
+"""dflash/costs.py: the device profile of --verify auto, measured through the engine and cached per shape."""
+
+import json
+
+import torch
+
+from dflash import costs
+from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.drafter import load_drafter
+from dflash.backends.torch.target import load_target
+
+
+def test_measured_once_then_read_from_the_cache(tiny_target_dir, random_draft_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    model = load_target(tiny_target_dir, torch.float32, "cpu")
+    backend = TorchBackend(model, load_drafter(random_draft_dir), block_size=8)
+    first = costs.measured_costs(backend, max_tokens=17)
+    assert "measuring draft and verify costs" in capsys.readouterr().err
+    ns = [n for n, _ in first.verify]
+    assert ns[0] == 1 and ns == sorted(ns) and first.draft > 0
+    assert all(a[1] <= b[1] for a, b in zip(first.verify, first.verify[1:]))  # monotone
+    assert backend.rows == [] and backend.pending is None  # the engine is left empty
+    (path,) = (tmp_path / "costs").glob("*.json")
+    assert "torch" in json.loads(path.read_text())["device"]
+
+    calls = []
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: calls.append(1))
+    again = costs.measured_costs(backend, max_tokens=17)
+    assert again == first and not calls and capsys.readouterr().err == ""
+    other = TorchBackend(model, load_drafter(random_draft_dir), block_size=16)  # another shape: its own entry
+    assert costs.cost_key(other) != costs.cost_key(backend)
+
+
+def test_a_damaged_cache_file_is_measured_again(tiny_target_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    backend = TorchBackend(load_target(tiny_target_dir, torch.float32, "cpu"))
+    path = costs.cache_dir() / f"{costs.cost_key(backend)}.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    measured = costs.measured_costs(backend, max_tokens=3)
+    assert measured.verify[0][0] == 1 and json.loads(path.read_text())["verify_seconds"]
