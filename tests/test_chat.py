@@ -121,6 +121,7 @@ def test_repl_two_turns_stats_exit(tiny_target_dir, random_draft_dir, pipe):
     assert new2 <= n_tail + 1
     assert "tau" in stats and "acceptance by draft position 1..15" in stats and "speedup" in stats
     assert "2 replies" in stats
+    assert "verify auto:" in stats and "draft tokens verified per cycle" in stats  # the budgets auto chose
 
 
 def test_ctrl_c_stops_the_reply_not_the_session(tiny_target_dir, random_draft_dir):
