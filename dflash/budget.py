@@ -64,6 +64,7 @@ class TreePlanner:
         self.top_k = min(MAX_TOP_K, budget)
         self.calibration = Calibration(block_size - 1)
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
+        self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         # seconds a cycle takes beyond its forwards (host work: the heap, the walk, sampling), learnt online
         self.overhead = {True: 0.0, False: 0.0}
 
@@ -110,11 +111,16 @@ class TreePlanner:
         return choose_counts(values, self.costs.verify_seconds, fixed, self.budget)
 
     def _update_pause(self, copies, drafted_rate: float) -> None:
-        """Compare this drafted cycle's best predicted rate with what the same cycle would give without the draft
-        forward (the copied branch alone): pause drafting, for longer each time, while not drafting wins."""
+        """Compare the predicted rate of drafted cycles with what the same cycles would give without the draft
+        forward (the copied branch alone), both smoothed over recent cycles so that one unsure draft does not stop
+        a good drafter: pause drafting, for longer each time, while not drafting wins."""
         undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
         _, undrafted_rate = self._counts(undrafted, drafted=False)
-        if undrafted_rate > drafted_rate:
+        if self.rates is None:
+            self.rates = [drafted_rate, undrafted_rate]
+        else:
+            self.rates = [r + 0.3 * (x - r) for r, x in zip(self.rates, (drafted_rate, undrafted_rate))]
+        if self.rates[1] > self.rates[0]:
             self.backoff = min(max(1, 2 * self.backoff), 16)
             self.skip = self.backoff
         else:
