@@ -10,3 +10,5 @@ def test_small_shape_mode_runs_here(tmp_path):
     assert report["training"]["step_seconds"] > 0
     assert {"8", "16"} <= set(report["cost_model"][0]["blocks"])
     assert "(T_draft+T_verify)/T_step" in out.with_suffix(".md").read_text()
+    assert set(report["cost_model"][0]["trees"]["budgets"]) == {"1", "4", "8", "16"}  # tree verify per budget
+    assert "## Tree verify" in out.with_suffix(".md").read_text()
