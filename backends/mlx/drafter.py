@@ -78,6 +78,7 @@ class DraftLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     def __init__(self, spec: DraftSpec):
         super().__init__()
+        spec.check_public("--backend mlx")  # the torch backend's ablation drafters have no MLX counterpart
         self.spec = spec
         self.layers = [DraftLayer(spec) for _ in range(spec.num_hidden_layers)]
         self.fc = nn.Linear(spec.hidden_size * spec.num_context_layers, spec.hidden_size, bias=False)
