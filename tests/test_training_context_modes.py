@@ -160,3 +160,16 @@ def test_trained_ablation_drafter_runs_the_speculative_loop_losslessly(mode, sha
     r = pipe.generate(prompt, max_new_tokens=32)
     assert r.tokens == plain.generate(prompt, max_new_tokens=32).tokens == samples[0]["input_ids"][6:38]
     assert r.mean_acceptance_length == pytest.approx(result.tau)
+
+
+def test_input_fusion_starts_at_the_token_embeddings_scale(sharp_target):
+    from dflash.backends.torch.training import init_drafter
+
+    _, model = sharp_target
+    rms = model.get_input_embeddings().weight.pow(2).mean().sqrt()
+    spec = make_spec(hidden_size=model.config.hidden_size, vocab_size=model.get_input_embeddings().weight.shape[0],
+                     context_mode="input", mask_token_id=1, num_target_layers=-1,
+                     num_attention_heads=model.config.num_attention_heads,
+                     num_key_value_heads=model.config.num_key_value_heads, head_dim=model.config.head_dim)
+    fused = init_drafter(spec, model, "target-first", 0).project_context(torch.randn(3, 5, 2 * spec.hidden_size))
+    torch.testing.assert_close(fused.pow(2).mean().sqrt(), rms, rtol=0.05, atol=0)

@@ -109,6 +109,11 @@ def init_drafter(spec: DraftSpec, target_model, mode: str, seed: int) -> DFlashD
                 model.norm.weight.copy_(base.norm.weight)
     elif mode != "random":
         raise DFlashError(f"--init-layers: got {mode!r}, expected target, target-first or random")
+    if spec.context_mode == "input":
+        # input fusion adds the normed feature to the token embeddings: start it at their scale, or (RMS 1 against
+        # ~0.05 on the reference target) it drowns the anchor token and every slot's input looks the same
+        with torch.no_grad():
+            model.hidden_norm.weight.fill_(target_model.get_input_embeddings().weight.float().pow(2).mean().sqrt())
     return model
 
 
