@@ -41,6 +41,7 @@ def quantize_drafter(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, b
 
     out_dir = check_out(out_dir, draft_dir)
     spec = DraftSpec.load(draft_dir)
+    spec.check_public("quantize")  # an MLX-quantized drafter runs on the MLX backend only
     if spec.extra.get("quantization") is not None:
         raise DFlashError(f"{Path(draft_dir) / 'config.json'}: the drafter is already quantized")
     files = validate_weights(spec, draft_dir)

@@ -26,11 +26,10 @@ _KNOWN_PREFIXES = ("model.", "module.", "_orig_mod.", "draft_model.", "drafter."
 def expected_shapes(spec: DraftSpec) -> dict[str, tuple[int, ...]]:
     h, hd, nh, nkv, ff = (spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_key_value_heads,
                           spec.intermediate_size)
-    shapes: dict[str, tuple[int, ...]] = {
-        "fc.weight": (h, h * spec.num_context_layers),
-        "hidden_norm.weight": (h,),
-        "norm.weight": (h,),
-    }
+    shapes: dict[str, tuple[int, ...]] = {}
+    if spec.uses_target_features:  # the ablation drafter without target features has no projection
+        shapes.update({"fc.weight": (h, h * spec.num_context_layers), "hidden_norm.weight": (h,)})
+    shapes["norm.weight"] = (h,)
     for i in range(spec.num_hidden_layers):
         p = f"layers.{i}."
         shapes.update({

@@ -27,6 +27,12 @@ ARCHITECTURES = (ARCHITECTURE, DFLASH2)
 # dflash_config keys a DFlash2 drafter must set (the convolution and the candidate selector)
 _DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 _SCALES = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
+# Ablation drafters (torch only, docs/training.md section 5), marked in config.json as dflash_config.context_mode:
+#   none   no target features at all: attention sees only the block (anchor + mask slots)
+#   input  input fusion (EAGLE-style): the projected target feature of the last context position is added to every
+#          block slot's input embedding; no context K/V
+# "kv", DFlash's K/V injection into every draft layer, is the only mode the public format (vLLM, SGLang, z-lab) has.
+ABLATION_CONTEXT_MODES = ("none", "input")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -77,6 +83,8 @@ class DraftSpec:
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
     input_embedding_scale: float | None = None
+    # How the drafter reads the target: "kv" (DFlash, the public format) or one of ABLATION_CONTEXT_MODES.
+    context_mode: str = "kv"
     extra: dict = field(default_factory=dict)
     extra_dflash: dict = field(default_factory=dict)  # dflash_config keys we do not read, written back unchanged
 
@@ -181,6 +189,7 @@ class DraftSpec:
             architecture=architecture,
             **dflash2,
             **scales,
+            context_mode=dcfg.get("context_mode", "kv"),
             extra={k: v for k, v in cfg.items() if k not in owned},
             extra_dflash={k: v for k, v in dcfg.items() if k not in owned_dflash},
         )
@@ -224,10 +233,35 @@ class DraftSpec:
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
             raise DFlashError(f"{source}: field 'dflash_config.final_logit_softcapping' must be positive, got "
                               f"{self.final_logit_softcapping}")
-        if any(self.window_for_layer(i) is not None for i in range(self.num_hidden_layers)):
+        sliding = any(self.window_for_layer(i) is not None for i in range(self.num_hidden_layers))
+        if sliding:
             if not _is_int(self.sliding_window) or self.sliding_window < 1:
                 raise DFlashError(f"{source}: field 'sliding_window' must be a positive int when sliding layers are "
                                   f"used, got {self.sliding_window!r}")
+        if self.context_mode not in ("kv",) + ABLATION_CONTEXT_MODES:
+            raise DFlashError(f"{source}: field 'dflash_config.context_mode' must be one of kv, "
+                              f"{', '.join(ABLATION_CONTEXT_MODES)}; got {self.context_mode!r}")
+        if self.context_mode != "kv" and (sliding or self.extra.get("is_causal")):
+            raise DFlashError(f"{source}: dflash_config.context_mode {self.context_mode!r} (an ablation mode) runs "
+                              "full, non-causal attention layers only; drop sliding_window / layer_types / is_causal")
+
+    @property
+    def uses_target_features(self) -> bool:
+        return self.context_mode != "none"
+
+    @property
+    def context_kv(self) -> bool:
+        """Whether the target's features are K/V context of every draft layer (DFlash) rather than absent or fused
+        into the block's input (the ablation modes, whose attention sees only the block)."""
+        return self.context_mode == "kv"
+
+    def check_public(self, what: str) -> None:
+        """Refuse a drafter the public DFlash format cannot represent (an ablation mode) where it would leave this
+        toolkit's torch backend: `what` names the flag or backend that refuses it."""
+        if self.context_mode != "kv":
+            raise DFlashError(f"{what}: this drafter's dflash_config.context_mode is {self.context_mode!r}, an "
+                              "ablation mode of the torch backend only; the public DFlash format (vLLM, SGLang) "
+                              "and the MLX backend have K/V injection (context_mode kv) only")
 
     def to_dict(self) -> dict:
         cfg = dict(self.extra)
@@ -263,6 +297,8 @@ class DraftSpec:
             num_target_layers=self.num_target_layers,
             dflash_config=dflash_config,
         )
+        if self.context_mode != "kv":  # only ablation drafters carry the key: public checkpoints stay as they were
+            cfg["dflash_config"]["context_mode"] = self.context_mode
         return cfg
 
     # ---- files ---------------------------------------------------------------------------------------------------

@@ -34,6 +34,9 @@ HELP = {
     "block_size": "block size B trained for (new drafter)",
     "mask_token_id": "mask token id (default: first unused embedding row past the tokenizer vocabulary)",
     "target_layer_ids": "comma-separated target layer ids (default: evenly spaced from 1 to L-3)",
+    "context_mode": "kv: DFlash (target features as K/V of every draft layer); ablation drafters, torch only, not "
+                    "exportable to vLLM / SGLang: none (no target features), input (input fusion: the last context "
+                    "feature added to the block's embeddings)",
     "init_layers": "target: copy the target's last decoder layers where shapes match; target-first: its first "
                    "layers; random: HF-style init",
     "draft_window": "train with the draft context window inference will use (generate --draft-window N): each block "

@@ -23,6 +23,7 @@ class TrainConfig:
     block_size: int = 16
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
+    context_mode: str = "kv"  # kv: DFlash; none / input: the ablation drafters of dflash.spec (torch only)
     init_layers: str = "target-first"  # copy the target's first decoder layers ("target": its last; "random": HF init)
     # attention as inference will run it: the draft context window (--draft-window) and the config's sliding
     # layers (layer_types + sliding_window; is_causal)

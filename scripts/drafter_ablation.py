@@ -5,7 +5,7 @@ answers, then measure greedy acceptance with the real speculative loop on held-o
     OMP_NUM_THREADS=1 python scripts/drafter_ablation.py --name kl1 --set kl_weight=1.0 [--set KEY=VALUE ...]
 
 Base recipe: BuildConfig().drafter (3 layers, block 16, 64 anchors, batch 4, lr 2e-3, bf16 autocast) and TrainConfig's
-defaults for everything else, at --steps steps (no evaluation during training), seed 0.
+defaults for everything else, at --steps steps (no evaluation during training), --seed 0.
 
 Appends one JSON row (name, overrides, steps, train seconds, tau, per-position acceptance) to --log; tau is
 measured with the real speculative loop (greedy, plain completion) on the first --prompts held-out benchmark
@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--data", default="runs/data", help="a build directory with answers_*.jsonl (--answers-only)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="TrainConfig override (JSON value)")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order, anchors and initialisation")
     p.add_argument("--data-fraction", type=float, default=1.0,
                    help="train on this fraction of the samples (a seeded subset): the data-size ablation")
     p.add_argument("--prompts", type=int, default=16, help="held-out benchmark prompts measured")
@@ -65,7 +66,7 @@ def main() -> None:
     recipe = dict(BuildConfig().drafter, max_steps=args.steps, eval_every=0, eval_holdout=0, log_every=10)
     recipe.update(overrides)
     out = Path("runs/ablations") / args.name
-    cfg = TrainConfig(target=str(target_dir), samples=samples, out=str(out), seed=0, device="cpu", save_every=0,
+    cfg = TrainConfig(target=str(target_dir), samples=samples, out=str(out), seed=args.seed, device="cpu", save_every=0,
                       plot=False, progress=False, resume=False, quiet=True, **recipe)
     if args.from_run:
         out = Path("runs/ablations") / args.from_run
@@ -90,7 +91,7 @@ def main() -> None:
         drafter.spec.block_size = args.eval_block
     t = time.perf_counter()
     r = evaluate(target, drafter, ids, args.new_tokens, eos_token_ids(target_dir, tok), recipe.get("draft_window"))
-    row = {"name": args.name, "overrides": overrides, "data_fraction": args.data_fraction, "samples": len(samples), "steps": rows[-1]["step"], "train_seconds": round(seconds, 1),
+    row = {"name": args.name, "overrides": overrides, "seed": args.seed, "data_fraction": args.data_fraction, "samples": len(samples), "steps": rows[-1]["step"], "train_seconds": round(seconds, 1),
            "final_loss": round(sum(x["loss"] for x in rows[-3:]) / len(rows[-3:]), 4),
            "eval_seconds": round(time.perf_counter() - t, 1), "eval_block": args.eval_block,
            "tau": round(r["tau"], 3), "first_position": round(r["per_position"][0], 3),

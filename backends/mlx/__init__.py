@@ -34,6 +34,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
     drafter = None
     if draft_dir is not None:
         spec = spec or DraftSpec.load(draft_dir)  # config errors before the (slow) target load
+        spec.check_public(f"--backend mlx ({draft_dir})")
     model, config = load_target(target_dir, mx_dtype, trust_remote_code=trust_remote_code, checked=target_config)
     if draft_dir is not None:
         spec.validate_against(target_info(model, config), source=str(draft_dir))

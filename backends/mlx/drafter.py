@@ -173,6 +173,7 @@ def scale_logits(logits: mx.array, multiplier: float, softcap: float | None) -> 
 class DFlashDrafter(nn.Module):
     def __init__(self, spec: DraftSpec):
         super().__init__()
+        spec.check_public("--backend mlx")  # the torch backend's ablation drafters have no MLX counterpart
         self.spec = spec
         if spec.is_dflash2:
             self.layers = [DFlash2Layer(spec) for _ in range(spec.num_hidden_layers)]

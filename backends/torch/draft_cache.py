@@ -126,3 +126,45 @@ class StaticDraftCache(DraftContextCache):
 
     def merge(self, other) -> None:
         raise DFlashError("--batch-size: batched decoding runs on the dynamic cache; drop --compile / cache_len")
+
+
+class BlockOnlyContext(ContextCache):
+    """The context of an ablation drafter (dflash.spec context_mode none / input), whose attention sees only the
+    block: no K/V, only each row's length (its anchor's position) and, for input fusion, the projected target
+    feature of every context position (rewinding to any position keeps the feature before it)."""
+
+    def __init__(self, spec, dtype: torch.dtype, device, capacity: int = 512):
+        self.layout = ContextLayout(capacity)
+        self.features = torch.zeros(1, capacity, spec.hidden_size, dtype=dtype, device=device) \
+            if spec.context_mode == "input" else None
+
+    def reserve(self, n: int) -> None:
+        shift, capacity = self.layout.plan_reserve(n)
+        if self.features is not None and capacity > self.features.shape[1]:
+            self.features = F.pad(self.features, (0, 0, 0, capacity - self.features.shape[1]))
+        self.layout.apply_reserve(shift, capacity)
+
+    def write(self, projected: torch.Tensor, counts: list[int]) -> None:
+        """Store each row's first counts[i] projected features (rows, m, H) after its context."""
+        if self.features is None:
+            return
+        for row, (n, c) in enumerate(zip(self.lengths, counts)):
+            self.features[row, n:n + c] = projected[row, :c]
+
+    def reset(self) -> None:
+        super().reset()
+        if self.features is not None:
+            self.features = self.features[:1]
+
+    def select(self, rows: list[int]) -> None:
+        if self.features is not None:
+            self.features = self.features[torch.tensor(rows, device=self.features.device)]
+        self.layout.lengths = [self.layout.lengths[i] for i in rows]
+
+    def merge(self, other: "BlockOnlyContext") -> None:
+        if self.features is not None:
+            size = max(self.features.shape[1], other.features.shape[1])
+            fit = lambda t: F.pad(t, (0, 0, 0, size - t.shape[1]))  # noqa: E731
+            self.features = torch.cat([fit(self.features), fit(other.features)])
+            self.layout.capacity = size
+        self.layout.lengths = self.layout.lengths + other.layout.lengths

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash.engine import Draft, Pending
+from dflash.errors import DFlashError
 
-from .draft_cache import DraftContextCache, StaticDraftCache
+from .draft_cache import BlockOnlyContext, DraftContextCache, StaticDraftCache
 from .drafter import DFlashDrafter, rotate, scale_logits, select_walk
 
 DRAFT_NOISE_OFFSET = 0x5EED_D2  # the draft's stream: seed + offset, never the target sampler's own seed
@@ -64,6 +65,28 @@ def draft_step(model: DFlashDrafter, block: torch.Tensor, features: torch.Tensor
     return out
 
 
+def absorb_block_only(model: DFlashDrafter, features: torch.Tensor, counts: list[int],
+                      context: BlockOnlyContext) -> None:
+    """extend_context of an ablation drafter (context_mode none / input): advance each row's position, keeping input
+    fusion's projected features; there is no context K/V."""
+    context.reserve(features.shape[1])
+    if context.features is not None and features.shape[1]:
+        context.write(model.project_context(features), counts)
+    context.advance(counts)
+
+
+def block_step(model: DFlashDrafter, block: torch.Tensor, features: torch.Tensor, counts: list[int],
+               context: BlockOnlyContext) -> torch.Tensor:
+    """draft_step of an ablation drafter: attention over the block alone, at the same absolute positions as
+    DFlash's; input fusion adds the projected feature of the position before the anchor to every slot."""
+    absorb_block_only(model, features, counts, context)
+    anchors = torch.tensor(context.lengths, device=block.device)[:, None]
+    rope = model.rope(anchors + torch.arange(block.shape[1], device=block.device), block)
+    fused = None if context.features is None else model.fused_input(context.features, anchors, block.shape[1])
+    attend = lambda i, q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    return model(block, block[:, :0], rope, rope, attend, fused)
+
+
 def static_draft(model: DFlashDrafter, block: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
                  n: torch.Tensor, cache: StaticDraftCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """One draft forward at fixed shapes (compile it once): `features` (1, B, K*H) holds the n new context
@@ -103,7 +126,12 @@ class TorchDraft:
         self.dtype, self.device = weight.dtype, weight.device
         self.width = spec.hidden_size * spec.num_context_layers
         self._compiled = None
-        if static_capacity is None:
+        if not spec.context_kv:
+            if static_capacity is not None:
+                raise DFlashError(f"compile: dflash_config.context_mode {spec.context_mode!r} (an ablation drafter) "
+                                  "runs on the dynamic path only; drop --compile / cache_len")
+            self.cache = BlockOnlyContext(spec, self.dtype, self.device)
+        elif static_capacity is None:
             self.cache = DraftContextCache(spec, self.dtype, self.device, window=window)
         else:
             # the drafter at fixed shapes too: a static context buffer as long as the target's, compiled once
@@ -134,7 +162,11 @@ class TorchDraft:
 
     @torch.inference_mode()
     def extend(self, pending: Pending | None) -> None:
-        if pending is not None:
+        if pending is None:
+            return
+        if isinstance(self.cache, BlockOnlyContext):
+            absorb_block_only(self.drafter, pending.features, pending.counts, self.cache)
+        else:
             extend_context(self.drafter, pending.features, self.cache)
 
     @torch.inference_mode()
@@ -154,8 +186,9 @@ class TorchDraft:
             logits, hidden = self._compiled(block, features, as_tensor(self.cache.position), as_tensor(n))
             self.cache.advance([n])
         else:
-            hidden = draft_step(self.drafter, self.embed_block(block), pending.features, pending.counts,
-                                self.cache)[:, 1:]
+            step = block_step if isinstance(self.cache, BlockOnlyContext) else draft_step
+            hidden = step(self.drafter, self.embed_block(block), pending.features, pending.counts,
+                          self.cache)[:, 1:]
             logits = self.logits(hidden)
         draft = self.choose(anchor_ids, logits, hidden)
         if top_k:

@@ -6,6 +6,8 @@ is not causal. Context = hidden_norm(fc(concat of the target's hidden states at 
 
 DFlash2 drafters (spec.is_dflash2) wrap each sublayer in a two-tap dynamic convolution over the block and choose
 their proposals with a candidate selector (a walk over the top-k of every position, scored by token pairs).
+The ablation modes of dflash.spec (`context_mode` none / input) run the same layers with an empty context; input
+fusion adds a projected feature to the block's input embeddings instead (`fused`).
 """
 
 from __future__ import annotations
@@ -183,8 +185,9 @@ class DFlashDrafter(nn.Module):
             self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank)
         else:
             self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(spec.num_hidden_layers))
-        self.fc = nn.Linear(spec.hidden_size * spec.num_context_layers, spec.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        if spec.uses_target_features:
+            self.fc = nn.Linear(spec.hidden_size * spec.num_context_layers, spec.hidden_size, bias=False)
+            self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(config)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -207,8 +210,21 @@ class DFlashDrafter(nn.Module):
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(self.fc(features))
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_kv, attend) -> torch.Tensor:
-        """x: embedded block (b, T, H); ctx: projected context (b, S, H). Returns final-normed block states."""
+    def fused_input(self, projected: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
+        """Input fusion (context_mode input): for every slot of the block at each anchor, the projected feature of
+        the position before it, the last context position (zero for an anchor at 0, which has no context).
+        projected (b, S, H) by position, anchors (b, N) -> (b, N * block, H)."""
+        prev = (anchors - 1).clamp(min=0)[..., None].expand(-1, -1, projected.shape[-1])
+        feature = projected.gather(1, prev) * (anchors > 0)[..., None].to(projected.dtype)
+        return feature.repeat_interleave(block, dim=1)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_kv, attend,
+                fused: torch.Tensor | None = None) -> torch.Tensor:
+        """x: embedded block (b, T, H); ctx: projected context (b, S, H), empty for the ablation modes; fused
+        (b, T, H): input fusion's projected feature per slot, added to the embeddings. Returns final-normed block
+        states."""
+        if fused is not None:
+            x = x + fused.to(x.dtype)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_kv, attend)
         return self.norm(x)

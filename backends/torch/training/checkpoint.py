@@ -158,6 +158,9 @@ def export_drafter(module, drafter: DFlashDrafter, fsdp: bool, d, draft_dir: Pat
 
 
 def push_to_hub(draft_dir: Path, repo: str) -> None:
+    from dflash.spec import DraftSpec
+
+    DraftSpec.load(draft_dir).check_public("--push-to-hub")  # the hub is where vLLM and SGLang load drafters from
     try:
         from huggingface_hub import HfApi
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dflash.errors import DFlashError
+from dflash.spec import ABLATION_CONTEXT_MODES
 
 from ..drafter import DFlashDrafter
 from . import checkpoint as ckpt
@@ -138,6 +139,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         raise DFlashError(f"--draft-window: got {cfg.draft_window}, expected >= 1 (context positions)")
     if not 0 <= cfg.kl_weight <= 1:
         raise DFlashError(f"--kl-weight: got {cfg.kl_weight}, expected 0..1")
+    if cfg.context_mode not in ("kv",) + ABLATION_CONTEXT_MODES:
+        raise DFlashError(f"--context-mode: got {cfg.context_mode!r}, expected kv, {' or '.join(ABLATION_CONTEXT_MODES)}")
     if cfg.kl_weight > 0 and cfg.features:
         raise DFlashError("--kl-weight: needs online target features (a feature cache holds no target logits); "
                           "drop --features or pass --kl-weight 0")
@@ -162,6 +165,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     # --- drafter, parallel wrapping, optimiser, feature source ------------------------------------------------------
     drafter = build_drafter(cfg, target, tokenizer)
     spec = drafter.spec
+    if cfg.push_to_hub:
+        spec.check_public("--push-to-hub")  # before the run, not after it
     if cache is not None and cache.target_layer_ids != spec.target_layer_ids:
         raise DFlashError(f"--features: cached layers {cache.target_layer_ids} differ from the drafter's "
                           f"target_layer_ids {spec.target_layer_ids}")

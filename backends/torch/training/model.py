@@ -10,7 +10,7 @@ from dflash.errors import DFlashError
 from dflash.spec import DraftSpec, default_target_layer_ids
 
 from ..drafter import DFlashDrafter, load_drafter
-from .attention import attention_fn
+from .objective import packed_states
 
 
 class PackedDrafter(nn.Module):
@@ -21,13 +21,7 @@ class PackedDrafter(nn.Module):
         self.drafter = drafter
 
     def forward(self, x, features, positions, mask):
-        d = self.drafter
-        s = features.shape[1]
-        ctx = d.project_context(features)
-        ctx_pos = torch.arange(s, device=features.device).expand(features.shape[0], s)
-        rope_q = d.rope(positions, x)
-        rope_kv = d.rope(torch.cat([ctx_pos, positions], 1), x)
-        return d(x, ctx, rope_q, rope_kv, attention_fn(mask))
+        return packed_states(self.drafter, x, features, positions, mask)
 
 
 def first_free_embedding_row(tokenizer, vocab_rows: int) -> int | None:
@@ -64,8 +58,8 @@ def new_draft_spec(cfg, target_model, tokenizer) -> DraftSpec:
         target_layer_ids=list(layer_ids), mask_token_id=int(mask_id), block_size=cfg.block_size,
         rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6), rope_theta=float(info.rope_theta or 10000.0),
         rope_scaling=rope_scaling, max_position_embeddings=getattr(tcfg, "max_position_embeddings", 40960),
-        attention_bias=bool(getattr(tcfg, "attention_bias", False)), **sliding)
-    spec.check("--num-layers/--block-size/--target-layer-ids")
+        attention_bias=bool(getattr(tcfg, "attention_bias", False)), context_mode=cfg.context_mode, **sliding)
+    spec.check("--num-layers/--block-size/--target-layer-ids/--context-mode")
     spec.validate_against(info, source="new drafter")
     return spec
 
@@ -115,6 +109,11 @@ def init_drafter(spec: DraftSpec, target_model, mode: str, seed: int) -> DFlashD
                 model.norm.weight.copy_(base.norm.weight)
     elif mode != "random":
         raise DFlashError(f"--init-layers: got {mode!r}, expected target, target-first or random")
+    if spec.context_mode == "input":
+        # input fusion adds the normed feature to the token embeddings: start it at their scale, or (RMS 1 against
+        # ~0.05 on the reference target) it drowns the anchor token and every slot's input looks the same
+        with torch.no_grad():
+            model.hidden_norm.weight.fill_(target_model.get_input_embeddings().weight.float().pow(2).mean().sqrt())
     return model
 
 

@@ -72,15 +72,32 @@ def build_blocks(input_ids, loss_mask, anchors, valid, block_size: int, mask_tok
     return ids.flatten(1), pos.flatten(1), labels.flatten(1), weights.flatten(1)
 
 
+def context_length(drafter: DFlashDrafter, seq_len: int) -> int:
+    """Context keys in the packed layout: every position (DFlash), none for the ablation modes (block only)."""
+    return seq_len if drafter.spec.context_kv else 0
+
+
+def packed_states(drafter: DFlashDrafter, x, features, positions, mask):
+    """Final-normed drafter states (b, N*B, H) for the embedded blocks x (b, N*B, H) at once; `mask` is built for
+    context_length(drafter, S) context keys."""
+    b, s = features.shape[:2]
+    rope_q = drafter.rope(positions, x)
+    spec = drafter.spec
+    if spec.context_kv:
+        ctx = drafter.project_context(features)
+        ctx_pos = torch.arange(s, device=features.device).expand(b, s)
+        rope_kv = drafter.rope(torch.cat([ctx_pos, positions], 1), x)
+        return drafter(x, ctx, rope_q, rope_kv, attention_fn(mask))
+    fused = None
+    if spec.context_mode == "input":
+        anchors = positions[:, ::spec.block_size]
+        fused = drafter.fused_input(drafter.project_context(features), anchors, spec.block_size)
+    return drafter(x, x[:, :0], rope_q, rope_q, attention_fn(mask), fused)
+
+
 def packed_forward(drafter: DFlashDrafter, embed, features, block_ids, positions, mask):
     """Final-normed drafter states (b, N*B, H) for every block at once."""
-    s = features.shape[1]
-    x = embed(block_ids).to(features.dtype)
-    ctx = drafter.project_context(features)
-    ctx_pos = torch.arange(s, device=features.device).expand(features.shape[0], s)
-    rope_q = drafter.rope(positions, x)
-    rope_kv = drafter.rope(torch.cat([ctx_pos, positions], 1), x)
-    return drafter(x, ctx, rope_q, rope_kv, attention_fn(mask))
+    return packed_states(drafter, embed(block_ids).to(features.dtype), features, positions, mask)
 
 
 def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_weight: float = 0.0,
@@ -152,7 +169,7 @@ def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, 
     s = input_ids.shape[1]
     use_flex = features.is_cuda if use_flex is None else use_flex
     rules = rules or [LayerRule()] * drafter.spec.num_hidden_layers
-    mask = build_masks(anchors, s, block_size, rules, "flex" if use_flex else "split")
+    mask = build_masks(anchors, context_length(drafter, s), block_size, rules, "flex" if use_flex else "split")
     if forward is None:
         hidden = packed_forward(drafter, embed, features, ids, pos, mask)
     else:
