@@ -156,7 +156,8 @@ def test_trained_ablation_drafter_runs_the_speculative_loop_losslessly(mode, sha
     result = train(cfg)
     assert DraftSpec.load(result.draft_dir).context_mode == mode and result.evals
     plain = dflash.load(str(target_dir), backend="torch", no_draft=True, device="cpu", dtype="float32")
-    pipe = dflash.load(str(target_dir), str(result.draft_dir), backend="torch", device="cpu", dtype="float32")
+    pipe = dflash.load(str(target_dir), str(result.draft_dir), backend="torch", device="cpu", dtype="float32",
+                       verify="chain")  # the chain, as the training evaluation measures it
     r = pipe.generate(prompt, max_new_tokens=32)
     assert r.tokens == plain.generate(prompt, max_new_tokens=32).tokens == samples[0]["input_ids"][6:38]
     assert r.mean_acceptance_length == pytest.approx(result.tau)
