@@ -21,6 +21,7 @@ from .tree import TreeInputs, chain_tree
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 CONTEXT = 64  # positions before the measured forwards
+NOTICE_SECONDS = 1.0  # a profile that takes longer says so in one line
 
 
 def cache_dir() -> Path:
@@ -49,10 +50,12 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True) -> Cos
                 return costs
         except (ValueError, KeyError, TypeError, IndexError):
             pass  # a damaged cache file is measured again
-    if use_cache:
-        print(f"dflash: measuring draft and verify costs on this device for --verify auto (once; cached in "
-              f"{path.parent})", file=sys.stderr, flush=True)
+    start = time.perf_counter()
     costs = measure(engine, max_tokens)
+    seconds = time.perf_counter() - start
+    if use_cache and seconds > NOTICE_SECONDS:  # say why this first load took longer
+        print(f"dflash: measured this device's draft and verify costs for --verify auto in {seconds:.1f} s "
+              f"(once: cached in {path.parent})", file=sys.stderr, flush=True)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -12,10 +12,11 @@ from dflash.backends.torch.target import load_target
 
 def test_measured_once_then_read_from_the_cache(tiny_target_dir, random_draft_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "NOTICE_SECONDS", 0.0)
     model = load_target(tiny_target_dir, torch.float32, "cpu")
     backend = TorchBackend(model, load_drafter(random_draft_dir), block_size=8)
     first = costs.measured_costs(backend, max_tokens=17)
-    assert "measuring draft and verify costs" in capsys.readouterr().err
+    assert "measured this device's draft and verify costs" in capsys.readouterr().err
     ns = [n for n, _ in first.verify]
     assert ns[0] == 1 and ns == sorted(ns) and first.draft > 0
     assert all(a[1] <= b[1] for a, b in zip(first.verify, first.verify[1:]))  # monotone
