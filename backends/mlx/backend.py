@@ -8,6 +8,8 @@ cache of our own under every mlx-lm model file.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
@@ -110,6 +112,7 @@ class MLXTarget:
         """What the costs of a forward depend on besides shapes (dflash/costs.py)."""
         dtype = embedding(self.model).weight.dtype
         blas = "openblas" if openblas_preloaded() else "own blas"  # 20-30x apart on a Linux CPU (dflash/blas.py)
+        blas += f" {os.environ.get('OPENBLAS_NUM_THREADS') or os.environ.get('OMP_NUM_THREADS') or 'all'} threads"
         return f"mlx {mx.__version__} {mx.default_device()} {dtype} {blas}"
 
     def tree_refusal(self) -> str | None:
