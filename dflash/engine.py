@@ -70,6 +70,10 @@ class Step:
     tokens: list[int]
     drafted: list[int]  # the proposals the target checked (chain), or the accepted path's (tree)
     verified: int  # draft tokens the target verified for this row
+    # with Engine.logprobs set: per committed token, the target's log-probability of it under the row's sampling
+    # settings and the top (id, log-probability) pairs, from the verify forward's own logits
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def accepted(self) -> int:
@@ -93,6 +97,8 @@ class Engine:
         self.top_k = 0  # > 0: every draft also returns the per-position top-k (tree verification)
         self.last_draft: Draft | None = None
         self.sampling = SamplingParams()
+        self.logprobs: int | None = None  # None: off; k >= 0: every sample also returns log-probs (top k)
+        self.first_logprobs: tuple[list[float], list[list[tuple[int, float]]]] | None = None  # last prefill's
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
     @property
@@ -105,31 +111,40 @@ class Engine:
         return self.tokens
 
     def set_sampling(self, params: SamplingParams) -> None:
+        """The sampling settings of every row (and of rows admitted without their own)."""
         self.sampling = params
         self.target.set_sampling(params)
 
     # ---- prefill ---------------------------------------------------------------------------------------------------
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> list[int]:
+    def prefill(self, prompts: Sequence[Sequence[int]],
+                samplings: Sequence[SamplingParams] | None = None) -> list[int]:
         """Feed the prompts and return each row's first token. One prompt reuses the longest cached prefix (a chat's
-        earlier turns); several start a fresh batch, one admitted row each."""
+        earlier turns); several start a fresh batch, one admitted row each. samplings: row i's own settings."""
         for p in prompts:
             check_fits(p, self.max_context)
+        samplings = list(samplings) if samplings is not None else [None] * len(prompts)
         if len(prompts) == 1 and not self.shared:
+            if samplings[0] is not None:
+                self.set_sampling(samplings[0])
             return [self._prefill_single(list(prompts[0]))]
         self.reset()
-        return [self.admit(p) for p in prompts]
+        return [self.admit(p, s) for p, s in zip(prompts, samplings)]
 
-    def admit(self, prompt_ids: Sequence[int]) -> int:
+    def admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> int:
         """A new row joins the running batch between cycles: its prompt is prefilled alone, then its caches are
-        appended to the batch's. Returns its first token."""
+        appended to the batch's. It samples with `sampling` (default: the engine's). Returns its first token."""
         prompt_ids = list(prompt_ids)
         check_fits(prompt_ids, self.max_context)
         if not self.rows:
+            if sampling is not None:
+                self.set_sampling(sampling)
             return self._prefill_single(prompt_ids)
         row = Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None, block_size=self.block_size,
                      prefill_chunk=self.prefill_chunk)
-        row.set_sampling(self.sampling)
+        row.logprobs = self.logprobs
+        row.set_sampling(sampling or self.sampling)
         first = row._prefill_single(prompt_ids)
+        self.first_logprobs = row.first_logprobs
         self.target.merge(row.target)
         self.shared = True
         if self.drafter is not None:
@@ -153,8 +168,10 @@ class Engine:
                 self.drafter.extend(self._take_pending())
             if at + self.prefill_chunk < len(prompt_ids):
                 self.target.settle(self.drafter)  # bound the lazy graph (and its memory) chunk by chunk
-        first = self.target.sample(logits[:, -1:], [self.tokens], None)
+        first = self._sample(logits[:, -1:], [self.tokens], None)
         self.target.settle(self.drafter, first)
+        if self.logprobs is not None:
+            self.first_logprobs = (self._logprobs[0][0], self._logprobs[1][0])
         return self.target.to_host(first)[0][0]
 
     # ---- the cycle -------------------------------------------------------------------------------------------------
@@ -164,6 +181,9 @@ class Engine:
         self.draft(anchors)
         drafted, target = self.verify()
         steps = [Step(t[: accepted_length(d, t) + 1], d, len(d)) for d, t in zip(drafted, target)]
+        if self.logprobs is not None:
+            for step, chosen, top in zip(steps, *self._logprobs):
+                step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]
         self.commit([len(s.tokens) for s in steps])
         return steps
 
@@ -178,7 +198,7 @@ class Engine:
     def verify(self) -> tuple[list[list[int]], list[list[int]]]:
         ids = self._verify_ids
         logits, self._features = self.target.forward(ids, last_only=False)
-        target = self.target.sample(logits, self.rows, ids)
+        target = self._sample(logits, self.rows, ids)
         rows = self.target.to_host(self.target.cat([ids, target]))  # the cycle's one device -> host read
         b = len(rows[0]) // 2
         self._verified = [r[:b] for r in rows]
@@ -250,6 +270,17 @@ class Engine:
             self.pending = Pending(features, [n])
         else:
             self.pending = Pending(self.target.cat([self.pending.features, features]), [self.pending.counts[0] + n])
+
+    def _sample(self, logits, histories, block):
+        """The target's tokens; with self.logprobs set, also leaves their log-probabilities in self._logprobs
+        (per row: per position the chosen token's, and its top (id, log-probability) pairs) on the host."""
+        if self.logprobs is None:
+            return self.target.sample(logits, histories, block)
+        tokens, (chosen, top_ids, top_lps) = self.target.sample(logits, histories, block, logprobs=self.logprobs)
+        chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
+        tops = [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)]
+        self._logprobs = (chosen, tops)
+        return tokens
 
     def _take_pending(self) -> Pending | None:
         pending, self.pending = self.pending, None

@@ -107,15 +107,30 @@ def test_pipeline_batch_and_errors(trained_pair):
     got = pipe.generate_batch(texts, max_new_tokens=24)
     assert [g.tokens for g in got] == [pipe.generate(t, max_new_tokens=24).tokens for t in texts]
     assert pipe.generate_batch([]) == []
-    with pytest.raises(DFlashError, match="sampling settings"):
-        from dflash.loop import Generation, _cycles
-
-        be = pipe.backend
-        gens = [Generation(be, [1, 2], sampling=SamplingParams()),
-                Generation(be, [1, 2], sampling=SamplingParams(temperature=1.0))]
-        next(_cycles(be, gens))
     with pytest.raises(DFlashError, match="fit the target's context"):
         pipe.generate_batch([[1] * 100_000])
+
+
+def test_rows_sample_with_their_own_settings(trained_pair):
+    """Per-row sampling: a greedy row next to sampled rows keeps its batch-1 tokens, and a seeded sampled row
+    draws what it draws alone (each row owns its sampler and generator)."""
+    from dflash.loop import Batch, Generation
+
+    target, drafter = load_target(trained_pair[0], torch.float32, "cpu"), load_drafter(trained_pair[1])
+    prompt = [5, 6, 7, 8, 9]
+    settings = [SamplingParams(), SamplingParams(temperature=1.0, top_k=20, seed=3),
+                SamplingParams(temperature=0.7, top_p=0.9, seed=4), SamplingParams(repetition_penalty=1.3)]
+    want = [generate(single(target, drafter), prompt, max_new_tokens=32, sampling=s).tokens for s in settings]
+    be = batched(target, drafter)
+    batch = Batch(be)
+    gens = [Generation(be, prompt, max_new_tokens=32, sampling=s) for s in settings]
+    for g in gens:
+        batch.join(g)
+        batch.step()  # rows join a running batch, one cycle apart
+    while batch:
+        batch.step()
+    assert [g.result.tokens for g in gens] == want
+    assert len({tuple(w) for w in want}) == len(want)  # the settings really differ
 
 
 def drive(be, prompts, arrivals, n):

@@ -33,17 +33,35 @@ class MLXSampler:
 
     def __call__(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
         """logits (T, V) for the T positions that follow history + block[:i+1]; returns T token ids (lazy)."""
-        if self.processors:
-            hist = mx.array(history, dtype=mx.int32)
-            rows = []
-            for i in range(logits.shape[0]):
-                tokens = hist if block is None else mx.concatenate([hist, block[: i + 1].astype(mx.int32)])
-                row = logits[i:i + 1].astype(mx.float32)
-                for proc in self.processors:
-                    row = proc(tokens, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
+        return self.draw(self.processed(logits, history, block))
+
+    def processed(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
+        """The logits after the logits processors (the repetition penalty)."""
+        if not self.processors:
+            return logits
+        hist = mx.array(history, dtype=mx.int32)
+        rows = []
+        for i in range(logits.shape[0]):
+            tokens = hist if block is None else mx.concatenate([hist, block[: i + 1].astype(mx.int32)])
+            row = logits[i:i + 1].astype(mx.float32)
+            for proc in self.processors:
+                row = proc(tokens, row)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
+
+    def draw(self, logits: mx.array) -> mx.array:
         if self.sampler is None:
             return mx.argmax(logits, axis=-1)
         logits = logits.astype(mx.float32)
         return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    def log_probs(self, logits: mx.array, tokens: mx.array, top: int):
+        """(chosen, top ids, top log-probs) of the tempered distribution (mlx-lm filters top-p / top-k / min-p
+        inside its sampler, so these are before that filtering)."""
+        x = logits.astype(mx.float32)
+        if self.sampler is not None and self.params.temperature != 1.0:
+            x = x / self.params.temperature
+        lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp, tokens[..., None].astype(mx.int32), axis=-1).squeeze(-1)
+        ids = mx.argsort(-lp, axis=-1)[..., :top]
+        return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)

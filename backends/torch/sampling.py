@@ -41,18 +41,30 @@ class TorchSampler:
 
     def __call__(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None) -> torch.Tensor:
         """logits (T, V) for the T positions that follow history + block[:i+1]; returns T token ids."""
-        if self.processors:
-            scores = logits.float()
-            if self.params.repetition_penalty != 1.0:
-                scores = self.processors(_histories(history, block, logits.device), scores)
-            else:
-                scores = self.processors(None, scores)
-        else:
-            scores = logits
+        return self.draw(self.scores(logits, history, block))
+
+    def scores(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None) -> torch.Tensor:
+        """The processed logits (T, V) the token is drawn from (filtered tokens at -inf)."""
+        if not self.processors:
+            return logits
+        scores = logits.float()
+        if self.params.repetition_penalty != 1.0:
+            return self.processors(_histories(history, block, logits.device), scores)
+        return self.processors(None, scores)
+
+    def draw(self, scores: torch.Tensor) -> torch.Tensor:
         if self.params.greedy:
             return scores.argmax(dim=-1)
         probs = torch.softmax(scores.float(), dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+
+def log_probs(scores: torch.Tensor, tokens: torch.Tensor, top: int):
+    """(chosen, top ids, top log-probs) of processed scores (..., V) and the tokens drawn from them."""
+    lp = torch.log_softmax(scores.float(), dim=-1)
+    chosen = lp.gather(-1, tokens[..., None]).squeeze(-1)
+    values, ids = lp.topk(top, dim=-1) if top else (lp[..., :0], tokens[..., None][..., :0])
+    return chosen, ids, values
 
 
 def _histories(history: list[int], block: torch.Tensor | None, device) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dflash.errors import DFlashError
 from dflash.sampling import SamplingParams
 
 from .rewind import CacheRewind, bounded_layers
-from .sampling import TorchSampler
+from .sampling import TorchSampler, log_probs
 from .target import LayerCapture, target_info
 
 
@@ -52,7 +52,7 @@ class TorchTarget:
         if compile:
             self._decode_model = torch.compile(model, dynamic=False, fullgraph=False,
                                                mode="reduce-overhead" if self.device.type == "cuda" else None)
-        self.sampler = TorchSampler(SamplingParams(), self.device)
+        self.samplers = [TorchSampler(SamplingParams(), self.device)]  # one per row (its own settings and seed)
 
     # ---- arrays ----------------------------------------------------------------------------------------------------
     def ids(self, rows: list[list[int]]) -> torch.Tensor:
@@ -83,14 +83,23 @@ class TorchTarget:
 
     # ---- sampling --------------------------------------------------------------------------------------------------
     def set_sampling(self, params: SamplingParams) -> None:
-        self.sampler = TorchSampler(params, self.device)
+        self.samplers = [TorchSampler(params, self.device)] * len(self.samplers)
 
-    def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None) -> torch.Tensor:
-        """The target's token at every position of every row (rows, T), each row with its own history."""
-        if self.sampler.params.greedy and not self.sampler.processors:
-            return logits.argmax(dim=-1)
-        return torch.stack([self.sampler(logits[i], histories[i], None if block is None else block[i])
-                            for i in range(logits.shape[0])])
+    def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None,
+               logprobs: int | None = None):
+        """The target's token at every position of every row (rows, T), each row with its own history and sampler;
+        with logprobs=k also (chosen, top-k ids, top-k log-probs) of the distributions the tokens were drawn from."""
+        if all(s.params.greedy and not s.processors for s in self.samplers):
+            scores = logits  # the common case: one argmax for the whole batch
+            tokens = logits.argmax(dim=-1)
+        else:
+            per_row = [s.scores(logits[i], histories[i], None if block is None else block[i])
+                       for i, s in enumerate(self.samplers)]
+            tokens = torch.stack([s.draw(x) for s, x in zip(self.samplers, per_row)])
+            scores = torch.stack(per_row) if logprobs is not None else None
+        if logprobs is None:
+            return tokens
+        return tokens, log_probs(scores, tokens, logprobs)
 
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -164,6 +173,7 @@ class TorchTarget:
         else:
             self.cache = self._new_cache()
         self.length, self.valid, self.positions = 0, None, None
+        self.samplers = self.samplers[:1]
 
     def close(self) -> None:
         if self.capture is not None:
@@ -178,6 +188,7 @@ class TorchTarget:
         row = TorchTarget.__new__(TorchTarget)
         row.__dict__.update(self.__dict__)
         row.cache, row.length, row.valid, row.positions = self._new_cache(), 0, None, None
+        row.samplers = self.samplers[:1]
         return row
 
     @torch.inference_mode()
@@ -195,6 +206,7 @@ class TorchTarget:
         self.valid = torch.cat([F.pad(self.valid, (width - self.valid.shape[1], 0)),
                                 F.pad(other_valid, (width - other.length, 0))])
         self.positions = torch.cat([self.positions, torch.tensor([other.length], device=self.device)])
+        self.samplers = self.samplers + other.samplers
 
     def select(self, rows: list[int]) -> None:
         if self.valid is None:
@@ -202,6 +214,7 @@ class TorchTarget:
         idx = torch.tensor(rows, device=self.device)
         self.cache.batch_select_indices(idx)
         self.valid, self.positions = self.valid[idx], self.positions[idx]
+        self.samplers = [self.samplers[i] for i in rows]
 
     # ---- internals ---------------------------------------------------------------------------------------------------
     def check_batchable(self) -> None:
