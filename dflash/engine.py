@@ -171,7 +171,7 @@ class Engine:
         first = self._sample(logits[:, -1:], [self.tokens], None)
         self.target.settle(self.drafter, first)
         if self.logprobs is not None:
-            self.first_logprobs = (self._logprobs[0][0], self._logprobs[1][0])
+            self.first_logprobs = (self._logprobs[0][0][0], self._logprobs[1][0][0])
         return self.target.to_host(first)[0][0]
 
     # ---- the cycle -------------------------------------------------------------------------------------------------

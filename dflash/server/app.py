@@ -30,10 +30,24 @@ def _field_error(e: ValidationError) -> ApiError:
     err = e.errors()[0]
     if err["type"] == "json_invalid":
         return ApiError(400, f"body: not valid JSON ({err['msg']})", None, "invalid_json")
-    loc = ".".join(str(x) for x in err["loc"]) or "body"
+    loc = _location(err["loc"])
     got = err.get("input")
     shown = "" if err["type"] == "missing" else f" (got {str(got)[:60]!r})"
     return ApiError(400, f"{loc}: {err['msg']}{shown}", loc, "invalid_type" if "type" in err["type"] else None)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _location(loc) -> str:
+    """A field path as a client spells it (messages[0].role), without pydantic's union-member tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not ("[" in part or "-" in part or part in _TYPE_TAGS):
+            out += f".{part}" if out else part
+    return out or "body"
 
 
 def _sampling_error(e: DFlashError) -> ApiError:
