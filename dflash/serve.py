@@ -44,9 +44,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check_args(args)
     try:
-        import uvicorn
-
-        from .server.app import Server
+        from .server.app import Server, run
     except ImportError as e:
         raise DFlashError(f"dflash.serve: {e.name} is not installed; pip install -e \".[serve]\"") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -57,11 +55,9 @@ def main(argv=None) -> int:
     server = Server(pipe, model_name=name, aliases=aliases, max_batch=args.max_batch, max_queue=args.max_queue,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                     drain_timeout=args.drain_timeout)
-    config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, timeout_graceful_shutdown=args.drain_timeout, log_config=None)
     logging.getLogger("dflash.serve").info("serving %s on http://%s:%d (backend %s, max batch %d)", name,
                                            args.host, args.port, pipe.backend_name, server.scheduler.max_batch)
-    uvicorn.Server(config).run()
+    run(server, args.host, args.port, args.log_level)
     return 0
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
+
+import uvicorn
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -342,3 +345,18 @@ async def _until_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+class _Uvicorn(uvicorn.Server):
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM and sig in self._captured_signals:
+            # uvicorn re-raises a captured signal after its graceful shutdown; a drained SIGTERM is a clean exit
+            self._captured_signals.remove(sig)
+
+
+def run(server: Server, host: str, port: int, log_level: str = "info") -> None:
+    """Serve until SIGINT / SIGTERM; running requests drain for at most server.drain_timeout seconds."""
+    config = uvicorn.Config(server.app(), host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=server.drain_timeout, log_config=None)
+    _Uvicorn(config).run()

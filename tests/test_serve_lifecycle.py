@@ -1,0 +1,104 @@
+"""dflash.serve under pressure and at the end of its life (one server, one row, a queue of one): 503 with
+Retry-After when full, the second turn of a conversation prefilled from the cached first, `dflash.data regenerate
+--endpoint` against the in-process path (resumed after a torn write), and SIGTERM while a stream runs (it finishes,
+exit 0)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server("--max-batch", "1", "--max-queue", "1", "--drain-timeout", "60")
+
+
+def complete(server, body, **kw):
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120, **kw)
+
+
+def test_full_queue_answers_503_with_retry_after(server):
+    long = {"messages": [{"role": "user", "content": "def main():"}], "max_tokens": 400, "temperature": 0}
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(complete(server, long).status_code))
+               for _ in range(2)]
+    threads[0].start()
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/health").json()["running"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threads[1].start()  # waits in the queue
+    while httpx.get(server.url + "/health").json()["waiting"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = complete(server, long)
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert r.json()["error"]["code"] == "server_busy"
+    for t in threads:
+        t.join()
+    assert results == [200, 200]
+
+
+def test_second_turn_prefills_only_the_new_turn(server):
+    first = [{"role": "user", "content": "def fibonacci(n):"}]
+    a = complete(server, {"messages": first, "max_tokens": 24, "temperature": 0}).json()
+    turn2 = first + [{"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "class Stack:"}]
+    b = complete(server, {"messages": turn2, "max_tokens": 24, "temperature": 0}).json()
+    reused = b["dflash"]["prompt_tokens_reused"]
+    assert reused >= a["usage"]["prompt_tokens"] - 1 and reused < b["usage"]["prompt_tokens"]
+    complete(server, {"messages": [{"role": "user", "content": "import sys"}], "max_tokens": 4})  # evicts it
+    c = complete(server, {"messages": turn2, "max_tokens": 24, "temperature": 0}).json()
+    assert c["dflash"]["prompt_tokens_reused"] < reused  # prefilled (almost) from scratch
+    assert c["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert c["dflash"]["prefill_seconds"] > 0 and b["dflash"]["prefill_seconds"] > 0
+
+
+def test_data_regenerate_through_the_server(server, tmp_path):
+    from dflash.backends.torch.regeneration import regenerate
+    from dflash.reference import TARGET_DIR
+    from dflash.remote_regeneration import regenerate_remote
+
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["def add(a, b):", "class Queue:", "import re", "def main():", "x = [1, 2"]
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    local = tmp_path / "local.jsonl"
+    regenerate(TARGET_DIR, prompts, local, batch_size=2, max_new_tokens=24, device="cpu", progress=False,
+               log=lambda m: None)
+    remote = tmp_path / "remote.jsonl"
+    regenerate_remote(server.url, prompts, remote, concurrency=3, max_new_tokens=24, log=lambda m: None)
+    lines = remote.read_text().splitlines(keepends=True)
+    remote.write_text(lines[0] + lines[1][: len(lines[1]) // 2])  # killed mid-write after one answer
+    stats = regenerate_remote(server.url + "/v1", prompts, remote, concurrency=2, max_new_tokens=24,
+                              log=lambda m: None)
+    assert stats["ok"] == stats["total"] == len(texts)
+
+    def by_id(path):
+        return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+    want, got = by_id(local), by_id(remote)
+    assert got.keys() == want.keys()
+    for rid in want:
+        for key in ("messages", "status", "finish_reason", "prompt_tokens", "answer_tokens", "thinking"):
+            assert got[rid][key] == want[rid][key], (rid, key)
+
+
+def test_sigterm_while_streaming_drains_and_exits_0(server):
+    body = {"messages": [{"role": "user", "content": "def main():"}], "max_tokens": 300, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    final = json.loads(rest[-2][len("data: "):])
+    assert final["choices"][0]["finish_reason"] in ("stop", "length")
+    assert server.proc.wait(60) == 0
+    assert "Traceback" not in server.log()
