@@ -13,6 +13,7 @@ from typing import Protocol, Sequence
 from dflash.engine import Draft, Pending
 from dflash.sampling import SamplingParams
 from dflash.spec import TargetInfo
+from dflash.tree import TreeInputs
 
 
 class Target(Protocol):
@@ -32,11 +33,17 @@ class Target(Protocol):
     def set_sampling(self, params: SamplingParams) -> None: ...            # every row; spawn/merge/select keep
     # each row's own settings; sample: (rows, T, V) -> (rows, T), with logprobs=k also (chosen, top-k ids, top-k
     # log-probs), each (rows, T[, k]), of the distributions the tokens were drawn from
-    def sample(self, logits, histories: list[list[int]], block, logprobs: int | None = None): ...
+    def sample(self, logits, histories: list[list[int]], block, paths=None, logprobs: int | None = None): ...
 
     # the model and its cache
-    def forward(self, ids, last_only: bool) -> tuple: ...                  # append ids -> (logits, features)
+    def forward(self, ids, last_only: bool, tree: TreeInputs | None = None) -> tuple: ...  # -> (logits, features)
     def keep(self, keeps: list[int], width: int) -> bool: ...              # keep row i's first keeps[i] of the last forward
+
+    # trees (dflash/tree.py): a forward with `tree` puts slot j at position + depth under an ancestor mask
+    def tree_refusal(self) -> str | None: ...                              # why this target cannot (None: it can)
+    def device_key(self) -> str: ...                                       # device, dtype, threads (dflash/costs.py)
+    def keep_slots(self, slots: list[list[int]], width: int) -> None: ...  # row i keeps slots[i] of the last forward
+    def gather(self, features, slots: list[list[int]]): ...                # row i's features at slots[i], packed
     def trim(self, n: int) -> bool: ...                                    # one row: forget the last n; False if impossible
     def reset(self) -> None: ...
     def close(self) -> None: ...
@@ -52,7 +59,8 @@ class Drafter(Protocol):
     position: int  # row 0's context length (= its anchor's position)
 
     def extend(self, pending: Pending | None) -> None: ...                 # absorb context without drafting (prefill)
-    def propose(self, anchor_ids, pending: Pending | None, block_size: int, top_k: int = 0) -> Draft: ...
+    def propose(self, anchor_ids, pending: Pending | None, block_size: int, top_k: int = 0,
+                temperature: float = 1.0) -> Draft: ...                     # top-k probabilities at `temperature`
     def crop(self, position: int) -> bool: ...
     def reset(self) -> None: ...
     def spawn(self) -> "Drafter": ...

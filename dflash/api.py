@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Sequence
 
 from . import backends, blas, hub
+from .budget import VERIFY_MODES
 from .checkpoint import check_target_dir
+from .costs import measured_costs
 from .errors import DFlashError
 from .loop import Generation, GenerationResult, Increment, generate_batch
 from .sampling import SamplingParams
@@ -79,8 +81,16 @@ class Pipeline:
 
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *, backend: str = "auto",
          no_draft: bool = False, dtype: str = "auto", device: str = "auto", block_size: int | None = None,
-         draft_window: int | None = None, trust_remote_code: bool = False) -> Pipeline:
+         draft_window: int | None = None, trust_remote_code: bool = False, verify: str = "auto",
+         tree_budget: int | None = None, copy_branch: bool = True) -> Pipeline:
+    """verify: chain (the drafter's B-1 proposals), tree (`tree_budget` nodes of the most probable prefixes each
+    cycle) or auto (each cycle the node count that maximises tokens per second on this device, from costs measured
+    at load and cached; see dflash/budget.py)."""
     name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load
+    if verify not in VERIFY_MODES:
+        raise DFlashError(f"--verify: got {verify!r}, expected one of {', '.join(VERIFY_MODES)}")
+    if tree_budget is not None and tree_budget < 1:
+        raise DFlashError(f"--tree-budget: got {tree_budget}, expected >= 1 draft nodes")
     if model is not None:
         pair = hub.pair_for(str(model))  # refuse a known-unsupported family before downloading it
         if pair is not None and not no_draft and name not in pair.backends:
@@ -102,6 +112,11 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     if len(tokenizer) > be.info.vocab_size:
         raise DFlashError(f"{target_dir}: the tokenizer has {len(tokenizer)} tokens but the target's embedding table "
                           f"has {be.info.vocab_size} rows (a tokenizer of another model?)")
+    if draft_dir is not None and verify != "chain":
+        costs = None
+        if verify == "auto" and be.target.tree_refusal() is None:
+            costs = measured_costs(be, max_tokens=(tree_budget or 256) + 1)
+        be.set_verify(verify, tree_budget, costs, copy_branch)
     return Pipeline(be, tokenizer, Path(target_dir), draft_dir, name)
 
 

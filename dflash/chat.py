@@ -129,6 +129,8 @@ class Stats:
     decode_seconds: float = 0.0
     prefilled: int = 0
     reused: int = 0
+    verified: list[int] = field(default_factory=list)  # draft tokens verified per cycle (the budgets chosen)
+    undrafted: int = 0  # cycles that verified without a draft forward (--verify auto)
 
 
 class StopOnSigint:
@@ -217,6 +219,9 @@ class Chat:
         s.replies += 1
         s.tokens += n
         s.lengths += lengths
+        if gen.result:
+            s.verified += gen.result.verified
+            s.undrafted += gen.result.cycles_without_draft
         s.decode_tokens += max(n - 1, 0)
         s.decode_seconds += decode_s
         s.prefilled += len(ids) - reused
@@ -255,6 +260,12 @@ class Chat:
         lines += [f"tau {tau:.2f} tokens per draft/verify cycle (block {b})",
                   f"acceptance by draft position 1..{b - 1}: " + " ".join(f"{r:.2f}" for r in rates),
                   f"speedup <= {tau:.2f}x tau-based (if a draft+verify cycle cost one target step)"]
+        if s.verified:
+            budgets = sorted(s.verified)
+            lines.append(f"verify {backend.verify_mode}: {sum(budgets) / len(budgets):.1f} draft tokens verified per "
+                         f"cycle (min {budgets[0]}, median {budgets[len(budgets) // 2]}, max {budgets[-1]}); "
+                         f"{s.undrafted} cycles without a draft forward"
+                         + (f"; {backend.verify_note}" if backend.verify_note else ""))
         step = measure_step(backend)
         if step and per_token:
             lines.append(f"speedup {step / per_token:.2f}x measured: a target step takes {step * 1000:.1f} ms at the "

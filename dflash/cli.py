@@ -21,6 +21,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding (the baseline)")
     p.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
     p.add_argument("--draft-window", type=int, help="bound the drafter's context to the last N positions")
+    p.add_argument("--verify", default="auto", choices=("chain", "tree", "auto"),
+                   help="chain: verify the drafter's B-1 proposals; tree: a tree of the --tree-budget most probable "
+                   "prefixes; auto: per cycle, the node count that is fastest on this device (default: %(default)s)")
+    p.add_argument("--tree-budget", type=int, help="draft nodes per verify: tree's size, auto's maximum "
+                   "(default: block size - 1 for tree; auto: what the device profile allows)")
+    p.add_argument("--no-copy-branch", dest="copy_branch", action="store_false",
+                   help="trees without the branch copied from the context (prompt lookup)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda[:N], mps")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
@@ -52,7 +59,8 @@ def load_pipeline(args):
         blas.restart_mlx_run_with_openblas()  # LD_PRELOAD only acts at process start: before any work
     return load(args.model, args.draft, backend=args.backend, no_draft=args.no_draft, dtype=args.dtype,
                 device=args.device, block_size=args.block_size, draft_window=args.draft_window,
-                trust_remote_code=args.trust_remote_code)
+                trust_remote_code=args.trust_remote_code, verify=args.verify, tree_budget=args.tree_budget,
+                copy_branch=args.copy_branch)
 
 
 def run(main, argv=None) -> int:

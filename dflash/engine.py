@@ -18,12 +18,15 @@ to the target, so it sits at position n:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from .budget import VERIFY_MODES, Costs, TreePlanner
 from .errors import DFlashError
 from .sampling import SamplingParams, accepted_length, common_prefix
 from .spec import check_block_size
+from .tree import CopyIndex, TreeInputs
 
 
 def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
@@ -70,8 +73,9 @@ class Step:
     tokens: list[int]
     drafted: list[int]  # the proposals the target checked (chain), or the accepted path's (tree)
     verified: int  # draft tokens the target verified for this row
-    # with Engine.logprobs set: per committed token, the target's log-probability of it under the row's sampling
-    # settings and the top (id, log-probability) pairs, from the verify forward's own logits
+    draft_forward: bool = True  # False: a cycle of --verify auto that verified without drafting
+    # with Engine.logprobs set (chain verification): per committed token, the target's log-probability of it under
+    # the row's sampling settings and the top (id, log-probability) pairs, from the verify forward's own logits
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
@@ -99,6 +103,10 @@ class Engine:
         self.sampling = SamplingParams()
         self.logprobs: int | None = None  # None: off; k >= 0: every sample also returns log-probs (top k)
         self.first_logprobs: tuple[list[float], list[list[tuple[int, float]]]] | None = None  # last prefill's
+        self.verify_mode, self.verify_note = "chain", ""
+        self.planner: TreePlanner | None = None  # tree / auto verification (dflash/budget.py)
+        self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
+        self.last_trees, self.last_paths = [], []
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
     @property
@@ -114,6 +122,32 @@ class Engine:
         """The sampling settings of every row (and of rows admitted without their own)."""
         self.sampling = params
         self.target.set_sampling(params)
+
+    def set_verify(self, mode: str = "chain", budget: int | None = None, costs: Costs | None = None,
+                   copy_branch: bool = True) -> None:
+        """chain: verify the B-1 proposals. tree: a tree of `budget` nodes every cycle. auto: each cycle, the node
+        count that maximises committed tokens per second under `costs` (chain when that is best)."""
+        if mode not in VERIFY_MODES:
+            raise DFlashError(f"--verify: got {mode!r}, expected one of {', '.join(VERIFY_MODES)}")
+        if budget is not None and budget < 1:
+            raise DFlashError(f"--tree-budget: got {budget}, expected >= 1 draft nodes")
+        self.verify_mode, self.verify_note, self.planner, self.top_k = mode, "", None, 0
+        if mode == "chain" or self.drafter is None:
+            self.verify_mode = "chain"
+            return
+        reason = self.target.tree_refusal()
+        if reason:
+            if mode == "tree":
+                raise DFlashError(f"--verify tree: {reason}; use --verify chain or auto")
+            self.verify_mode, self.verify_note = "chain", f"auto verifies the chain: {reason}"
+            return
+        if mode == "auto" and costs is None:
+            raise DFlashError("--verify auto: needs the device's measured costs (dflash.costs.measured_costs)")
+        if budget is None:  # tree: the chain's verify tokens; auto: as many as the measured costs reach
+            budget = self.block_size - 1 if mode == "tree" else max(self.block_size - 1,
+                                                                   min(256, costs.verify[-1][0] - 1))
+        self.planner = TreePlanner(mode, self.block_size, budget, costs, copy_branch)
+        self.top_k = self.planner.top_k
 
     # ---- prefill ---------------------------------------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]],
@@ -155,6 +189,7 @@ class Engine:
         return first
 
     def _prefill_single(self, prompt_ids: list[int]) -> int:
+        self._copies = []
         self.crop(common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
         if not self.rows:  # (a fresh engine, or the crop had to start over)
             self.rows = [[]]
@@ -178,6 +213,8 @@ class Engine:
     def step(self, anchors: Sequence[int]) -> list[Step]:
         """One speculative cycle for every row (draft -> verify -> accept -> commit); row i's anchor is its last
         committed token."""
+        if self.planner is not None:
+            return self._tree_step(list(anchors))
         self.draft(anchors)
         drafted, target = self.verify()
         steps = [Step(t[: accepted_length(d, t) + 1], d, len(d)) for d, t in zip(drafted, target)]
@@ -185,6 +222,50 @@ class Engine:
             for step, chosen, top in zip(steps, *self._logprobs):
                 step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]
         self.commit([len(s.tokens) for s in steps])
+        return steps
+
+    def _tree_step(self, anchors: list[int]) -> list[Step]:
+        """Draft once, verify a tree per row in one forward, walk it, keep the accepted path's K/V and features."""
+        planner, target, b = self.planner, self.target, self.block_size
+        start = time.perf_counter()
+        if len(self._copies) != len(self.rows):
+            self._copies = [CopyIndex() for _ in self.rows]
+        copies = []
+        for index, row, anchor in zip(self._copies, self.rows, anchors):
+            index.update(row + [anchor])
+            copies.append(index.continuation(b - 1))
+        # a pause in drafting (auto) is single-row: the pending features then simply wait for the next draft
+        drafted = planner.drafts_this_cycle() or len(self.rows) > 1
+        if drafted:
+            temperature = self.sampling.temperature or 1.0  # the surrogate at the temperature verification samples
+            draft = self.drafter.propose(target.ids([[a] for a in anchors]), self._take_pending(), b,
+                                         planner.top_k, temperature)
+            plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
+        else:
+            plan = planner.plan(anchors, copies=copies)
+        inputs = TreeInputs.of(plan.trees)
+        ids = target.ids(inputs.ids)
+        logits, features = target.forward(ids, last_only=False, tree=inputs)
+        tokens = target.to_host(target.sample(logits, self.rows, ids, [t.paths() for t in plan.trees]))
+        steps, paths, slots = [], [], []
+        for tree, row_tokens in zip(plan.trees, tokens):
+            path, bonus = tree.walk(row_tokens)
+            accepted = [tree.tokens[i] for i in path]
+            paths.append(path)
+            slots.append([0] + path)
+            steps.append(Step(accepted + [bonus], accepted, tree.nodes, plan.drafted))
+        planner.observe(plan, paths, time.perf_counter() - start)
+        self.last_trees, self.last_paths = plan.trees, paths  # (introspection: tests, traces)
+        target.keep_slots(slots, inputs.width)
+        for row, anchor, step in zip(self.rows, anchors, steps):
+            row.extend([anchor] + step.drafted)
+        if features is None:
+            return steps  # (a drafter that reads no target features)
+        kept = target.gather(features, slots)
+        if self.pending is None:  # (taken by the draft; after a pause in drafting it still waits)
+            self.pending = Pending(kept, [len(s) for s in slots])
+        else:
+            self._add_pending(kept, len(slots[0]))
         return steps
 
     def draft(self, anchors: Sequence[int]) -> None:
@@ -230,6 +311,7 @@ class Engine:
                 self.pending = Pending(self.target.take_rows(self.pending.features, keep),
                                        [self.pending.counts[i] for i in keep])
         self.rows = [self.rows[i] for i in keep]
+        self._copies = [self._copies[i] for i in keep] if len(self._copies) == len(keep) + len(gone) else []
 
     # ---- single sequence: rewind and reset ---------------------------------------------------------------------------
     def crop(self, length: int) -> None:
@@ -259,7 +341,7 @@ class Engine:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
-        self.rows, self.pending, self.shared = [], None, False
+        self.rows, self.pending, self.shared, self._copies = [], None, False, []
 
     def close(self) -> None:
         self.target.close()

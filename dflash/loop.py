@@ -38,6 +38,10 @@ class GenerationResult:
     decode_seconds: float
     block_size: int
     drafted: list[list[int]] = field(default_factory=list)
+    verify_mode: str = "chain"
+    verified: list[int] = field(default_factory=list)  # draft tokens the target verified, per cycle
+    cycles_without_draft: int = 0  # --verify auto: cycles that verified without a draft forward
+    verify_note: str = ""
 
     @property
     def generation_tokens(self) -> int:
@@ -66,7 +70,13 @@ class GenerationResult:
             "decode_tokens_per_second": self.decode_tokens_per_second,
             "finish_reason": self.finish_reason,
             "block_size": self.block_size,
+            "verify_mode": self.verify_mode,
+            "verified_tokens": sum(self.verified),
+            "verified_per_cycle": self.verified,
+            "cycles_without_draft": self.cycles_without_draft,
         }
+        if self.verify_note:
+            out["verify_note"] = self.verify_note
         if trace:
             out["drafted"] = self.drafted
         return out
@@ -81,6 +91,8 @@ class _Row:
         self.detok = Detokenizer(gen.tokenizer)
         self.tokens: list[int] = []
         self.lengths: list[int] = []
+        self.verified: list[int] = []
+        self.undrafted = 0
         self.drafted: list[list[int]] = []
         self.finish: str | None = None
         self.emitted = 0
@@ -110,12 +122,14 @@ class _Row:
         self.emitted, self.finish = visible, finish
         return increment
 
-    def result(self, block_size: int) -> "GenerationResult":
+    def result(self, engine) -> "GenerationResult":
         gen = self.gen
         return GenerationResult(
             tokens=self.tokens, text=self.detok.text if gen.tokenizer else "", prompt_tokens=len(gen.prompt_ids),
             finish_reason=self.finish, acceptance_lengths=self.lengths, prefill_seconds=self.prefill_seconds,
-            decode_seconds=self.seconds, block_size=block_size, drafted=self.drafted)
+            decode_seconds=self.seconds, block_size=engine.block_size, drafted=self.drafted,
+            verify_mode=getattr(engine, "verify_mode", "chain"), verified=self.verified,
+            cycles_without_draft=self.undrafted, verify_note=getattr(engine, "verify_note", ""))
 
 
 class Batch:
@@ -165,6 +179,8 @@ class Batch:
         out = []
         for row, step in zip(self.rows, steps):
             row.lengths.append(len(step.tokens))
+            row.verified.append(step.verified)
+            row.undrafted += not step.draft_forward
             if row.gen.trace:
                 row.drafted.append(step.drafted)
             out.append((row.gen, row.add(step.tokens, step.logprobs, step.top_logprobs)))
@@ -186,7 +202,7 @@ class Batch:
         for j in done:
             row = self.rows[j]
             row.seconds = now - row.started
-            row.gen.result = row.result(self.engine.block_size)
+            row.gen.result = row.result(self.engine)
         self.engine.retire(done)
         self.rows = [r for r in self.rows if r.finish is None]
         self._want_logprobs()

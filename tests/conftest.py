@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# device cost profiles (--verify auto) of the tiny test models stay out of the user's ~/.cache
+os.environ.setdefault("DFLASH_CACHE_DIR", tempfile.mkdtemp(prefix="dflash-test-cache-"))
 
 try:  # one intra-op thread: on a shared 2-core box, OpenMP threads spin against other processes (10-100x slower)
     import torch

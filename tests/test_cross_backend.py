@@ -88,3 +88,56 @@ def test_draft_top_k_agrees_and_matches_the_proposals(trained_pair):
         assert (np.diff(tp, axis=-1) <= 1e-7).all() and (tp.sum(-1) <= 1 + 1e-5).all()
         assert (tk == mk).all() and (ti == mi).all()
         np.testing.assert_allclose(tp, mp, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,budget", [("tree", 24), ("tree", 6), ("auto", 48)])
+def test_identical_trees_paths_and_tokens(trained_pair, mode, budget):
+    """Tree verification: the same trees (tokens, parents), the same accepted paths and tokens on both backends,
+    each backend's output equal to its target-only output."""
+    from dflash.budget import Costs
+
+    target_dir, draft_dir = trained_pair
+    tb, mb = load_both(target_dir, draft_dir, block_size=16)
+    ar = backends.get("mlx").load(target_dir, None, dtype="float32", device="cpu")
+    costs = Costs(draft=0.3, verify=[(1, 1.0), (512, 1.3)])  # deterministic: a device where verifying is flat
+    records = {}
+    for name, be in (("torch", tb), ("mlx", mb)):
+        be.set_verify(mode, budget, costs)
+        seen = records[name] = []
+        step = be.step
+
+        def recording(anchors, be=be, step=step, seen=seen):
+            out = step(anchors)
+            seen.append([(t.tokens, t.parents, p) for t, p in zip(be.last_trees, be.last_paths)])
+            return out
+        be.step = recording
+    for p in held_out_prompts(6):
+        a = generate(tb, p, max_new_tokens=96)
+        b = generate(mb, p, max_new_tokens=96)
+        assert a.tokens == b.tokens == generate(ar, p, max_new_tokens=96).tokens
+        assert a.acceptance_lengths == b.acceptance_lengths and a.verified == b.verified
+    assert records["torch"] == records["mlx"]
+    walks = [p for cycle in records["mlx"] for _, parents, p in cycle
+             if any(parents.index(parents[i]) < i for i in p)]
+    assert walks, "no walk went into a non-first child"
+
+
+def test_mlx_cache_after_a_tree_commit(trained_pair):
+    import mlx.core as mx
+    import numpy as np
+
+    target_dir, draft_dir = trained_pair
+    _, mb = load_both(target_dir, draft_dir, block_size=16)
+    mb.set_verify("tree", 24)
+    (anchor,) = mb.prefill([held_out_prompts(1, 10)[0]])
+    gathered = False
+    for _ in range(6):
+        (step,) = mb.step([anchor])
+        anchor = step.tokens[-1]
+        gathered |= mb.last_paths[0] != list(range(1, len(mb.last_paths[0]) + 1))
+    assert gathered
+    logits, _ = mb.target.forward(mb.target.ids([[anchor]]), last_only=False)
+    fresh = backends.get("mlx").load(target_dir, draft_dir, dtype="float32", device="cpu")
+    ref, _ = fresh.target.forward(fresh.target.ids([mb.tokens + [anchor]]), last_only=False)
+    np.testing.assert_allclose(np.array(logits[0, -1]), np.array(ref[0, -1]), rtol=1e-4, atol=1e-4)
+    mx.eval(logits)

@@ -56,6 +56,7 @@ class FakeBackend:
     def retire(self, rows):
         pass
 
+    planner = None  # chain verification
     step = Engine.step  # the engine's cycle over this fake's draft / verify / commit
 
 

@@ -14,12 +14,14 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from dflash.engine import Engine, drafter_block_size
 from dflash.errors import DFlashError
 from dflash.sampling import SamplingParams
+from dflash.tree import TreeInputs
 
 from .draft_runner import MLXDraft
 from .drafter import DFlashDrafter
 from .rewind import MLXRewind, needs_rewind
 from .sampling import MLXSampler
 from .target import TargetRunner, embedding, lm_head, target_info
+from .tree import keep_path, tree_positions, tree_refusal
 
 _ONE_ROW = "--batch-size: batched decoding runs on the torch backend; use --backend torch or --batch-size 1"
 
@@ -65,16 +67,20 @@ class MLXTarget:
     def set_sampling(self, params: SamplingParams) -> None:
         self.sampler = MLXSampler(params)
 
-    def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None,
+    def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None, paths=None,
                logprobs: int | None = None):
-        scores = self.sampler.processed(logits[0], histories[0], None if block is None else block[0])
+        scores = self.sampler.processed(logits[0], histories[0], None if block is None else block[0],
+                                        None if paths is None else paths[0])
         tokens = self.sampler.draw(scores)[None].astype(mx.int32)
         if logprobs is None:
             return tokens
         return tokens, tuple(x[None] for x in self.sampler.log_probs(scores, tokens[0], logprobs))
 
     # ---- forward, keep, trim -----------------------------------------------------------------------------------------
-    def forward(self, ids: mx.array, last_only: bool):
+    def forward(self, ids: mx.array, last_only: bool, tree: TreeInputs | None = None):
+        if tree is not None:
+            with tree_positions(self.runner.layers, self.cache, tree):
+                return self.runner(ids, self.cache, last_only=False)
         if self.rewind is None:
             return self.runner(ids, self.cache, last_only)
         self.rewind.before_forward()
@@ -98,6 +104,29 @@ class MLXTarget:
 
     def reset(self) -> None:
         self.cache = self._new_cache()
+
+    # ---- trees -------------------------------------------------------------------------------------------------------
+    def device_key(self) -> str:
+        """What the costs of a forward depend on besides shapes (dflash/costs.py)."""
+        dtype = embedding(self.model).weight.dtype
+        return f"mlx {mx.__version__} {mx.default_device()} {dtype}"
+
+    def tree_refusal(self) -> str | None:
+        if self.rewind is not None:
+            return (f"{self.info.model_type} has sliding-window or linear-attention layers, whose caches cannot "
+                    "keep a tree's accepted path")
+        return tree_refusal(self.runner, self.cache)
+
+    def keep_slots(self, slots: list[list[int]], width: int) -> None:
+        (row,) = slots
+        if row == list(range(len(row))):
+            self.keep([len(row)], width)
+        else:
+            keep_path(self.cache, row, width)
+
+    @staticmethod
+    def gather(features: mx.array, slots: list[list[int]]) -> mx.array:
+        return mx.take(features, mx.array(slots[0], dtype=mx.int32), axis=1)
 
     def close(self) -> None:
         pass

@@ -38,7 +38,8 @@ class MLXDraft:
             cache.write(i, k, v, [n], 0)
         cache.advance([n])
 
-    def propose(self, anchor_ids: mx.array, pending: Pending | None, block_size: int, top_k: int = 0) -> Draft:
+    def propose(self, anchor_ids: mx.array, pending: Pending | None, block_size: int, top_k: int = 0,
+                temperature: float = 1.0) -> Draft:
         block = mx.concatenate([self.embed(anchor_ids), self._mask_embeds[:, : block_size - 1]], axis=1)
         features = pending.features if pending is not None else mx.zeros((1, 0, self.width), dtype=self.dtype)
         counts = pending.counts if pending is not None else [0]
@@ -54,7 +55,7 @@ class MLXDraft:
         logits = self.lm_head(self.drafter.norm(x)[:, 1:])
         draft = Draft(mx.concatenate([anchor_ids, mx.argmax(logits, axis=-1).astype(mx.int32)], axis=1))
         if top_k:
-            probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+            probs = mx.softmax(logits.astype(mx.float32) / temperature, axis=-1)
             ids = mx.argsort(-probs, axis=-1)[..., :top_k]
             draft.top_ids, draft.top_probs = ids, mx.take_along_axis(probs, ids, axis=-1)
         mx.async_eval(draft.ids)  # the draft runs while Python builds the verify graph

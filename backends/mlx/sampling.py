@@ -31,18 +31,24 @@ class MLXSampler:
             if p.seed is not None:
                 mx.random.seed(p.seed)  # mlx-lm's samplers draw from the global generator
 
-    def __call__(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
-        """logits (T, V) for the T positions that follow history + block[:i+1]; returns T token ids (lazy)."""
-        return self.draw(self.processed(logits, history, block))
+    def __call__(self, logits: mx.array, history: list[int], block: mx.array | None,
+                 paths: list[list[int]] | None = None) -> mx.array:
+        """logits (T, V) for the T positions that follow history + block[:i+1] (a tree: history + paths[i]);
+        returns T token ids (lazy)."""
+        return self.draw(self.processed(logits, history, block, paths))
 
-    def processed(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
+    def processed(self, logits: mx.array, history: list[int], block: mx.array | None,
+                  paths: list[list[int]] | None = None) -> mx.array:
         """The logits after the logits processors (the repetition penalty)."""
         if not self.processors:
             return logits
         hist = mx.array(history, dtype=mx.int32)
         rows = []
         for i in range(logits.shape[0]):
-            tokens = hist if block is None else mx.concatenate([hist, block[: i + 1].astype(mx.int32)])
+            if paths is not None:
+                tokens = mx.array(history + paths[i], dtype=mx.int32)
+            else:
+                tokens = hist if block is None else mx.concatenate([hist, block[: i + 1].astype(mx.int32)])
             row = logits[i:i + 1].astype(mx.float32)
             for proc in self.processors:
                 row = proc(tokens, row)

@@ -121,7 +121,8 @@ class TorchDraft:
             extend_context(self.drafter, pending.features, self.cache)
 
     @torch.inference_mode()
-    def propose(self, anchor_ids: torch.Tensor, pending: Pending | None, block_size: int, top_k: int = 0) -> Draft:
+    def propose(self, anchor_ids: torch.Tensor, pending: Pending | None, block_size: int, top_k: int = 0,
+                temperature: float = 1.0) -> Draft:
         rows = anchor_ids.shape[0]
         mask_id = self.drafter.spec.mask_token_id
         block = torch.cat([anchor_ids, anchor_ids.new_full((rows, block_size - 1), mask_id)], dim=1)
@@ -140,7 +141,7 @@ class TorchDraft:
             logits = self.lm_head(hidden[:, 1:])
         draft = Draft(torch.cat([anchor_ids, logits.argmax(dim=-1)], dim=1))
         if top_k:
-            probs, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            probs, ids = torch.softmax(logits.float() / temperature, dim=-1).topk(top_k, dim=-1)
             draft.top_ids, draft.top_probs = ids, probs
         return draft
 

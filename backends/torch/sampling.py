@@ -39,17 +39,22 @@ class TorchSampler:
             else:
                 self.generator.seed()
 
-    def __call__(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None) -> torch.Tensor:
-        """logits (T, V) for the T positions that follow history + block[:i+1]; returns T token ids."""
-        return self.draw(self.scores(logits, history, block))
+    def __call__(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None,
+                 paths: list[list[int]] | None = None) -> torch.Tensor:
+        """logits (T, V) for the T positions that follow history + block[:i+1] (a tree: history + paths[i]);
+        returns T token ids."""
+        return self.draw(self.scores(logits, history, block, paths))
 
-    def scores(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None,
+               paths: list[list[int]] | None = None) -> torch.Tensor:
         """The processed logits (T, V) the token is drawn from (filtered tokens at -inf)."""
         if not self.processors:
             return logits
         scores = logits.float()
         if self.params.repetition_penalty != 1.0:
-            return self.processors(_histories(history, block, logits.device), scores)
+            hist = _histories(history, block, logits.device) if paths is None else \
+                _tree_histories(history, paths, logits.device)
+            return self.processors(hist, scores)
         return self.processors(None, scores)
 
     def draw(self, scores: torch.Tensor) -> torch.Tensor:
@@ -79,3 +84,9 @@ def _histories(history: list[int], block: torch.Tensor | None, device) -> torch.
     upper = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), diagonal=1)
     rows[upper] = b[0]
     return torch.cat([hist[None].expand(t, -1), rows], dim=1)
+
+
+def _tree_histories(history: list[int], paths: list[list[int]], device) -> torch.Tensor:
+    """(T, len(history) + depth): row i = history + paths[i], padded with the root token (already in every row)."""
+    width = max(len(p) for p in paths)
+    return torch.tensor([history + p + [p[0]] * (width - len(p)) for p in paths], dtype=torch.long, device=device)

@@ -16,6 +16,7 @@ from transformers import DynamicCache, StaticCache
 
 from dflash.errors import DFlashError
 from dflash.sampling import SamplingParams
+from dflash.tree import TreeInputs
 
 from .rewind import CacheRewind, bounded_layers
 from .sampling import TorchSampler, log_probs
@@ -86,15 +87,16 @@ class TorchTarget:
         self.samplers = [TorchSampler(params, self.device)] * len(self.samplers)
 
     def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None,
-               logprobs: int | None = None):
+               paths: list[list[list[int]]] | None = None, logprobs: int | None = None):
         """The target's token at every position of every row (rows, T), each row with its own history and sampler;
-        with logprobs=k also (chosen, top-k ids, top-k log-probs) of the distributions the tokens were drawn from."""
+        for a tree, position j follows history + paths[row][j] (the tokens from the root to node j). With
+        logprobs=k also (chosen, top-k ids, top-k log-probs) of the distributions the tokens were drawn from."""
         if all(s.params.greedy and not s.processors for s in self.samplers):
             scores = logits  # the common case: one argmax for the whole batch
             tokens = logits.argmax(dim=-1)
         else:
-            per_row = [s.scores(logits[i], histories[i], None if block is None else block[i])
-                       for i, s in enumerate(self.samplers)]
+            per_row = [s.scores(logits[i], histories[i], None if block is None else block[i],
+                                None if paths is None else paths[i]) for i, s in enumerate(self.samplers)]
             tokens = torch.stack([s.draw(x) for s, x in zip(self.samplers, per_row)])
             scores = torch.stack(per_row) if logprobs is not None else None
         if logprobs is None:
@@ -103,9 +105,12 @@ class TorchTarget:
 
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append `ids` (rows, T) after every row's cached positions; logits and the captured features."""
+    def forward(self, ids: torch.Tensor, last_only: bool, tree: TreeInputs | None = None):
+        """Append `ids` (rows, T) after every row's cached positions; logits and the captured features. With
+        `tree`, slot j of row i sits at the row's next position + depth and sees the context and its ancestors."""
         t = ids.shape[1]
+        if tree is not None:
+            return self._forward_tree(ids, tree)
         if self.valid is not None:
             return self._forward_rows(ids, last_only)
         if self.cache_len is not None and self.length + t > self.cache_len:
@@ -119,6 +124,81 @@ class TorchTarget:
             self.rewind.after_forward(t)
         self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None
+
+    def device_key(self) -> str:
+        """What the costs of a forward depend on besides shapes (dflash/costs.py)."""
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+        return f"torch {torch.__version__} {name} {str(self.dtype).removeprefix('torch.')} " \
+               f"{torch.get_num_threads()} threads"
+
+    def tree_refusal(self) -> str | None:
+        """Why this target cannot verify a tree (None: it can)."""
+        if self.rewind is not None:
+            return (f"{self.info.model_type} has sliding-window or linear-attention layers, whose caches cannot "
+                    "keep a tree's accepted path")
+        if self.cache_len is not None:
+            return "the static cache (--compile / cache_len) keeps no tree; use the dynamic cache"
+        if self.model.config._attn_implementation not in ("sdpa", "eager"):
+            return (f"attention {self.model.config._attn_implementation!r} takes no 4D ancestor mask; "
+                    "load the target with sdpa or eager attention")
+        return None
+
+    def _forward_tree(self, ids, tree: TreeInputs):
+        rows, t = ids.shape
+        dev = self.device
+        depth = torch.tensor(tree.depths, device=dev)
+        allowed = torch.tensor(tree.allowed, device=dev)  # (rows, t, t)
+        if self.valid is None:
+            context = torch.ones(rows, self.length, dtype=torch.bool, device=dev)
+            positions = self.length + depth
+        else:
+            context, positions = self.valid, self.positions[:, None] + depth
+        mask = torch.cat([context[:, None, :].expand(-1, t, -1), allowed], dim=2)[:, None]
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask,
+                                                                                     torch.finfo(self.dtype).min)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, logits_to_keep=0)
+        if self.valid is None:
+            self.length += t
+        else:
+            self.valid = torch.cat([self.valid, torch.tensor(tree.real, device=dev)], dim=1)
+            self.positions = self.positions + t
+        return out.logits, self.capture.pop() if self.capture is not None else None
+
+    @staticmethod
+    def gather(features: torch.Tensor, slots: list[list[int]]) -> torch.Tensor:
+        """Row i's features at slots[i] of the last forward, packed to the left (zero-padded)."""
+        width = max(len(s) for s in slots)
+        idx = torch.tensor([s + [s[-1]] * (width - len(s)) for s in slots], device=features.device)
+        return features.gather(1, idx[:, :, None].expand(-1, -1, features.shape[2]))
+
+    @torch.inference_mode()
+    def keep_slots(self, slots: list[list[int]], width: int) -> None:
+        """After a tree forward of `width` slots, row i keeps slots[i] (the root and its accepted path, in order)."""
+        if all(s == list(range(len(s))) for s in slots):
+            self.keep([len(s) for s in slots], width)
+            return
+        if self.valid is None:
+            start = self.length - width
+            idx = start + torch.tensor(slots[0], device=self.device)
+            for layer in self.cache.layers:
+                layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, idx]], dim=2)
+                layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, idx]], dim=2)
+            self.length = start + len(slots[0])
+            return
+        # rows: the kept slots stay where they are and the rest become holes (their RoPE positions are already
+        # the accepted path's: root at the row's position, depth d at position + d)
+        most = max(max(s) + 1 for s in slots)
+        if most < width:
+            self.cache.crop(-(width - most))
+        self.valid = self.valid[:, :self.valid.shape[1] - (width - most)].clone()
+        kept = torch.zeros(len(slots), most, dtype=torch.bool, device=self.device)
+        for i, s in enumerate(slots):
+            kept[i, s] = True
+        self.valid[:, self.valid.shape[1] - most:] = kept
+        self.positions = self.positions - width + torch.tensor([len(s) for s in slots], device=self.device)
+        self._compact_if_sparse()
 
     def _forward_rows(self, ids, last_only: bool):
         rows, t = ids.shape
@@ -151,9 +231,7 @@ class TorchTarget:
         kept = slot[None] < torch.tensor(keeps, device=self.device)[:, None]
         self.valid[:, self.valid.shape[1] - most:] = kept
         self.positions = self.positions - width + kept.sum(1)
-        holes = self.valid.numel() - int(self.valid.sum())
-        if self.valid.shape[1] > 64 and 2 * holes > self.valid.numel():
-            self._compact()
+        self._compact_if_sparse()
         return True
 
     def trim(self, n: int) -> bool:
@@ -228,6 +306,11 @@ class TorchTarget:
         self.check_batchable()
         self.valid = torch.ones(1, self.length, dtype=torch.bool, device=self.device)
         self.positions = torch.tensor([self.length], device=self.device)
+
+    def _compact_if_sparse(self) -> None:
+        holes = self.valid.numel() - int(self.valid.sum())
+        if self.valid.shape[1] > 64 and 2 * holes > self.valid.numel():
+            self._compact()
 
     def _compact(self) -> None:
         idx = _right_aligned(self.valid)

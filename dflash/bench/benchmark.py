@@ -78,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (transformers docs' value)")
     p.add_argument("--mlx-draft-tokens", type=int, default=3, help="mlx-lm num_draft_tokens (mlx_lm.generate's "
                    "CLI default)")
+    p.add_argument("--tree-budget", type=int, help="the tree methods' maximum draft nodes per cycle (default: what "
+                   "the device profile allows)")
     p.add_argument("--sequential", action="store_true", help="one method at a time instead of interleaving prompts")
     p.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS into MLX workers")
     p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
                 "seed": args.seed, "eos_token_ids": eos, "ignore_eos": args.ignore_eos,
                 "pad_token_id": tokenizer.pad_token_id, "lookup_tokens": args.lookup_tokens,
                 "mlx_draft_tokens": args.mlx_draft_tokens, "warmup": args.warmup,
-                "warmup_ids": prompts[0]["ids"], "batch_size": args.batch_size}
+                "warmup_ids": prompts[0]["ids"], "batch_size": args.batch_size, "tree_budget": args.tree_budget}
     openblas = not args.no_openblas and Path(OPENBLAS).exists()
     if any(m.backend == "mlx" for m in methods) and not openblas and not args.no_openblas and wheel_reference_blas():
         print(advice("no-openblas"), file=sys.stderr, flush=True)

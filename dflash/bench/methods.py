@@ -40,6 +40,8 @@ class Method:
     block_size: int | None = None  # dflash: None = no drafter
     lookup: bool = False  # hf: prompt lookup decoding
     ar_draft: bool = False  # hf assisted / mlx-lm speculative: needs the autoregressive draft model
+    verify: str = "chain"  # dflash: chain | tree | auto (dflash/budget.py)
+    copy_branch: bool = True  # dflash trees: the branch copied from the context
     label: str = ""
 
     @property
@@ -51,12 +53,18 @@ METHODS = {m.name: m for m in (
     Method("no_draft", "dflash", "torch", label="target only, autoregressive (PyTorch baseline)"),
     Method("dflash_b16", "dflash", "torch", block_size=16, label="DFlash, block 16 (PyTorch)"),
     Method("dflash_b8", "dflash", "torch", block_size=8, label="DFlash, block 8 (PyTorch)"),
+    Method("dflash_tree", "dflash", "torch", block_size=16, verify="auto",
+           label="DFlash, block 16, verify auto: tree / chain / budget per cycle (PyTorch)"),
+    Method("dflash_tree_nocopy", "dflash", "torch", block_size=16, verify="auto", copy_branch=False,
+           label="DFlash, block 16, verify auto without the copied branch (PyTorch)"),
     Method("hf_no_draft", "hf", "torch", label="transformers generate(), autoregressive"),
     Method("prompt_lookup", "hf", "torch", lookup=True, label="transformers prompt lookup decoding"),
     Method("assisted", "hf", "torch", ar_draft=True, label="transformers assisted generation (AR draft)"),
     Method("mlx_no_draft", "dflash", "mlx", label="target only, autoregressive (MLX baseline)"),
     Method("mlx_dflash_b16", "dflash", "mlx", block_size=16, label="DFlash, block 16 (MLX)"),
     Method("mlx_dflash_b8", "dflash", "mlx", block_size=8, label="DFlash, block 8 (MLX)"),
+    Method("mlx_dflash_tree", "dflash", "mlx", block_size=16, verify="auto",
+           label="DFlash, block 16, verify auto: tree / chain / budget per cycle (MLX)"),
     Method("mlx_lm_no_draft", "mlx_lm", "mlx", label="mlx-lm stream_generate(), autoregressive"),
     Method("mlx_lm_speculative", "mlx_lm", "mlx", ar_draft=True, label="mlx-lm speculative decoding (AR draft)"),
 )}
@@ -97,7 +105,9 @@ class DFlashRunner:
         self.method, self.cfg = method, cfg
         draft = cfg["draft"] if method.block_size is not None else None
         self.pipe = api.load(cfg["target"], draft, backend=method.backend, no_draft=draft is None,
-                                dtype=cfg["dtype"], device=cfg["device"], block_size=method.block_size)
+                                dtype=cfg["dtype"], device=cfg["device"], block_size=method.block_size,
+                                verify=method.verify, tree_budget=cfg.get("tree_budget"),
+                                copy_branch=method.copy_branch)
         self.pipe.eos_token_ids = set(cfg["eos_token_ids"])
         self.info = {"block_size": self.pipe.backend.block_size}
 
@@ -111,7 +121,9 @@ class DFlashRunner:
     def _record(self, r, seconds: float) -> dict:
         return {"tokens": r.tokens, "seconds": seconds, "prefill_seconds": r.prefill_seconds,
                 "decode_seconds": r.decode_seconds, "decode_tokens": max(len(r.tokens) - 1, 0),
-                "acceptance_lengths": r.acceptance_lengths if self.method.speculative else None}
+                "acceptance_lengths": r.acceptance_lengths if self.method.speculative else None,
+                "verified": r.verified if self.method.speculative else None,
+                "cycles_without_draft": r.cycles_without_draft}
 
     def generate_batch(self, prompts: list[list[int]], seed: int) -> list[dict]:
         """One batch through batched speculative decoding (torch). Each row is charged the batch's wall time in

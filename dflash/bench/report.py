@@ -64,6 +64,10 @@ def summarize(methods: list[Method], results: dict, prompts: list[dict], greedy:
             s.update(tau=mean_acceptance_length(lengths), cycles=len(lengths),
                      histogram=acceptance_histogram(lengths, block), per_position=per_position_acceptance(lengths,
                                                                                                          block))
+            verified = [n for r in ok for n in (r.get("verified") or [])]
+            if verified:  # draft tokens the target verified per cycle (chain: B-1; trees: the budgets chosen)
+                s.update(verified_per_cycle=sum(verified) / len(verified),
+                         cycles_without_draft=sum(r.get("cycles_without_draft") or 0 for r in ok))
         if greedy and base is not None and m.name != base_name:
             same, diffs = 0, []
             for i, (r, b) in enumerate(zip(recs, base)):
@@ -116,7 +120,8 @@ def markdown(report: dict) -> str:
              f"{cfg['max_new_tokens']}, {'greedy' if greedy else 'temperature ' + str(cfg['temperature'])}, "
              f"batch {cfg.get('batch_size', 1)}, {cfg['threads']} thread(s) per worker, {'sequential' if cfg['sequential'] else 'interleaved'}"
              f" workers; speedup = median over prompts of baseline s/token / method s/token (IQR in brackets).", ""]
-    head = ["method", "backend", "greedy == baseline" if greedy else "sampling", "tau", "decode tok/s",
+    head = ["method", "backend", "greedy == baseline" if greedy else "sampling", "tau", "verified / cycle",
+            "decode tok/s",
             "end-to-end tok/s", "speedup vs own baseline", "vs PyTorch baseline", "peak RSS MB"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summary.items():
@@ -138,6 +143,7 @@ def markdown(report: dict) -> str:
         vtx = f"{vt['median']:.2f}x" if vt.get("median") is not None else "—"
         tps = _fmt(s.get("tokens_per_second"), "{:.1f}")
         lines.append(f"| {name} | {s['backend']} | {check} | {_fmt(s.get('tau'))} | "
+                     f"{_fmt(s.get('verified_per_cycle'), '{:.1f}')} | "
                      f"{_fmt(s.get('decode_tokens_per_second'), '{:.1f}')} | {tps} | {spx} | {vtx} | "
                      f"{_fmt(s.get('peak_rss_mb'), '{:.0f}')} |")
     notes = []

@@ -1,0 +1,99 @@
+"""What a draft and a verify cost on this device, measured once per model shape + device + dtype and cached.
+
+`--verify auto` needs T_draft and T_verify(n) in seconds: on an H200 a verify is nearly flat up to hundreds of
+tokens, on a 2-core CPU it grows with every token, and the budget rule (dflash/budget.py) has to know which. The
+profile runs the engine's own primitives (the tree forward, the draft) after a short context, so it measures exactly
+what the cycles will run; it takes about a second for a small model and is then read from
+$DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from .budget import MAX_TOP_K, Costs
+from .tree import TreeInputs, chain_tree
+
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+CONTEXT = 64  # positions before the measured forwards
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash"
+    return Path(root) / "costs"
+
+
+def cost_key(engine) -> str:
+    """Costs depend on shapes, backend, device, dtype and threads, not on the weights' values."""
+    info, spec = engine.info, getattr(engine.drafter, "spec", None)
+    parts = [engine.name, info.model_type, info.hidden_size, info.num_hidden_layers, info.vocab_size,
+             engine.block_size, engine.target.device_key()]
+    if spec is not None:
+        parts += [spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_context_layers]
+    return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True) -> Costs:
+    """The engine's costs, from the cache or measured now (the engine is reset either way)."""
+    path = cache_dir() / f"{cost_key(engine)}.json"
+    if use_cache and path.exists():
+        try:
+            costs = Costs.from_json(json.loads(path.read_text()))
+            if costs.verify[-1][0] >= min(max_tokens, GRID[-1]) or costs.verify_seconds(1) * 4 < costs.verify[-1][1]:
+                return costs
+        except (ValueError, KeyError, TypeError, IndexError):
+            pass  # a damaged cache file is measured again
+    costs = measure(engine, max_tokens)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(costs.to_json() | {"device": engine.target.device_key()}))
+        tmp.replace(path)
+    return costs
+
+
+def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
+    """The fastest of `repeats` seconds (the cost without interference; other load shows in the online overhead
+    estimate instead) of a target forward of n tokens (a chain-shaped tree: the tree path's own mask and
+    positions) for n on GRID up to max_tokens, stopping once n tokens cost 4 single-token steps and n covers a block
+    (beyond that no tree pays on this device), and of one draft forward."""
+    target, drafter = engine.target, engine.drafter
+    engine.reset()
+    vocab = engine.info.vocab_size
+    prompt = [(31 * i + 7) % vocab for i in range(CONTEXT)]
+    engine.prefill([prompt])
+    anchor = prompt[-1]
+
+    def verify_once(n: int) -> float:
+        inputs = TreeInputs.of([chain_tree(anchor, [anchor] * (n - 1))])
+        ids = target.ids(inputs.ids)
+        start = time.perf_counter()
+        logits, _ = target.forward(ids, last_only=False, tree=inputs)
+        target.to_host(target.sample(logits, engine.rows, ids))
+        seconds = time.perf_counter() - start
+        target.trim(n)
+        return seconds
+
+    verify = []
+    for n in (g for g in GRID if g <= max_tokens):
+        verify_once(n)  # warm-up (allocation, kernel selection)
+        seconds = min(verify_once(n) for _ in range(repeats))
+        verify.append((n, max(seconds, verify[-1][1] if verify else 0.0)))  # more tokens never cost less
+        if seconds > 4 * verify[0][1] and n >= engine.block_size:
+            break
+    draft = 0.0
+    if drafter is not None:
+        def draft_once() -> float:
+            start = time.perf_counter()
+            out = drafter.propose(target.ids([[anchor]]), None, engine.block_size, MAX_TOP_K)
+            target.to_host(out.top_ids)
+            return time.perf_counter() - start
+
+        draft_once()
+        draft = min(draft_once() for _ in range(repeats))
+    engine.reset()
+    return Costs(draft, verify)

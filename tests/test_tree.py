@@ -1,0 +1,139 @@
+"""dflash/tree.py and dflash/budget.py, pure: best-first order, masks, the walk, prompt lookup, the budget rule."""
+
+import itertools
+import math
+import random
+
+import pytest
+
+from dflash.budget import Costs, TreePlanner
+from dflash.tree import (Calibration, CopyIndex, Tree, TreeInputs, best_first, chain_tree, choose_counts,
+                         merge_candidates, to_tree)
+
+
+def random_marginals(depth, k, seed):
+    rng = random.Random(seed)
+    ids, probs = [], []
+    for _ in range(depth):
+        p = sorted((rng.random() ** 3 for _ in range(k)), reverse=True)
+        total = sum(p) * (1 + rng.random())  # the top-k holds part of the mass
+        probs.append([x / total for x in p])
+        ids.append(rng.sample(range(100), k))
+    return ids, probs
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_first_is_the_n_most_probable_prefixes(seed):
+    depth, k, n = 4, 3, 20
+    ids, probs = random_marginals(depth, k, seed)
+    got = best_first(ids, probs, n, depth)
+    every = []
+    for d in range(1, depth + 1):
+        for ranks in itertools.product(range(k), repeat=d):
+            every.append(math.prod(probs[i][r] for i, r in enumerate(ranks)))
+    every.sort(reverse=True)
+    assert [round(c.q, 12) for c in got] == [round(q, 12) for q in every[:n]]
+    seen = {()}
+    for c in got:  # parents before children, tokens follow the ranks
+        assert c.ranks[:-1] in seen
+        seen.add(c.ranks)
+        assert c.tokens == tuple(ids[i][r] for i, r in enumerate(c.ranks))
+
+
+def test_best_first_respects_the_depth_limit():
+    ids, probs = [[1, 2]] * 6, [[0.99, 0.01]] * 6
+    assert max(len(c.tokens) for c in best_first(ids, probs, 50, 3)) == 3
+    assert best_first(ids, probs, 0, 3) == []
+
+
+def test_chain_is_the_rank_one_special_case():
+    ids, probs = [[5, 6]] * 4, [[0.9, 0.1]] * 4
+    chain = best_first(ids, probs, 4, 4)
+    assert [c.ranks for c in chain] == [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
+    tree = to_tree(7, merge_candidates(chain, [], Calibration(4)))
+    assert tree.tokens == chain_tree(7, [5, 5, 5, 5]).tokens and tree.parents == [-1, 0, 1, 2, 3]
+
+
+def test_mask_paths_and_walk():
+    # root 0 -> a(1) -> c(3); root -> b(2) -> d(4)
+    t = Tree([9, 1, 2, 3, 4], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2], [1, .5, .4, .3, .2], [False] * 5)
+    assert t.mask() == [[True, False, False, False, False], [True, True, False, False, False],
+                        [True, False, True, False, False], [True, True, False, True, False],
+                        [True, False, True, False, True]]
+    assert t.paths() == [[9], [9, 1], [9, 2], [9, 1, 3], [9, 2, 4]]
+    # the target's token at each node: root says 2 (second child), node 2 says 4 (its child), node 4 says 7
+    assert t.walk([2, 0, 4, 0, 7]) == ([2, 4], 7)
+    assert t.walk([5, 0, 0, 0, 0]) == ([], 5)  # no child matches: the bonus token alone
+    assert t.walk([1, 3, 0, 8, 0]) == ([1, 3], 8)
+
+
+def test_tree_inputs_pad_rows_to_the_widest():
+    a, b = chain_tree(1, [2, 3]), Tree.root(4)
+    inputs = TreeInputs.of([a, b])
+    assert inputs.width == 3 and inputs.ids[1] == [4, 4, 4] and inputs.real[1] == [True, False, False]
+    assert inputs.allowed[1][2] == [False, False, True]  # padding sees only itself
+    assert inputs.depths[0] == [0, 1, 2]
+
+
+def test_copy_index_finds_the_latest_longest_match():
+    idx = CopyIndex(max_ngram=3)
+    idx.update([1, 2, 3, 4, 1, 2, 3, 9, 1, 2])
+    assert idx.continuation(3) == [3, 9, 1]  # (1, 2) last occurred before 3, 9
+    idx.update([1, 2, 3, 4, 1, 2, 3, 9, 1, 2, 3])
+    assert idx.continuation(2) == [9, 1]  # (1, 2, 3) latest at position 4..6
+    idx.update([5, 6])  # another sequence: starts over
+    assert idx.continuation(4) == []
+
+
+def test_copied_branch_joins_the_tree_and_orphans_are_never_chosen():
+    ids, probs = [[5, 6], [7, 8], [1, 2]], [[0.6, 0.3], [0.5, 0.4], [0.9, 0.1]]
+    draft = best_first(ids, probs, 3, 3)
+    merged = merge_candidates(draft, [6, 9, 9], Calibration(3))
+    prefixes = [c.tokens for c in merged]
+    assert (6,) in prefixes and (6, 9) in prefixes and (6, 9, 9) in prefixes
+    assert [c.copied for c in merged if c.tokens == (6,)] == [True]
+    for n in range(1, len(merged) + 1):  # every prefix of the order is a tree
+        chosen = {c.tokens for c in merged[:n]}
+        assert all(len(p) == 1 or p[:-1] in chosen for p in chosen)
+    for a, b in zip(merged, merged[1:]):
+        assert a.value >= b.value
+
+
+def test_calibration_learns_an_overconfident_drafter():
+    cal = Calibration(2, decay=1.0)
+    tree = chain_tree(0, [1, 2])
+    for _ in range(50):  # q says 0.9 at depth 1, the target never agrees
+        cal.observe(tree, [1.0, 0.9, 0.8], [])
+    assert cal.scale(1) < 0.05
+
+
+def test_choose_counts_trades_tokens_for_seconds():
+    flat = lambda n: 1.0  # noqa: E731  (a GPU: verifying more costs nothing)
+    steep = lambda n: float(n)  # noqa: E731  (every token costs a step)
+    values = [[0.9, 0.8, 0.3, 0.1]]
+    assert choose_counts(values, flat, 0.1, 4)[0] == [4]
+    assert choose_counts(values, steep, 0.1, 4)[0] == [0]
+    assert choose_counts(values, lambda n: 1.0 + 0.05 * n, 0.1, 2)[0] == [2]  # the cap
+    # rows share one forward padded to the widest tree: a weak row fills a padding slot that costs nothing more,
+    # but does not widen the forward
+    counts, _ = choose_counts([[0.9], [0.05, 0.04]], lambda n: 1.0 + 0.1 * n, 0.1, 4)
+    assert counts == [1, 1]
+
+
+def test_costs_interpolate_and_extrapolate():
+    c = Costs(0.1, [(1, 1.0), (3, 2.0), (5, 4.0)])
+    assert c.verify_seconds(2) == 1.5 and c.verify_seconds(7) == 6.0 and c.verify_seconds(0) == 1.0
+    assert Costs.from_json(c.to_json()) == c
+
+
+def test_auto_pauses_drafting_when_no_draft_wins():
+    costs = Costs(draft=1.0, verify=[(1, 1.0), (16, 2.5)])
+    planner = TreePlanner("auto", 4, 8, costs, copy_branch=False)
+    poor = [[[3, 4]] * 3], [[[0.01, 0.01]] * 3]
+    plan = planner.plan([0], *poor)
+    assert plan.drafted and plan.trees[0].nodes == 0  # nothing pays for its verify tokens
+    assert not planner.drafts_this_cycle()  # and the next cycle skips the draft forward
+    planner.skip = 0
+    good = [[[3, 4]] * 3], [[[0.99, 0.005]] * 3]
+    plan = planner.plan([0], *good)
+    assert plan.trees[0].nodes == 3 and planner.drafts_this_cycle()
