@@ -74,7 +74,7 @@ class Step:
     drafted: list[int]  # the proposals the target checked (chain), or the accepted path's (tree)
     verified: int  # draft tokens the target verified for this row
     draft_forward: bool = True  # False: a cycle of --verify auto that verified without drafting
-    # with Engine.logprobs set (chain verification): per committed token, the target's log-probability of it under
+    # with Engine.logprobs set: per committed token, the target's log-probability of it under
     # the row's sampling settings and the top (id, log-probability) pairs, from the verify forward's own logits
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -246,7 +246,7 @@ class Engine:
         inputs = TreeInputs.of(plan.trees)
         ids = target.ids(inputs.ids)
         logits, features = target.forward(ids, last_only=False, tree=inputs)
-        tokens = target.to_host(target.sample(logits, self.rows, ids, [t.paths() for t in plan.trees]))
+        tokens = target.to_host(self._sample(logits, self.rows, ids, [t.paths() for t in plan.trees]))
         steps, paths, slots = [], [], []
         for tree, row_tokens in zip(plan.trees, tokens):
             path, bonus = tree.walk(row_tokens)
@@ -254,6 +254,9 @@ class Engine:
             paths.append(path)
             slots.append([0] + path)
             steps.append(Step(accepted + [bonus], accepted, tree.nodes, plan.drafted))
+        if self.logprobs is not None:  # committed token k was drawn at slot slots[k]
+            for step, row_slots, chosen, top in zip(steps, slots, *self._logprobs):
+                step.logprobs, step.top_logprobs = [chosen[j] for j in row_slots], [top[j] for j in row_slots]
         planner.observe(plan, paths, time.perf_counter() - start)
         self.last_trees, self.last_paths = plan.trees, paths  # (introspection: tests, traces)
         target.keep_slots(slots, inputs.width)
@@ -353,12 +356,13 @@ class Engine:
         else:
             self.pending = Pending(self.target.cat([self.pending.features, features]), [self.pending.counts[0] + n])
 
-    def _sample(self, logits, histories, block):
+    def _sample(self, logits, histories, block, paths=None):
         """The target's tokens; with self.logprobs set, also leaves their log-probabilities in self._logprobs
         (per row: per position the chosen token's, and its top (id, log-probability) pairs) on the host."""
         if self.logprobs is None:
-            return self.target.sample(logits, histories, block)
-        tokens, (chosen, top_ids, top_lps) = self.target.sample(logits, histories, block, logprobs=self.logprobs)
+            return self.target.sample(logits, histories, block, paths)
+        tokens, (chosen, top_ids, top_lps) = self.target.sample(logits, histories, block, paths,
+                                                                logprobs=self.logprobs)
         chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
         tops = [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)]
         self._logprobs = (chosen, tops)

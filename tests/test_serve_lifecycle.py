@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server("--max-batch", "1", "--max-queue", "1", "--drain-timeout", "60")
+    return start_server("--max-batch", "1", "--max-queue", "1", "--drain-timeout", "60", "--verify", "chain")
 
 
 def complete(server, body, **kw):
@@ -58,6 +58,16 @@ def test_second_turn_prefills_only_the_new_turn(server):
     assert c["dflash"]["prompt_tokens_reused"] < reused  # prefilled (almost) from scratch
     assert c["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
     assert c["dflash"]["prefill_seconds"] > 0 and b["dflash"]["prefill_seconds"] > 0
+
+
+def test_seeded_sampling_repeats_under_chain_verification(server):
+    body = {"messages": [{"role": "user", "content": "class Stack:"}], "max_tokens": 24, "temperature": 0.8,
+            "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "seed": 7}
+    a, b = complete(server, body).json(), complete(server, body).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert a["dflash"]["verify_mode"] == "chain"
+    other = complete(server, dict(body, seed=8)).json()
+    assert other["choices"][0]["message"]["content"] != a["choices"][0]["message"]["content"]
 
 
 def test_data_regenerate_through_the_server(server, tmp_path):

@@ -1,13 +1,14 @@
 """Measuring: the end-to-end benchmark against peers (benchmark, its prompts, worker processes, methods and
-report), the cost model of one cycle, and the GPU check. `python -m dflash.bench [run | cost-model | gpu-check]`."""
+report), the cost model of one cycle, the GPU check, and load on dflash.serve.
+`python -m dflash.bench [run | cost-model | gpu-check | serve]`."""
 
 from __future__ import annotations
 
 import sys
 
-from . import benchmark, costmodel, gpucheck
+from . import benchmark, costmodel, gpucheck, serve_load
 
-COMMANDS = {"run": benchmark.main, "cost-model": costmodel.main, "gpu-check": gpucheck.main}
+COMMANDS = {"run": benchmark.main, "cost-model": costmodel.main, "gpu-check": gpucheck.main, "serve": serve_load.main}
 
 
 def main(argv=None) -> int:
