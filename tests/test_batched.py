@@ -194,3 +194,37 @@ def test_batches_of_other_sizes_reuse_the_engine(pair, mixed_prompts):
     for rows in ([0, 1, 2], [3, 4], [0, 1, 2, 3, 4], [2]):
         got = generate_batch(be, [mixed_prompts[i] for i in rows], max_new_tokens=24)
         assert [g.tokens for g in got] == [want[i] for i in rows]
+
+
+@pytest.mark.parametrize("verify", ["chain", "tree"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.7, seed=0)])
+def test_logprobs_are_the_targets_own(pair, mixed_prompts, verify, sampling):
+    """Generation(logprobs=k): each emitted token's log-probability and its top k, computed in the verify forward,
+    equal a plain target forward over prompt + output (log_softmax of logits / temperature), rows in a batch."""
+    from dflash.loop import Batch, Generation
+
+    target, drafter = pair
+    be = batched(target, drafter)
+    be.set_verify(verify, 15 if verify == "tree" else None)
+    batch = Batch(be)
+    gens = [Generation(be, p, max_new_tokens=24, sampling=sampling, logprobs=3) for p in mixed_prompts[:3]]
+    incs = {id(g): [] for g in gens}
+    for g in gens:
+        incs[id(g)].append(batch.join(g))
+    while batch:
+        for g, inc in batch.step():
+            incs[id(g)].append(inc)
+    for g in gens:
+        lps = [x for inc in incs[id(g)] for x in inc.logprobs]
+        tops = [x for inc in incs[id(g)] for x in inc.top_logprobs]
+        out = g.result.tokens
+        assert len(lps) == len(tops) == len(out) == 24
+        with torch.no_grad():
+            logits = target(torch.tensor([g.prompt_ids + out])).logits[0, len(g.prompt_ids) - 1:-1].float()
+        want = torch.log_softmax(logits / (sampling.temperature or 1.0), dim=-1)
+        got_chosen = torch.tensor(lps)
+        assert torch.allclose(got_chosen, want[torch.arange(len(out)), torch.tensor(out)], atol=2e-4)
+        top_values, top_ids = want.topk(3, dim=-1)
+        assert torch.allclose(torch.tensor([[v for _, v in t] for t in tops]), top_values, atol=2e-4)
+        if sampling.greedy:
+            assert [t[0][0] for t in tops] == out  # greedy: the emitted token is the top one
