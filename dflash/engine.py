@@ -24,6 +24,7 @@ from typing import Sequence
 
 from .budget import VERIFY_MODES, Costs, TreePlanner
 from .errors import DFlashError
+from .prefix_cache import PrefixCache, keep_row
 from .sampling import SamplingParams, accepted_length, common_prefix
 from .spec import check_block_size
 from .tree import CopyIndex, TreeInputs
@@ -103,6 +104,8 @@ class Engine:
         self.sampling = SamplingParams()
         self.logprobs: int | None = None  # None: off; k >= 0: every sample also returns log-probs (top k)
         self.first_logprobs: tuple[list[float], list[list[tuple[int, float]]]] | None = None  # last prefill's
+        self.prefix_cache: PrefixCache | None = None  # finished rows' caches, for later prompts (enable_prefix_cache)
+        self.last_reused = 0  # prompt tokens the last prefill found in the caches
         self.verify_mode, self.verify_note = "chain", ""
         self.planner: TreePlanner | None = None  # tree / auto verification (dflash/budget.py)
         self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
@@ -149,6 +152,31 @@ class Engine:
         self.planner = TreePlanner(mode, self.block_size, budget, costs, copy_branch)
         self.top_k = self.planner.top_k
 
+    def enable_prefix_cache(self, max_bytes: int) -> None:
+        """Keep finished rows' caches (at most max_bytes, least recently used out) for prompts that share their
+        prefix; one line if this target's rows cannot be kept apart."""
+        self.target.check_batchable()
+        self.prefix_cache = PrefixCache(max_bytes) if max_bytes > 0 else None
+
+    def _keep_prefix(self, i: int) -> None:
+        if self.prefix_cache is not None:
+            row = Engine(self.target.extract(i), self.drafter.extract(i) if self.drafter else None,
+                         block_size=self.block_size, prefill_chunk=self.prefill_chunk)
+            row.rows = [list(self.rows[i])]
+            keep_row(self.prefix_cache, row)
+
+    def _adopt_prefix(self, prompt_ids: list[int]) -> None:
+        """Before a lone prefill: take the kept prefix that beats the caches' own (keeping theirs if it is lost)."""
+        if self.prefix_cache is None:
+            return
+        own = common_prefix(self.tokens, prompt_ids[:-1])
+        if self.rows and len(self.tokens) - own >= self.prefix_cache.min_tokens:
+            self._keep_prefix(0)
+        row = self.prefix_cache.take(prompt_ids, at_least=own)
+        if row is not None:
+            self.target, self.drafter, self.rows, self.pending = row.target, row.drafter, row.rows, None
+            self.target.set_sampling(self.sampling)
+
     # ---- prefill ---------------------------------------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]],
                 samplings: Sequence[SamplingParams] | None = None) -> list[int]:
@@ -160,6 +188,7 @@ class Engine:
         if len(prompts) == 1 and not self.shared:
             if samplings[0] is not None:
                 self.set_sampling(samplings[0])
+            self._adopt_prefix(list(prompts[0]))
             return [self._prefill_single(list(prompts[0]))]
         self.reset()
         return [self.admit(p, s) for p, s in zip(prompts, samplings)]
@@ -172,13 +201,16 @@ class Engine:
         if not self.rows:
             if sampling is not None:
                 self.set_sampling(sampling)
+            self._adopt_prefix(prompt_ids)
             return self._prefill_single(prompt_ids)
-        row = Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None, block_size=self.block_size,
-                     prefill_chunk=self.prefill_chunk)
+        row = self.prefix_cache.take(prompt_ids) if self.prefix_cache is not None else None
+        if row is None:
+            row = Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None,
+                         block_size=self.block_size, prefill_chunk=self.prefill_chunk)
         row.logprobs = self.logprobs
         row.set_sampling(sampling or self.sampling)
         first = row._prefill_single(prompt_ids)
-        self.first_logprobs = row.first_logprobs
+        self.first_logprobs, self.last_reused = row.first_logprobs, row.last_reused
         self.target.merge(row.target)
         self.shared = True
         if self.drafter is not None:
@@ -194,6 +226,7 @@ class Engine:
         if not self.rows:  # (a fresh engine, or the crop had to start over)
             self.rows = [[]]
         start, logits = len(self.tokens), None
+        self.last_reused = start
         for at in range(start, len(prompt_ids), self.prefill_chunk):
             chunk = prompt_ids[at:at + self.prefill_chunk]
             logits, features = self.target.forward(self.target.ids([chunk]), last_only=True)
@@ -304,6 +337,8 @@ class Engine:
         keep = [i for i in range(len(self.rows)) if i not in gone]
         if not keep and not self.shared:
             return  # a finished single sequence stays cached: the next prompt may reuse its prefix (a chat)
+        for i in sorted(gone):
+            self._keep_prefix(i)
         if not keep:
             self.reset()
             return

@@ -25,6 +25,9 @@ def parse_args(argv=None):
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a row before 503 (default: %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="(default: %(default)s)")
+    p.add_argument("--prefix-cache-mb", type=float, default=1024,
+                   help="finished sequences' caches kept for prompts sharing their prefix (default: %(default)s; "
+                   "0 = off: only the last sequence, when it runs alone)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests (default: %(default)s)")
     p.add_argument("--log-level", default="info", help="(default: %(default)s)")
@@ -36,6 +39,8 @@ def check_args(args) -> None:
                              ("--max-queue", args.max_queue, 0), ("--max-request-bytes", args.max_request_bytes, 1)):
         if value < low:
             raise DFlashError(f"{flag}: got {value}, expected >= {low}")
+    if args.prefix_cache_mb < 0:
+        raise DFlashError(f"--prefix-cache-mb: got {args.prefix_cache_mb}, expected >= 0")
     if args.drain_timeout < 0:
         raise DFlashError(f"--drain-timeout: got {args.drain_timeout}, expected >= 0")
 
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
     aliases = {str(args.model), Path(str(args.model)).name} if args.model else set()
     server = Server(pipe, model_name=name, aliases=aliases, max_batch=args.max_batch, max_queue=args.max_queue,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                    drain_timeout=args.drain_timeout)
+                    drain_timeout=args.drain_timeout, prefix_cache_mb=args.prefix_cache_mb)
     logging.getLogger("dflash.serve").info("serving %s on http://%s:%d (backend %s, max batch %d)", name,
                                            args.host, args.port, pipe.backend_name, server.scheduler.max_batch)
     run(server, args.host, args.port, args.log_level)

@@ -286,6 +286,25 @@ class TorchTarget:
         self.positions = torch.cat([self.positions, torch.tensor([other.length], device=self.device)])
         self.samplers = self.samplers + other.samplers
 
+    @torch.inference_mode()
+    def extract(self, i: int) -> "TorchTarget":
+        """Row i alone on a cache of its own (its valid slots, in order): a prefix kept after it leaves the batch."""
+        row = self.spawn()
+        if self.valid is None:
+            n, pick = self.length, (lambda t: t[:, :, :self.length].clone())  # noqa: E731
+        else:
+            idx = self.valid[i].nonzero().squeeze(1)
+            n, pick = idx.numel(), (lambda t: t[i:i + 1, :, idx])  # noqa: E731  (advanced indexing copies)
+        for layer_idx, layer in enumerate(self.cache.layers):
+            row.cache.update(pick(layer.keys), pick(layer.values), layer_idx)
+        row.length = n
+        row.samplers = [self.samplers[i if self.valid is not None else 0]]
+        return row
+
+    def cache_bytes(self) -> int:
+        return sum(t.nbytes for layer in self.cache.layers for t in (layer.keys, layer.values)
+                   if isinstance(t, torch.Tensor))
+
     def select(self, rows: list[int]) -> None:
         if self.valid is None:
             return  # one row, kept

@@ -62,12 +62,18 @@ def _sampling_error(e: DFlashError) -> ApiError:
 
 class Server:
     def __init__(self, pipe, *, model_name: str, aliases=(), max_batch: int = 16, max_queue: int = 64,
-                 api_key: str | None = None, max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0):
+                 api_key: str | None = None, max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0,
+                 prefix_cache_mb: float = 0):
         self.pipe, self.engine, self.tokenizer = pipe, pipe.backend, pipe.tokenizer
         if pipe.backend_name != "torch":
             max_batch = 1  # MLX runs one row: requests queue in FIFO order
         self.model_name, self.names = model_name, {model_name, *aliases}
         self.api_key, self.max_request_bytes, self.drain_timeout = api_key, max_request_bytes, drain_timeout
+        if prefix_cache_mb > 0:
+            try:
+                self.engine.enable_prefix_cache(int(prefix_cache_mb * 2**20))
+            except DFlashError as e:
+                log.warning("--prefix-cache-mb: off (%s); the last sequence is still reused when alone", e)
         self.metrics = Metrics(self.engine.block_size)
         self.scheduler = Scheduler(self.engine, self.metrics, max_batch=max_batch, max_queue=max_queue)
         vocab = self.tokenizer.get_vocab()

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 from ..errors import DFlashError
 from ..loop import Batch, Generation, GenerationResult, Increment
-from ..sampling import common_prefix
 from .metrics import Metrics
 
 log = logging.getLogger("dflash.serve")
@@ -126,14 +125,13 @@ class Scheduler:
         if job.cancelled:
             job.send("done", None)
             return
-        cached = self.engine.cached_tokens if not self.batch else []
         prompt = job.gen.prompt_ids
-        job.reused = common_prefix(cached, prompt[:-1]) if not getattr(self.engine, "shared", False) else 0
         try:
             inc = self.batch.join(job.gen)
         except DFlashError as e:
             job.send("error", str(e))
             return
+        job.reused = self.engine.last_reused
         self.metrics.prompt_tokens.inc(len(prompt))
         self.metrics.prefill_tokens.inc(len(prompt) - job.reused)
         self.live[id(job.gen)] = job
