@@ -395,7 +395,7 @@ class Engine:
         """The target's tokens; with self.logprobs set, also leaves their log-probabilities in self._logprobs
         (per row: per position the chosen token's, and its top (id, log-probability) pairs) on the host."""
         if self.logprobs is None:
-            return self.target.sample(logits, histories, block, paths)
+            return self.target.sample(logits, histories, block, *([paths] if paths is not None else []))
         tokens, (chosen, top_ids, top_lps) = self.target.sample(logits, histories, block, paths,
                                                                 logprobs=self.logprobs)
         chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
