@@ -14,6 +14,7 @@ from dflash.backends.mlx import load  # noqa: E402
 from dflash.backends.mlx.backend import MLXBackend  # noqa: E402
 from dflash.backends.mlx.drafter import load_drafter  # noqa: E402
 from dflash.backends.mlx.target import _Tap, decoder_layers, embedding, load_target  # noqa: E402
+from dflash.engine import Engine  # noqa: E402
 from dflash.errors import DFlashError  # noqa: E402
 from dflash.loop import generate  # noqa: E402
 from dflash.sampling import SamplingParams  # noqa: E402
@@ -66,6 +67,9 @@ class OracleDraft:
 
     def __getattr__(self, name):
         return getattr(self.be, name)
+
+    def step(self, anchors):  # the engine's cycle, over this oracle's draft
+        return Engine.step(self, anchors)
 
     def draft(self, anchors):
         (anchor,) = anchors

@@ -26,7 +26,7 @@ def complete(server, body, **kw):
 
 
 def test_full_queue_answers_503_with_retry_after(server):
-    long = {"messages": [{"role": "user", "content": "def main():"}], "max_tokens": 400, "temperature": 0}
+    long = {"messages": [{"role": "user", "content": "def main():"}], "max_tokens": 240, "temperature": 0}
     results = []
     threads = [threading.Thread(target=lambda: results.append(complete(server, long).status_code))
                for _ in range(2)]
