@@ -37,16 +37,16 @@ class Target(Protocol):
 
     # the model and its cache
     def forward(self, ids, last_only: bool, tree: TreeInputs | None = None) -> tuple: ...  # -> (logits, features)
-    def keep(self, keeps: list[int], width: int) -> bool: ...              # keep row i's first keeps[i] of the last forward
+    def keep(self, keeps: list[int], width: int) -> bool: ...              # row i keeps its first keeps[i] of them
+    def trim(self, n: int) -> bool: ...                                    # one row: forget the last n (False: cannot)
+    def reset(self) -> None: ...
+    def close(self) -> None: ...
 
     # trees (dflash/tree.py): a forward with `tree` puts slot j at position + depth under an ancestor mask
     def tree_refusal(self) -> str | None: ...                              # why this target cannot (None: it can)
     def device_key(self) -> str: ...                                       # device, dtype, threads (dflash/costs.py)
     def keep_slots(self, slots: list[list[int]], width: int) -> None: ...  # row i keeps slots[i] of the last forward
     def gather(self, features, slots: list[list[int]]): ...                # row i's features at slots[i], packed
-    def trim(self, n: int) -> bool: ...                                    # one row: forget the last n; False if impossible
-    def reset(self) -> None: ...
-    def close(self) -> None: ...
 
     # rows
     def check_batchable(self) -> None: ...                                 # one line if rows cannot share this cache

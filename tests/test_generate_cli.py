@@ -12,20 +12,29 @@ def run(*args, input=None):
                           input=input, timeout=300)
 
 
-def test_json_contract(tiny_target_dir, random_draft_dir):
+@pytest.mark.parametrize("verify", ["chain", "auto", "tree"])
+def test_json_contract(tiny_target_dir, random_draft_dir, verify):
     p = run("--backend", "torch", "--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "def f(x):",
-            "--max-new-tokens", 24, "--json", "--trace")
+            "--max-new-tokens", 24, "--json", "--trace", "--verify", verify, "--tree-budget", 6)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     keys = {"tokens", "text", "prompt_tokens", "generation_tokens", "acceptance_lengths", "mean_acceptance_length",
-            "prefill_seconds", "decode_seconds", "decode_tokens_per_second", "finish_reason", "drafted"}
+            "prefill_seconds", "decode_seconds", "decode_tokens_per_second", "finish_reason", "drafted",
+            "verify_mode", "verified_tokens", "verified_per_cycle", "cycles_without_draft"}
     assert keys <= out.keys()
+    assert out["verify_mode"] == verify and len(out["verified_per_cycle"]) == len(out["acceptance_lengths"])
+    assert out["verified_tokens"] == sum(out["verified_per_cycle"])
     n = out["generation_tokens"]
     assert n == len(out["tokens"])
     assert n == 24 if out["finish_reason"] == "length" else out["tokens"][-1] == 2  # <|im_end|>
     lengths = out["acceptance_lengths"]  # the prefill's token is not a cycle; the last cycle may be cut
     assert sum(lengths[:-1]) < n - 1 <= sum(lengths)
-    assert all(len(d) == 15 for d in out["drafted"])
+    if verify == "chain":  # the trace holds every cycle's proposals; for trees, the accepted path's tokens
+        assert all(len(d) == 15 for d in out["drafted"]) and set(out["verified_per_cycle"]) == {15}
+    else:
+        assert [len(d) + 1 for d in out["drafted"]] == lengths
+    if verify == "tree":
+        assert max(out["verified_per_cycle"]) <= 6
     base = json.loads(run("--backend", "torch", "--model", tiny_target_dir, "--no-draft", "--prompt", "def f(x):",
                           "--max-new-tokens", 24, "--json").stdout)
     assert base["tokens"] == out["tokens"] and set(base["acceptance_lengths"]) == {1}

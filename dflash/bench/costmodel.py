@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from .. import backends, cli, hub, tiny
+from ..costs import measure as measure_costs
 from ..deps import require
 from ..errors import DFlashError
 from ..io import atomic_write_text
@@ -212,6 +213,10 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="torch: StaticCache + torch.compile (CUDA graphs on GPU)")
     p.add_argument("--tau", type=float, nargs="*", default=[], help="tau values to print the implied speedup for")
     p.add_argument("--acceptance", help="JSON list of per-position acceptance rates (or a bench JSON with one)")
+    p.add_argument("--tree-budgets", type=int, nargs="*", default=[],
+                   help="draft nodes per tree verify to measure (the tree forward of --verify tree / auto)")
+    p.add_argument("--tree-curve", help="a `python -m dflash.bench tree-curve` JSON: tau per budget, for the "
+                   "predicted speedup of each budget on this device")
     p.add_argument("--json", help="write the measurements here")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
@@ -254,9 +259,44 @@ def main(argv=None) -> int:
         res["best_block_size"] = best
         print(f"best block size for this acceptance curve: {best} "
               f"(tau {res['blocks'][best]['expected_tau']:.2f}, speedup {res['blocks'][best]['speedup']:.2f}x)")
+    if args.tree_budgets:
+        res["trees"] = tree_budgets(make(max(args.block_sizes)), args.tree_budgets, res["t_step"],
+                                    res["blocks"][max(args.block_sizes)]["t_draft"],
+                                    load_tree_curve(args.tree_curve) if args.tree_curve else {})
     if args.json:
         atomic_write_text(args.json, json.dumps(res, indent=2))
     return 0
+
+
+def tree_budgets(backend, budgets: list[int], t_step: float, t_draft: float, curve: dict[int, float]) -> dict:
+    """T_verify(n + 1) of the tree forward for each budget n, the cycle's cost in target steps, and with a measured
+    tau per budget the predicted speedup tau(n) * T_step / (T_draft + T_verify(n + 1))."""
+    costs = measure_costs(backend, max_tokens=max(budgets) + 1)
+    rows = {}
+    print(f"{'nodes':>5} {'T_verify ms':>11} {'cycle/step':>10}" + ("  tau   speedup" if curve else ""))
+    for n in budgets:
+        verify = costs.verify_seconds(n + 1)
+        row = {"t_verify": verify, "cycle_over_step": (t_draft + verify) / t_step}
+        line = f"{n:>5} {verify * 1e3:>11.2f} {row['cycle_over_step']:>10.2f}"
+        if n in curve:
+            row.update(tau=curve[n], speedup=curve[n] / row["cycle_over_step"])
+            line += f"  {curve[n]:.2f}  {row['speedup']:.2f}x"
+        rows[n] = row
+        print(line)
+    best = [n for n in rows if "speedup" in rows[n]]
+    if best:
+        n = max(best, key=lambda k: rows[k]["speedup"])
+        print(f"best tree budget for this curve on this device: {n} nodes ({rows[n]['speedup']:.2f}x)")
+    return {"budgets": rows, "verify_seconds": costs.verify, "best_budget": max(best, key=lambda k: rows[k]["speedup"])
+            if best else None}
+
+
+def load_tree_curve(path: str) -> dict[int, float]:
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+        return {int(r["budget"]): float(r["tau"]) for r in rows if r["kind"] == "tree"}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DFlashError(f"--tree-curve: {path} is not a `dflash.bench tree-curve` JSON ({e})") from None
 
 
 def load_config(name: str):

@@ -3,7 +3,8 @@
   1. the GPU-marked tests (CUDA graphs + bf16 losslessness, FlexAttention mask == dense mask)
   2. bf16 training steps of a drafter at a real shape (Qwen3-8B, 5 layers, block 16) with the default recipe of
      python -m dflash.train: tokens/s, peak memory
-  3. the cost model at Qwen3-8B and Qwen3-4B shapes, blocks 8 and 16: (T_draft + T_verify) / T_step
+  3. the cost model at Qwen3-8B and Qwen3-4B shapes, blocks 8 and 16: (T_draft + T_verify) / T_step, and the
+     tree forward's T_verify(n) for budgets up to 512 nodes (what --verify auto fits its budget to)
 
 `--small` runs the same pipeline at tiny shapes on whatever device is there (CPU here), so it stays runnable.
 """
@@ -88,11 +89,13 @@ def training_steps(config: dict, draft_layers: int, block_size: int, seq_len: in
             "final_loss": float(loss.detach() / weight)}
 
 
-def cost_model(shape: str, draft_layers: int, device: str, compile: bool, context: int) -> dict:
-
-    out = Path("/tmp") / f"dflash-cost-{shape}.json"
+def cost_model(shape: str, draft_layers: int, device: str, compile: bool, context: int,
+               tree_budgets: list[int]) -> dict:
+    out = Path("/tmp") / f"dflash-cost-{Path(shape).stem}.json"
     args = ["--target-config", shape, "--draft-layers", str(draft_layers), "--block-sizes", "8", "16",
             "--context", str(context), "--iters", "20", "--warmup", "5", "--device", device, "--json", str(out)]
+    if tree_budgets and not compile:  # trees run on the dynamic cache
+        args += ["--tree-budgets", *map(str, tree_budgets)]
     cost_model_main(args + (["--compile"] if compile else []))
     return json.loads(out.read_text())
 
@@ -107,6 +110,13 @@ def markdown(report: dict) -> str:
         for b, x in r["blocks"].items():
             lines.append(f"| {r['target']} | {r['compile']} | {b} | {r['t_step'] * 1e3:.2f} | {x['t_draft'] * 1e3:.2f} "
                          f"| {x['t_verify'] * 1e3:.2f} | {x['cycle_over_step']:.2f} |")
+    trees = [r for r in report["cost_model"] if r.get("trees")]
+    if trees:
+        lines += ["", "## Tree verify (block 16, dynamic cache): cycle cost per budget", "",
+                  "| shape | nodes | T_verify(n+1) ms | (T_draft+T_verify)/T_step |", "|---|---|---|---|"]
+        for r in trees:
+            for n, x in r["trees"]["budgets"].items():
+                lines.append(f"| {r['target']} | {n} | {x['t_verify'] * 1e3:.2f} | {x['cycle_over_step']:.2f} |")
     t = report["training"]
     lines += ["", "## Drafter training steps (bf16 autocast, FlexAttention on CUDA)", "",
               f"{t['draft_layers']} layers, block {t['block_size']}, {t['seq_len']} tokens x {t['anchors']} anchors: "
@@ -149,7 +159,8 @@ def main(argv=None) -> int:
     report["cost_model"] = []
     for shape in shapes:
         for compile in ([False, True] if device == "cuda" else [False]):
-            r = cost_model(shape, 2 if args.small else 5, device, compile, context)
+            budgets = [1, 4, 8, 16] if args.small else [1, 4, 8, 15, 32, 64, 128, 256, 512]
+            r = cost_model(shape, 2 if args.small else 5, device, compile, context, budgets)
             r["target"], r["compile"] = Path(shape).stem, compile
             report["cost_model"].append(r)
             if device == "cuda":
