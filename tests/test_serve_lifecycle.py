@@ -61,8 +61,11 @@ def test_second_turn_prefills_only_the_new_turn(server):
     ids = pipe.tokenizer.apply_chat_template(turn2, add_generation_prompt=True, tokenize=False)
     want = pipe.generate(pipe.tokenizer(ids, add_special_tokens=False)["input_ids"], max_new_tokens=24)
     assert b["choices"][0]["message"]["content"] == want.text
-    metrics = httpx.get(server.url + "/metrics").text
-    assert "dflash_prefill_tokens_total" in metrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = {s.name: s.value for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+         for s in f.samples}
+    assert m["dflash_prefill_tokens_total"] < m["dflash_prompt_tokens_total"] and m["dflash_prefix_cache_bytes"] > 0
 
 
 def test_seeded_sampling_repeats_under_chain_verification(server):

@@ -25,6 +25,8 @@ class Metrics:
                                     buckets=lengths, registry=r)
         self.tau = Histogram("dflash_request_tau", "Mean acceptance length of a finished request",
                              buckets=lengths, registry=r)
+        self.prefix_cache_bytes = Gauge("dflash_prefix_cache_bytes", "Bytes of kept prefixes (--prefix-cache-mb)",
+                                        registry=r)
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a batch row", registry=r)
         self.batch_size = Gauge("dflash_batch_size", "Rows in the running batch", registry=r)
         self.ttft = Histogram("dflash_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,
