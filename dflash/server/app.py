@@ -73,7 +73,8 @@ class Server:
             try:
                 self.engine.enable_prefix_cache(int(prefix_cache_mb * 2**20))
             except DFlashError as e:
-                log.warning("--prefix-cache-mb: off (%s); the last sequence is still reused when alone", e)
+                log.warning("--prefix-cache-mb: off, rows of this backend or target are not kept apart (%s); the "
+                            "last sequence is still reused when the next request runs alone", e)
         self.metrics = Metrics(self.engine.block_size)
         self.scheduler = Scheduler(self.engine, self.metrics, max_batch=max_batch, max_queue=max_queue)
         vocab = self.tokenizer.get_vocab()
