@@ -70,7 +70,7 @@ def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
 
     def verify_once(n: int) -> float:
         inputs = TreeInputs.of([chain_tree(anchor, [anchor] * (n - 1))])
-        ids = target.ids(inputs.ids)
+        ids = target.ids(inputs.ids.tolist())
         start = time.perf_counter()
         logits, _ = target.forward(ids, last_only=False, tree=inputs)
         target.to_host(target.sample(logits, engine.rows, ids))

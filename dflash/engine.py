@@ -277,7 +277,7 @@ class Engine:
         else:
             plan = planner.plan(anchors, copies=copies)
         inputs = TreeInputs.of(plan.trees)
-        ids = target.ids(inputs.ids)
+        ids = target.ids(inputs.ids.tolist())
         logits, features = target.forward(ids, last_only=False, tree=inputs)
         tokens = target.to_host(self._sample(logits, self.rows, ids, [t.paths() for t in plan.trees]))
         steps, paths, slots = [], [], []

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 
 @dataclass
 class Tree:
@@ -242,29 +244,33 @@ def choose_counts(values: Sequence[Sequence[float]], verify_seconds: Callable[[i
 
 @dataclass
 class TreeInputs:
-    """What one tree verify forward needs, for every row padded to the widest tree: row i's slot j holds token
-    ids[i][j] at position (row's next position) + depths[i][j] and attends to the committed context and to the
-    slots allowed[i][j]; `real[i][j]` is False for padding."""
+    """What one tree verify forward needs, for every row padded to the widest tree (numpy arrays): row i's slot j
+    holds token ids[i, j] at position (the row's next position) + depths[i, j] and attends to the committed context
+    and to the slots allowed[i, j]; real[i, j] is False for padding."""
 
-    ids: list[list[int]]
-    depths: list[list[int]]
-    allowed: list[list[list[bool]]]
-    real: list[list[bool]]
+    ids: np.ndarray  # (rows, width) int64
+    depths: np.ndarray  # (rows, width) int64
+    allowed: np.ndarray  # (rows, width, width) bool
+    real: np.ndarray  # (rows, width) bool
 
     @classmethod
     def of(cls, trees: Sequence[Tree]) -> "TreeInputs":
-        width = max(len(t.tokens) for t in trees)
-        ids, depths, allowed, real = [], [], [], []
-        for t in trees:
-            pad = width - len(t.tokens)
-            ids.append(t.tokens + [t.tokens[0]] * pad)
-            depths.append(t.depths + [0] * pad)
-            rows = [r + [False] * pad for r in t.mask()]
-            rows += [[j == i for j in range(width)] for i in range(len(t.tokens), width)]  # padding sees itself
-            allowed.append(rows)
-            real.append([True] * len(t.tokens) + [False] * pad)
+        rows, width = len(trees), max(len(t.tokens) for t in trees)
+        ids = np.zeros((rows, width), dtype=np.int64)
+        depths = np.zeros((rows, width), dtype=np.int64)
+        allowed = np.zeros((rows, width, width), dtype=bool)
+        real = np.zeros((rows, width), dtype=bool)
+        idx = np.arange(width)
+        allowed[:, idx, idx] = True  # every slot sees itself (padding sees nothing else)
+        for r, t in enumerate(trees):
+            n = len(t.tokens)
+            ids[r, :n], ids[r, n:] = t.tokens, t.tokens[0]
+            depths[r, :n] = t.depths
+            real[r, :n] = True
+            for i in range(1, n):  # parents come first: a node sees what its parent sees, and itself
+                allowed[r, i, :i] |= allowed[r, t.parents[i], :i]
         return cls(ids, depths, allowed, real)
 
     @property
     def width(self) -> int:
-        return len(self.ids[0])
+        return self.ids.shape[1]

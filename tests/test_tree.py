@@ -70,9 +70,13 @@ def test_mask_paths_and_walk():
 def test_tree_inputs_pad_rows_to_the_widest():
     a, b = chain_tree(1, [2, 3]), Tree.root(4)
     inputs = TreeInputs.of([a, b])
-    assert inputs.width == 3 and inputs.ids[1] == [4, 4, 4] and inputs.real[1] == [True, False, False]
-    assert inputs.allowed[1][2] == [False, False, True]  # padding sees only itself
-    assert inputs.depths[0] == [0, 1, 2]
+    assert inputs.width == 3 and inputs.ids[1].tolist() == [4, 4, 4]
+    assert inputs.real[1].tolist() == [True, False, False]
+    assert inputs.allowed[1, 2].tolist() == [False, False, True]  # padding sees only itself
+    assert inputs.allowed[0].tolist() == chain_tree(1, [2, 3]).mask()
+    assert inputs.depths[0].tolist() == [0, 1, 2]
+    t = Tree([9, 1, 2, 3, 4], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2], [1, .5, .4, .3, .2], [False] * 5)
+    assert TreeInputs.of([t]).allowed[0].tolist() == t.mask()
 
 
 def test_copy_index_finds_the_latest_longest_match():

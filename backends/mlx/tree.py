@@ -43,10 +43,9 @@ def tree_refusal(runner, cache: list) -> str | None:
 
 @contextmanager
 def tree_positions(layers, cache: list, tree: TreeInputs):
-    (depths,), (allowed,) = tree.depths, tree.allowed
-    offset, t = cache[0].offset, len(depths)
-    positions = mx.array([offset + d for d in depths], dtype=mx.int32)
-    mask = mx.concatenate([mx.ones((t, offset), dtype=mx.bool_), mx.array(allowed, dtype=mx.bool_)], axis=1)
+    offset, t = cache[0].offset, tree.width
+    positions = mx.array(offset + tree.depths[0], dtype=mx.int32)
+    mask = mx.concatenate([mx.ones((t, offset), dtype=mx.bool_), mx.array(tree.allowed[0])], axis=1)
     ropes = [_attention(layer).rope for layer in layers]
     for layer, rope in zip(layers, ropes):
         _attention(layer).rope = _RopeAt(rope, positions)

@@ -146,8 +146,8 @@ class TorchTarget:
     def _forward_tree(self, ids, tree: TreeInputs):
         rows, t = ids.shape
         dev = self.device
-        depth = torch.tensor(tree.depths, device=dev)
-        allowed = torch.tensor(tree.allowed, device=dev)  # (rows, t, t)
+        depth = torch.from_numpy(tree.depths).to(dev)
+        allowed = torch.from_numpy(tree.allowed).to(dev)  # (rows, t, t)
         if self.valid is None:
             context = torch.ones(rows, self.length, dtype=torch.bool, device=dev)
             positions = self.length + depth
@@ -162,7 +162,7 @@ class TorchTarget:
         if self.valid is None:
             self.length += t
         else:
-            self.valid = torch.cat([self.valid, torch.tensor(tree.real, device=dev)], dim=1)
+            self.valid = torch.cat([self.valid, torch.from_numpy(tree.real).to(dev)], dim=1)
             self.positions = self.positions + t
         return out.logits, self.capture.pop() if self.capture is not None else None
 
