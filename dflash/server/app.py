@@ -170,6 +170,8 @@ class Server:
             sampling = req.sampling().validate()
         except DFlashError as e:
             raise _sampling_error(e) from None
+        if req.seed is not None and req.seed >= 2**63:
+            raise ApiError(400, f"seed: got {req.seed}, expected 0 .. 2**63 - 1", "seed")
         k = req.logprobs_k()
         if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
             field = "top_logprobs" if chat else "logprobs"

@@ -128,8 +128,12 @@ class Scheduler:
         prompt = job.gen.prompt_ids
         try:
             inc = self.batch.join(job.gen)
-        except DFlashError as e:
-            job.send("error", str(e))
+        except Exception as e:  # this request's prefill failed: it alone fails, the running rows go on
+            if not isinstance(e, DFlashError):
+                log.exception("prefill failure")
+            if not self.batch:
+                self.engine.reset()  # a lone prefill may have left its caches half-written
+            job.send("error", str(e) if isinstance(e, DFlashError) else f"prefill failure: {type(e).__name__}")
             return
         job.reused = self.engine.last_reused
         cache = getattr(self.engine, "prefix_cache", None)
