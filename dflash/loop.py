@@ -7,7 +7,7 @@ state over the backend's array primitives (backends/base.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence
 
 from .errors import DFlashError
@@ -283,7 +283,12 @@ def generate_batch(backend, prompts: Sequence[Sequence[int]], **kwargs) -> list[
     its own, so row i's greedy output is generate()'s for it."""
     if not prompts:
         return []
-    gens = [Generation(backend, p, **kwargs) for p in prompts]
+    sampling = kwargs.pop("sampling", SamplingParams())
+    # every row draws from its own generator: seeded rows get seed + i, so they draw independently (row 0's draw
+    # is generate()'s with the same seed)
+    per_row = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+               for i in range(len(prompts))]
+    gens = [Generation(backend, p, sampling=s, **kwargs) for p, s in zip(prompts, per_row)]
     for _ in _cycles(backend, gens):
         pass
     return [g.result for g in gens]

@@ -90,8 +90,10 @@ def test_sampled_batch_is_well_formed(pair, mixed_prompts):
     target, drafter = pair
     be = batched(target, drafter)
     got = generate_batch(be, mixed_prompts, max_new_tokens=48, sampling=SamplingParams(temperature=1.0, seed=0))
-    be.close()
     vocab = target.get_input_embeddings().weight.shape[0]
+    same = generate_batch(be, [mixed_prompts[0]] * 3, max_new_tokens=16,
+                          sampling=SamplingParams(temperature=1.0, seed=0))
+    assert len({tuple(g.tokens) for g in same}) > 1  # one seed, rows still draw independently
     for g in got:
         assert len(g.tokens) == 48 and all(0 <= t < vocab for t in g.tokens)
         # the first token comes from the prefill; the last cycle may commit more than max_new_tokens keeps
