@@ -30,8 +30,10 @@ class Target(Protocol):
     def settle(self, drafter=None, *arrays) -> None: ...                    # evaluate lazy state (MLX)
 
     # sampling: the target's token at each position, as target-only decoding would draw it
-    def set_sampling(self, params: SamplingParams) -> None: ...
-    def sample(self, logits, histories: list[list[int]], block, paths=None): ...  # (rows, T, V) -> (rows, T)
+    def set_sampling(self, params: SamplingParams) -> None: ...            # every row; spawn/merge/select keep
+    # each row's own settings; sample: (rows, T, V) -> (rows, T), with logprobs=k also (chosen, top-k ids, top-k
+    # log-probs), each (rows, T[, k]), of the distributions the tokens were drawn from
+    def sample(self, logits, histories: list[list[int]], block, paths=None, logprobs: int | None = None): ...
     # rejection sampling against a sampled draft (Draft.q_ids / q_probs): the draft token where accepted, else
     # the residual's sample; the last position draws the bonus from p. (rows, T, V) -> (rows, T)
     def sample_rejection(self, logits, histories: list[list[int]], block, draft: Draft): ...

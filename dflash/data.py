@@ -2,6 +2,8 @@
 
   regenerate      answer prompts with the TARGET (the drafter must learn the target's own outputs); resumable:
                     python -m dflash.data regenerate --model T --input prompts.jsonl --output answers.jsonl
+                  or through any OpenAI-compatible server (python -m dflash.serve, vLLM, ...):
+                    python -m dflash.data regenerate --endpoint http://127.0.0.1:8000 --input ... --output ...
   cache-features  precompute the target's hidden states for offline training (sharded safetensors):
                     python -m dflash.data cache-features --model T --data answers.jsonl --out feats/ --num-layers 5
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import cli, hub
@@ -19,6 +22,7 @@ from .datasets import load_samples
 from .deps import require
 from .errors import DFlashError
 from .io import check_output_dir
+from .remote_regeneration import regenerate_remote
 from .spec import default_target_layer_ids
 from .tokenizer import load_tokenizer
 
@@ -29,7 +33,12 @@ def parse_args(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("regenerate", help="answer prompts with the target (resumable)")
-    r.add_argument("--model", required=True, help="target: local HF directory or hub id")
+    r.add_argument("--model", help="target: local HF directory or hub id (with --endpoint: the served model "
+                   "name, default: the server's first)")
+    r.add_argument("--endpoint", help="answer through this OpenAI-compatible server instead of in-process")
+    r.add_argument("--concurrency", type=int, default=8, help="with --endpoint: requests in flight "
+                   "(default: %(default)s)")
+    r.add_argument("--api-key", help="with --endpoint: Bearer key (default: $OPENAI_API_KEY)")
     r.add_argument("--input", required=True, help="prompts / chats: JSONL file or datasets directory")
     r.add_argument("--output", required=True, help="training JSONL to append to (rerun the same command to resume)")
     r.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (batched speculative "
@@ -73,6 +82,10 @@ def _common(p):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.command == "regenerate" and args.endpoint:
+        return regenerate_through(args)
+    if args.command == "regenerate" and not args.model:
+        raise DFlashError("--model: required (or --endpoint URL to answer through a server)")
     require("torch", f"python -m dflash.data {args.command}")  # both run the target through transformers on torch
     if args.command == "regenerate":
         from dflash.backends.torch import regenerate
@@ -86,6 +99,18 @@ def main(argv=None) -> int:
         print(json.dumps(stats))
         return 0 if stats["failed"] == 0 else 1
     return cache_features(args)
+
+
+def regenerate_through(args) -> int:
+    if args.draft:
+        raise DFlashError("--draft: the server decides how it decodes; drop --draft with --endpoint")
+    stats = regenerate_remote(args.endpoint, args.input, args.output, model=args.model,
+                              api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                              concurrency=args.concurrency, temperature=args.temperature, top_p=args.top_p,
+                              max_new_tokens=args.max_new_tokens, enable_thinking=args.enable_thinking,
+                              seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(stats))
+    return 0 if stats["failed"] == 0 else 1
 
 
 def cache_features(args) -> int:

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from .budget import VERIFY_MODES, Costs, TreePlanner
 from .errors import DFlashError
+from .prefix_cache import PrefixCache, keep_row
 from .sampling import SamplingParams, acceptance_rule, accepted_length, common_prefix
 from .spec import check_block_size
 from .tree import CopyIndex, TreeInputs
@@ -78,6 +79,10 @@ class Step:
     drafted: list[int]  # the proposals the target checked (chain), or the accepted path's (tree)
     verified: int  # draft tokens the target verified for this row
     draft_forward: bool = True  # False: a cycle of --verify auto that verified without drafting
+    # with Engine.logprobs set: per committed token, the target's log-probability of it under
+    # the row's sampling settings and the top (id, log-probability) pairs, from the verify forward's own logits
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def accepted(self) -> int:
@@ -102,6 +107,10 @@ class Engine:
         self.last_draft: Draft | None = None
         self.sampling = SamplingParams()
         self.accept_rule = "match"  # when sampling: sample-and-match, or rejection (dflash.sampling)
+        self.logprobs: int | None = None  # None: off; k >= 0: every sample also returns log-probs (top k)
+        self.first_logprobs: tuple[list[float], list[list[tuple[int, float]]]] | None = None  # last prefill's
+        self.prefix_cache: PrefixCache | None = None  # finished rows' caches, for later prompts (enable_prefix_cache)
+        self.last_reused = 0  # prompt tokens the last prefill found in the caches
         self.verify_mode, self.verify_note = "chain", ""
         self.planner: TreePlanner | None = None  # tree / auto verification (dflash/budget.py)
         self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
@@ -118,6 +127,7 @@ class Engine:
         return self.tokens
 
     def set_sampling(self, params: SamplingParams) -> None:
+        """The sampling settings of every row (and of rows admitted without their own)."""
         self.sampling = params
         self.target.set_sampling(params)
         # drafters with a draft distribution (DFlash2) say so; for them sampling may verify by rejection
@@ -155,28 +165,65 @@ class Engine:
         self.planner = TreePlanner(mode, self.block_size, budget, costs, copy_branch)
         self.top_k = self.planner.top_k
 
+    def enable_prefix_cache(self, max_bytes: int) -> None:
+        """Keep finished rows' caches (at most max_bytes, least recently used out) for prompts that share their
+        prefix; one line if this target's rows cannot be kept apart."""
+        self.target.check_batchable()
+        self.prefix_cache = PrefixCache(max_bytes) if max_bytes > 0 else None
+
+    def _keep_prefix(self, i: int) -> None:
+        if self.prefix_cache is not None:
+            row = Engine(self.target.extract(i), self.drafter.extract(i) if self.drafter else None,
+                         block_size=self.block_size, prefill_chunk=self.prefill_chunk)
+            row.rows = [list(self.rows[i])]
+            keep_row(self.prefix_cache, row)
+
+    def _adopt_prefix(self, prompt_ids: list[int]) -> None:
+        """Before a lone prefill: take the kept prefix that beats the caches' own (keeping theirs if it is lost)."""
+        if self.prefix_cache is None:
+            return
+        own = common_prefix(self.tokens, prompt_ids[:-1])
+        if self.rows and len(self.tokens) - own >= self.prefix_cache.min_tokens:
+            self._keep_prefix(0)
+        row = self.prefix_cache.take(prompt_ids, at_least=own)
+        if row is not None:
+            self.target, self.drafter, self.rows, self.pending = row.target, row.drafter, row.rows, None
+            self.target.set_sampling(self.sampling)
+
     # ---- prefill ---------------------------------------------------------------------------------------------------
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> list[int]:
+    def prefill(self, prompts: Sequence[Sequence[int]],
+                samplings: Sequence[SamplingParams] | None = None) -> list[int]:
         """Feed the prompts and return each row's first token. One prompt reuses the longest cached prefix (a chat's
-        earlier turns); several start a fresh batch, one admitted row each."""
+        earlier turns); several start a fresh batch, one admitted row each. samplings: row i's own settings."""
         for p in prompts:
             check_fits(p, self.max_context)
+        samplings = list(samplings) if samplings is not None else [None] * len(prompts)
         if len(prompts) == 1 and not self.shared:
+            if samplings[0] is not None:
+                self.set_sampling(samplings[0])
+            self._adopt_prefix(list(prompts[0]))
             return [self._prefill_single(list(prompts[0]))]
         self.reset()
-        return [self.admit(p) for p in prompts]
+        return [self.admit(p, s) for p, s in zip(prompts, samplings)]
 
-    def admit(self, prompt_ids: Sequence[int]) -> int:
+    def admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> int:
         """A new row joins the running batch between cycles: its prompt is prefilled alone, then its caches are
-        appended to the batch's. Returns its first token."""
+        appended to the batch's. It samples with `sampling` (default: the engine's). Returns its first token."""
         prompt_ids = list(prompt_ids)
         check_fits(prompt_ids, self.max_context)
         if not self.rows:
+            if sampling is not None:
+                self.set_sampling(sampling)
+            self._adopt_prefix(prompt_ids)
             return self._prefill_single(prompt_ids)
-        row = Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None, block_size=self.block_size,
-                     prefill_chunk=self.prefill_chunk)
-        row.set_sampling(self.sampling)
+        row = self.prefix_cache.take(prompt_ids) if self.prefix_cache is not None else None
+        if row is None:
+            row = Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None,
+                         block_size=self.block_size, prefill_chunk=self.prefill_chunk)
+        row.logprobs = self.logprobs
+        row.set_sampling(sampling or self.sampling)
         first = row._prefill_single(prompt_ids)
+        self.first_logprobs, self.last_reused = row.first_logprobs, row.last_reused
         self.target.merge(row.target)
         self.shared = True
         if self.drafter is not None:
@@ -192,6 +239,7 @@ class Engine:
         if not self.rows:  # (a fresh engine, or the crop had to start over)
             self.rows = [[]]
         start, logits = len(self.tokens), None
+        self.last_reused = start
         for at in range(start, len(prompt_ids), self.prefill_chunk):
             chunk = prompt_ids[at:at + self.prefill_chunk]
             logits, features = self.target.forward(self.target.ids([chunk]), last_only=True)
@@ -201,8 +249,10 @@ class Engine:
                 self.drafter.extend(self._take_pending())
             if at + self.prefill_chunk < len(prompt_ids):
                 self.target.settle(self.drafter)  # bound the lazy graph (and its memory) chunk by chunk
-        first = self.target.sample(logits[:, -1:], [self.tokens], None)
+        first = self._sample(logits[:, -1:], [self.tokens], None)
         self.target.settle(self.drafter, first)
+        if self.logprobs is not None:
+            self.first_logprobs = (self._logprobs[0][0][0], self._logprobs[1][0][0])
         return self.target.to_host(first)[0][0]
 
     # ---- the cycle -------------------------------------------------------------------------------------------------
@@ -214,6 +264,9 @@ class Engine:
         self.draft(anchors)
         drafted, target = self.verify()
         steps = [Step(t[: accepted_length(d, t) + 1], d, len(d)) for d, t in zip(drafted, target)]
+        if self.logprobs is not None:
+            for step, chosen, top in zip(steps, *self._logprobs):
+                step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]
         self.commit([len(s.tokens) for s in steps])
         return steps
 
@@ -239,7 +292,7 @@ class Engine:
         inputs = TreeInputs.of(plan.trees)
         ids = target.ids(inputs.ids.tolist())
         logits, features = target.forward(ids, last_only=False, tree=inputs)
-        tokens = target.to_host(target.sample(logits, self.rows, ids, [t.paths() for t in plan.trees]))
+        tokens = target.to_host(self._sample(logits, self.rows, ids, [t.paths() for t in plan.trees]))
         steps, paths, slots = [], [], []
         for tree, row_tokens in zip(plan.trees, tokens):
             path, bonus = tree.walk(row_tokens)
@@ -247,6 +300,9 @@ class Engine:
             paths.append(path)
             slots.append([0] + path)
             steps.append(Step(accepted + [bonus], accepted, tree.nodes, plan.drafted))
+        if self.logprobs is not None:  # committed token k was drawn at slot slots[k]
+            for step, row_slots, chosen, top in zip(steps, slots, *self._logprobs):
+                step.logprobs, step.top_logprobs = [chosen[j] for j in row_slots], [top[j] for j in row_slots]
         planner.observe(plan, paths, time.perf_counter() - start)
         self.last_trees, self.last_paths = plan.trees, paths  # (introspection: tests, traces)
         target.keep_slots(slots, inputs.width)
@@ -294,6 +350,8 @@ class Engine:
         keep = [i for i in range(len(self.rows)) if i not in gone]
         if not keep and not self.shared:
             return  # a finished single sequence stays cached: the next prompt may reuse its prefix (a chat)
+        for i in sorted(gone):
+            self._keep_prefix(i)
         if not keep:
             self.reset()
             return
@@ -345,15 +403,28 @@ class Engine:
         or, when the draft was sampled from a distribution, the draft token where rejection sampling accepts it and
         the residual's sample where it does not (so the longest agreeing prefix is the accepted one either way)."""
         draft = self.last_draft
-        if self.accept_rule == "rejection" and draft is not None and draft.q_probs is not None:
+        if (self.accept_rule == "rejection" and draft is not None and draft.q_probs is not None
+                and self.logprobs is None):  # (log-probabilities come with the target's own samples)
             return self.target.sample_rejection(logits, self.rows, ids, draft)
-        return self.target.sample(logits, self.rows, ids)
+        return self._sample(logits, self.rows, ids)
 
     def _add_pending(self, features, n: int) -> None:
         if self.pending is None:
             self.pending = Pending(features, [n])
         else:
             self.pending = Pending(self.target.cat([self.pending.features, features]), [self.pending.counts[0] + n])
+
+    def _sample(self, logits, histories, block, paths=None):
+        """The target's tokens; with self.logprobs set, also leaves their log-probabilities in self._logprobs
+        (per row: per position the chosen token's, and its top (id, log-probability) pairs) on the host."""
+        if self.logprobs is None:
+            return self.target.sample(logits, histories, block, *([paths] if paths is not None else []))
+        tokens, (chosen, top_ids, top_lps) = self.target.sample(logits, histories, block, paths,
+                                                                logprobs=self.logprobs)
+        chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
+        tops = [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)]
+        self._logprobs = (chosen, tops)
+        return tokens
 
     def _take_pending(self) -> Pending | None:
         pending, self.pending = self.pending, None

@@ -7,7 +7,7 @@ state over the backend's array primitives (backends/base.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence
 
 from .errors import DFlashError
@@ -18,10 +18,13 @@ from .text import Detokenizer, find_stop
 
 @dataclass
 class Increment:
-    """What one cycle added: token ids and the printable text they completed."""
+    """What one cycle added: token ids and the printable text they completed; with Generation(logprobs=k), each
+    token's log-probability and its top-k (id, log-probability) alternatives."""
 
     tokens: list[int]
     text: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -95,8 +98,10 @@ class _Row:
         self.emitted = 0
         self.hold = max((len(s) for s in gen.stop_strings), default=1) - 1  # a stop string may still be forming
         self.seconds = 0.0
+        self.prefill_seconds = 0.0
+        self.started = 0.0  # when its prefill ended
 
-    def add(self, new: list[int]) -> Increment:
+    def add(self, new: list[int], logprobs=None, top_logprobs=None) -> Increment:
         gen, detok = self.gen, self.detok
         new, finish = gen._stop_policy(new, len(self.tokens))
         kept, searched = len(self.tokens), len(detok.text)
@@ -111,52 +116,110 @@ class _Row:
                 detok.text = detok.text[:at]
         visible = len(detok.text) if finish else max(self.emitted, len(detok.text) - self.hold)
         increment = Increment(self.tokens[kept:], detok.text[self.emitted:visible])
+        if gen.logprobs is not None and logprobs is not None:
+            n = len(increment.tokens)
+            increment.logprobs, increment.top_logprobs = logprobs[:n], top_logprobs[:n]
         self.emitted, self.finish = visible, finish
         return increment
 
+    def result(self, engine) -> "GenerationResult":
+        gen = self.gen
+        return GenerationResult(
+            tokens=self.tokens, text=self.detok.text if gen.tokenizer else "", prompt_tokens=len(gen.prompt_ids),
+            finish_reason=self.finish, acceptance_lengths=self.lengths, prefill_seconds=self.prefill_seconds,
+            decode_seconds=self.seconds, block_size=engine.block_size, drafted=self.drafted,
+            verify_mode=getattr(engine, "verify_mode", "chain"), verified=self.verified,
+            cycles_without_draft=self.undrafted, verify_note=getattr(engine, "verify_note", ""))
 
-def _cycles(backend, gens: Sequence["Generation"]) -> Iterator[list[tuple[int, Increment]]]:
-    """THE speculative loop, for a batch of sequences; yields each cycle's (row, Increment) pairs and leaves the
-    results on the Generations. `backend` is a dflash.engine.Engine (one row or many): rows that finish are retired
-    from it, every other row drafts, verifies and commits its own accepted prefix."""
-    rows = [_Row(g) for g in gens]
-    if any(g.sampling != gens[0].sampling for g in gens):
-        raise DFlashError("batch: every row must use the same sampling settings")
-    backend.set_sampling(gens[0].sampling)
-    t0 = time.perf_counter()
-    anchors = backend.prefill([g.prompt_ids for g in gens])
-    t1 = time.perf_counter()
-    active = list(range(len(gens)))
-    news = [[a] for a in anchors]
-    while True:
-        yield [(i, rows[i].add(new)) for i, new in zip(active, news)]
-        done = [j for j, i in enumerate(active) if rows[i].finish is not None]
+
+class Batch:
+    """THE speculative loop as a running batch over one engine (dflash.engine.Engine, one row or many).
+
+    Generations join between cycles (`join`: the prompt is prefilled through Engine.admit with the generation's own
+    sampling settings) and leave as soon as they finish or are cancelled (Engine.retire); `step` is one cycle for
+    every live row: each drafts, verifies and commits its own accepted prefix. A finished generation's `.result` is
+    set when it leaves. generate(), generate_batch() and the server's engine thread all drive this object.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.rows: list[_Row] = []  # live rows, in the engine's row order
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def generations(self) -> list["Generation"]:
+        return [r.gen for r in self.rows]
+
+    def join(self, gen: "Generation") -> Increment:
+        """Prefill `gen` and add it to the batch; returns its first Increment (it may already be finished)."""
+        engine = self.engine
+        self._want_logprobs(extra=gen)
+        t0 = time.perf_counter()
+        if self.rows:
+            first = engine.admit(gen.prompt_ids, gen.sampling)
+        else:  # a lone sequence: the engine reuses the longest cached prefix of the previous one
+            engine.set_sampling(gen.sampling)
+            first = engine.prefill([gen.prompt_ids])[0]
+        row = _Row(gen)
+        row.started = time.perf_counter()
+        row.prefill_seconds = row.started - t0
+        self.rows.append(row)
+        lp = engine.first_logprobs if gen.logprobs is not None else None
+        inc = row.add([first], *(([lp[0]], [lp[1]]) if lp else ()))
+        self._leave()
+        return inc
+
+    def step(self) -> list[tuple["Generation", Increment]]:
+        """One speculative cycle for every live row; finished rows leave the batch at once."""
+        if not self.rows:
+            return []
+        steps = self.engine.step([r.tokens[-1] for r in self.rows])
+        out = []
+        for row, step in zip(self.rows, steps):
+            row.lengths.append(len(step.tokens))
+            row.verified.append(step.verified)
+            row.undrafted += not step.draft_forward
+            if row.gen.trace:
+                row.drafted.append(step.drafted)
+            out.append((row.gen, row.add(step.tokens, step.logprobs, step.top_logprobs)))
+        self._leave()
+        return out
+
+    def cancel(self, gen: "Generation") -> None:
+        """Drop a live generation now (finish_reason "cancelled"); its row is freed before the next cycle."""
+        for row in self.rows:
+            if row.gen is gen and row.finish is None:
+                row.finish = "cancelled"
+        self._leave()
+
+    def _leave(self) -> None:
+        done = [j for j, r in enumerate(self.rows) if r.finish is not None]
+        if not done:
+            return
         now = time.perf_counter()
         for j in done:
-            rows[active[j]].seconds = now - t1
-        if done:
-            backend.retire(done)
-            active = [i for i in active if rows[i].finish is None]
-        if not active:
-            break
+            row = self.rows[j]
+            row.seconds = now - row.started
+            row.gen.result = row.result(self.engine)
+        self.engine.retire(done)
+        self.rows = [r for r in self.rows if r.finish is None]
+        self._want_logprobs()
 
-        # --- one speculative cycle, every active row at once ------------------------------------------------------
-        steps = backend.step([rows[i].tokens[-1] for i in active])
-        for i, step in zip(active, steps):
-            rows[i].lengths.append(len(step.tokens))
-            rows[i].verified.append(step.verified)
-            rows[i].undrafted += not step.draft_forward
-            if gens[i].trace:
-                rows[i].drafted.append(step.drafted)
-        news = [step.tokens for step in steps]
+    def _want_logprobs(self, extra: "Generation | None" = None) -> None:
+        wants = [g.logprobs for g in self.generations + ([extra] if extra else []) if g.logprobs is not None]
+        self.engine.logprobs = max(wants) if wants else None
 
-    for g, row in zip(gens, rows):
-        g.result = GenerationResult(
-            tokens=row.tokens, text=row.detok.text if g.tokenizer else "", prompt_tokens=len(g.prompt_ids),
-            finish_reason=row.finish, acceptance_lengths=row.lengths, prefill_seconds=t1 - t0,
-            decode_seconds=row.seconds, block_size=backend.block_size, drafted=row.drafted,
-            verify_mode=getattr(backend, "verify_mode", "chain"), verified=row.verified,
-            cycles_without_draft=row.undrafted, verify_note=getattr(backend, "verify_note", ""))
+
+def _cycles(backend, gens: Sequence["Generation"]) -> Iterator[list[tuple[int, Increment]]]:
+    """A fixed set of generations through one Batch; yields each cycle's (index, Increment) pairs (the first: every
+    prefill's token) and leaves the results on the Generations."""
+    batch = Batch(backend)
+    yield [(i, batch.join(g)) for i, g in enumerate(gens)]
+    index = {id(g): i for i, g in enumerate(gens)}
+    while batch:
+        yield [(index[id(g)], inc) for g, inc in batch.step()]
 
 
 class Generation:
@@ -164,7 +227,7 @@ class Generation:
 
     def __init__(self, backend, prompt_ids: Sequence[int], *, tokenizer=None, max_new_tokens: int = 256,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Iterable[int] = (),
-                 stop_strings: Sequence[str] = (), trace: bool = False):
+                 stop_strings: Sequence[str] = (), trace: bool = False, logprobs: int | None = None):
         if len(prompt_ids) == 0:
             raise DFlashError("prompt: empty; expected at least one token")
         if max_new_tokens < 1:
@@ -179,6 +242,7 @@ class Generation:
         self.eos = frozenset(eos_token_ids)
         self.stop_strings = [s for s in stop_strings if s]
         self.trace = trace
+        self.logprobs = logprobs  # None: off; k: each token's log-probability and its top k alternatives
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[Increment]:
@@ -219,7 +283,12 @@ def generate_batch(backend, prompts: Sequence[Sequence[int]], **kwargs) -> list[
     its own, so row i's greedy output is generate()'s for it."""
     if not prompts:
         return []
-    gens = [Generation(backend, p, **kwargs) for p in prompts]
+    sampling = kwargs.pop("sampling", SamplingParams())
+    # every row draws from its own generator: seeded rows get seed + i, so they draw independently (row 0's draw
+    # is generate()'s with the same seed)
+    per_row = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+               for i in range(len(prompts))]
+    gens = [Generation(backend, p, sampling=s, **kwargs) for p, s in zip(prompts, per_row)]
     for _ in _cycles(backend, gens):
         pass
     return [g.result for g in gens]

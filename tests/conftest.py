@@ -117,3 +117,64 @@ def random_dflash2_dir(tmp_path_factory, tiny_target_dir):
     save_drafter(dflash2_from(DFlashDrafter(spec), tiny.dflash2_spec(spec, sliding_window=16), conv_noise=0.3,
                               selector_scale=1.0, seed=3), d)
     return d
+
+
+class ServerProcess:
+    """A `python -m dflash.serve` process on a free 127.0.0.1 port (the bundled pair unless args say otherwise)."""
+
+    def __init__(self, log_path, *args: str):
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.serve", "--port", str(self.port), *args],
+                                     stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"dflash.serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"dflash.serve not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return open(self.log_path).read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except Exception:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory):
+    """start_server(*args) -> a ready ServerProcess; every one started is stopped at the end of the session."""
+    started = []
+
+    def start(*args: str) -> ServerProcess:
+        s = ServerProcess(tmp_path_factory.mktemp("serve") / "server.log", *args)
+        started.append(s)
+        return s.wait_ready()
+
+    yield start
+    for s in started:
+        s.stop()

@@ -90,8 +90,10 @@ def test_sampled_batch_is_well_formed(pair, mixed_prompts):
     target, drafter = pair
     be = batched(target, drafter)
     got = generate_batch(be, mixed_prompts, max_new_tokens=48, sampling=SamplingParams(temperature=1.0, seed=0))
-    be.close()
     vocab = target.get_input_embeddings().weight.shape[0]
+    same = generate_batch(be, [mixed_prompts[0]] * 3, max_new_tokens=16,
+                          sampling=SamplingParams(temperature=1.0, seed=0))
+    assert len({tuple(g.tokens) for g in same}) > 1  # one seed, rows still draw independently
     for g in got:
         assert len(g.tokens) == 48 and all(0 <= t < vocab for t in g.tokens)
         # the first token comes from the prefill; the last cycle may commit more than max_new_tokens keeps
@@ -107,15 +109,30 @@ def test_pipeline_batch_and_errors(trained_pair):
     got = pipe.generate_batch(texts, max_new_tokens=24)
     assert [g.tokens for g in got] == [pipe.generate(t, max_new_tokens=24).tokens for t in texts]
     assert pipe.generate_batch([]) == []
-    with pytest.raises(DFlashError, match="sampling settings"):
-        from dflash.loop import Generation, _cycles
-
-        be = pipe.backend
-        gens = [Generation(be, [1, 2], sampling=SamplingParams()),
-                Generation(be, [1, 2], sampling=SamplingParams(temperature=1.0))]
-        next(_cycles(be, gens))
     with pytest.raises(DFlashError, match="fit the target's context"):
         pipe.generate_batch([[1] * 100_000])
+
+
+def test_rows_sample_with_their_own_settings(trained_pair):
+    """Per-row sampling: a greedy row next to sampled rows keeps its batch-1 tokens, and a seeded sampled row
+    draws what it draws alone (each row owns its sampler and generator)."""
+    from dflash.loop import Batch, Generation
+
+    target, drafter = load_target(trained_pair[0], torch.float32, "cpu"), load_drafter(trained_pair[1])
+    prompt = [5, 6, 7, 8, 9]
+    settings = [SamplingParams(), SamplingParams(temperature=1.0, top_k=20, seed=3),
+                SamplingParams(temperature=0.7, top_p=0.9, seed=4), SamplingParams(repetition_penalty=1.3)]
+    want = [generate(single(target, drafter), prompt, max_new_tokens=32, sampling=s).tokens for s in settings]
+    be = batched(target, drafter)
+    batch = Batch(be)
+    gens = [Generation(be, prompt, max_new_tokens=32, sampling=s) for s in settings]
+    for g in gens:
+        batch.join(g)
+        batch.step()  # rows join a running batch, one cycle apart
+    while batch:
+        batch.step()
+    assert [g.result.tokens for g in gens] == want
+    assert len({tuple(w) for w in want}) == len(want)  # the settings really differ
 
 
 def drive(be, prompts, arrivals, n):
@@ -179,3 +196,37 @@ def test_batches_of_other_sizes_reuse_the_engine(pair, mixed_prompts):
     for rows in ([0, 1, 2], [3, 4], [0, 1, 2, 3, 4], [2]):
         got = generate_batch(be, [mixed_prompts[i] for i in rows], max_new_tokens=24)
         assert [g.tokens for g in got] == [want[i] for i in rows]
+
+
+@pytest.mark.parametrize("verify", ["chain", "tree"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.7, seed=0)])
+def test_logprobs_are_the_targets_own(pair, mixed_prompts, verify, sampling):
+    """Generation(logprobs=k): each emitted token's log-probability and its top k, computed in the verify forward,
+    equal a plain target forward over prompt + output (log_softmax of logits / temperature), rows in a batch."""
+    from dflash.loop import Batch, Generation
+
+    target, drafter = pair
+    be = batched(target, drafter)
+    be.set_verify(verify, 15 if verify == "tree" else None)
+    batch = Batch(be)
+    gens = [Generation(be, p, max_new_tokens=24, sampling=sampling, logprobs=3) for p in mixed_prompts[:3]]
+    incs = {id(g): [] for g in gens}
+    for g in gens:
+        incs[id(g)].append(batch.join(g))
+    while batch:
+        for g, inc in batch.step():
+            incs[id(g)].append(inc)
+    for g in gens:
+        lps = [x for inc in incs[id(g)] for x in inc.logprobs]
+        tops = [x for inc in incs[id(g)] for x in inc.top_logprobs]
+        out = g.result.tokens
+        assert len(lps) == len(tops) == len(out) == 24
+        with torch.no_grad():
+            logits = target(torch.tensor([g.prompt_ids + out])).logits[0, len(g.prompt_ids) - 1:-1].float()
+        want = torch.log_softmax(logits / (sampling.temperature or 1.0), dim=-1)
+        got_chosen = torch.tensor(lps)
+        assert torch.allclose(got_chosen, want[torch.arange(len(out)), torch.tensor(out)], atol=2e-4)
+        top_values, top_ids = want.topk(3, dim=-1)
+        assert torch.allclose(torch.tensor([[v for _, v in t] for t in tops]), top_values, atol=2e-4)
+        if sampling.greedy:
+            assert [t[0][0] for t in tops] == out  # greedy: the emitted token is the top one

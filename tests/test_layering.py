@@ -8,8 +8,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"dflash": ROOT / "dflash", "dflash.backends": ROOT / "backends", "dflash.converters": ROOT / "converters"}
 CORE = {"dflash.engine", "dflash.loop", "dflash.draft_context", "dflash.spec", "dflash.checkpoint", "dflash.sampling",
-        "dflash.stats", "dflash.text", "dflash.io", "dflash.errors", "dflash.tokenizer", "dflash.datasets"}
+        "dflash.stats", "dflash.text", "dflash.io", "dflash.errors", "dflash.tokenizer", "dflash.datasets",
+        "dflash.answers", "dflash.prefix_cache"}
 APPLICATIONS = ("dflash.api", "dflash.cli", "dflash.generate", "dflash.chat", "dflash.train", "dflash.data",
+                "dflash.serve", "dflash.server", "dflash.remote_regeneration",
                 "dflash.convert", "dflash.models", "dflash.bench", "dflash.reference")
 
 

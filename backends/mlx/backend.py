@@ -70,9 +70,14 @@ class MLXTarget:
     def set_sampling(self, params: SamplingParams) -> None:
         self.sampler = MLXSampler(params)
 
-    def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None, paths=None) -> mx.array:
-        return self.sampler(logits[0], histories[0], None if block is None else block[0],
-                            None if paths is None else paths[0])[None].astype(mx.int32)
+    def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None, paths=None,
+               logprobs: int | None = None):
+        scores = self.sampler.processed(logits[0], histories[0], None if block is None else block[0],
+                                        None if paths is None else paths[0])
+        tokens = self.sampler.draw(scores)[None].astype(mx.int32)
+        if logprobs is None:
+            return tokens
+        return tokens, tuple(x[None] for x in self.sampler.log_probs(scores, tokens[0], logprobs))
 
     def sample_rejection(self, logits: mx.array, histories: list[list[int]], block: mx.array, draft) -> mx.array:
         return self.sampler.rejection(logits[0], histories[0], block[0], draft.q_ids[0],

@@ -35,47 +35,65 @@ class MLXSampler:
                  paths: list[list[int]] | None = None) -> mx.array:
         """logits (T, V) for the T positions that follow history + block[:i+1] (a tree: history + paths[i]);
         returns T token ids (lazy)."""
-        logits = self.processed(logits, history, block, paths)
+        return self.draw(self.processed(logits, history, block, paths))
+
+    def processed(self, logits: mx.array, history: list[int], block: mx.array | None,
+                  paths: list[list[int]] | None = None) -> mx.array:
+        """The logits after the logits processors (the repetition penalty)."""
+        if not self.processors:
+            return logits
+        hist = mx.array(history, dtype=mx.int32)
+        rows = []
+        for i in range(logits.shape[0]):
+            if paths is not None:
+                tokens = mx.array(history + paths[i], dtype=mx.int32)
+            else:
+                tokens = hist if block is None else mx.concatenate([hist, block[: i + 1].astype(mx.int32)])
+            row = logits[i:i + 1].astype(mx.float32)
+            for proc in self.processors:
+                row = proc(tokens, row)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
+
+    def draw(self, logits: mx.array) -> mx.array:
         if self.sampler is None:
             return mx.argmax(logits, axis=-1)
         logits = logits.astype(mx.float32)
         return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-    def probabilities(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
-        """The distribution (T, V) the sampler draws from: mlx-lm's filters on the log-probs, then the
-        temperature (its categorical draw's order)."""
+    def filtered(self, logits: mx.array) -> mx.array:
+        """Processed logits (T, V) -> the log-weights the sampler's categorical draws from: mlx-lm's filters on the
+        log-probs, then the temperature (its order); greedy: the log-probs."""
+        logprobs = logits.astype(mx.float32)
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        if self.sampler is None:
+            return logprobs
         p = self.params
-        logits = self.processed(logits, history, block).astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if 0 < p.top_p < 1.0:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p:
             logprobs = apply_min_p(logprobs, p.min_p)
         if p.top_k:
             logprobs = apply_top_k(logprobs, p.top_k)
-        return mx.softmax(logprobs / p.temperature, axis=-1)
+        return logprobs / p.temperature
+
+    def probabilities(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
+        """The distribution (T, V) the sampler draws from."""
+        return mx.softmax(self.filtered(self.processed(logits, history, block)), axis=-1)
 
     def rejection(self, logits: mx.array, history: list[int], block: mx.array, q_ids: mx.array,
                   q_probs: mx.array) -> mx.array:
         """Rejection sampling of one row (dflash.sampling: the rule; backends/torch/sampling.py: the same)."""
         return rejection_tokens(self.probabilities(logits, history, block), block[1:], q_ids, q_probs)
 
-    def processed(self, logits: mx.array, history: list[int], block: mx.array | None,
-                  paths: list[list[int]] | None = None) -> mx.array:
-        if self.processors:
-            hist = mx.array(history, dtype=mx.int32)
-            rows = []
-            for i in range(logits.shape[0]):
-                if paths is not None:
-                    tokens = mx.array(history + paths[i], dtype=mx.int32)
-                else:
-                    tokens = hist if block is None else mx.concatenate([hist, block[: i + 1].astype(mx.int32)])
-                row = logits[i:i + 1].astype(mx.float32)
-                for proc in self.processors:
-                    row = proc(tokens, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        return logits
+    def log_probs(self, logits: mx.array, tokens: mx.array, top: int):
+        """(chosen, top ids, top log-probs) of the distribution the tokens were drawn from (processed logits in:
+        mlx-lm's filters and the temperature applied here as its sampler applies them)."""
+        x = self.filtered(logits)
+        lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp, tokens[..., None].astype(mx.int32), axis=-1).squeeze(-1)
+        ids = mx.argsort(-lp, axis=-1)[..., :top]
+        return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)
 
 
 def rejection_tokens(p: mx.array, drafted: mx.array, q_ids: mx.array, q_probs: mx.array) -> mx.array:

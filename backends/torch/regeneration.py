@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import zlib
-from collections import Counter
 from pathlib import Path
 
-
 from dflash import hub
-from dflash.datasets import prompt_messages, read_rows, row_id, row_messages
+from dflash.answers import append_row as _append, input_rows, output_stats, recover_output  # noqa: F401
+from dflash.datasets import prompt_messages, row_messages
 from dflash.errors import DFlashError
 from dflash.io import atomic_write_text, check_output_dir
 from dflash.loop import generate_batch
@@ -31,42 +29,6 @@ from dflash.tokenizer import eos_token_ids, load_tokenizer
 from .backend import TorchBackend
 from .drafter import load_drafter
 from .target import load_target, resolve_device, resolve_dtype, target_info
-
-
-def recover_output(path: Path) -> set[str]:
-    """Ids already written; a torn last line (no trailing newline, or not JSON) is truncated away."""
-    if not path.is_file():
-        return set()
-    data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1  # everything after the last newline is a partial write
-    lines = data[:keep].splitlines()
-    done, good = set(), 0
-    for line in lines:
-        try:
-            done.add(str(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            break  # a garbled line can only be the torn end of an older crash: drop it and what follows
-        good += len(line) + 1
-    if good != len(data):
-        with open(path, "r+b") as f:
-            f.truncate(good)
-            f.flush()
-            os.fsync(f.fileno())
-    return done
-
-
-def _append(f, row: dict) -> None:
-    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def output_stats(path: Path) -> dict:
-    counts = Counter()
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            counts[json.loads(line).get("status", "ok")] += 1
-    return {"ok": counts["ok"], "failed": counts["failed"], "skipped": counts["skipped"], "total": sum(counts.values())}
 
 
 def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, temperature: float = 0.0,
@@ -91,14 +53,7 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
     check_output_dir(output_path.parent, "--output", output_path)  # created only once the inputs are validated
     done = recover_output(output_path)
 
-    # every input row, with a unique id (a repeated id gets a #k suffix, stable across reruns)
-    rows, seen = [], Counter()
-    for i, row in read_rows(input_path):
-        rid = row_id(row, i)
-        seen[rid] += 1
-        if seen[rid] > 1:
-            rid = f"{rid}#{seen[rid] - 1}"
-        rows.append((i, rid, row))
+    rows = input_rows(input_path)
     todo = [(i, rid, row) for i, rid, row in rows if rid not in done]
     log(f"regenerate: {len(rows)} input rows, {len(rows) - len(todo)} already done, {len(todo)} to answer")
 

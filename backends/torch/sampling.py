@@ -43,7 +43,21 @@ class TorchSampler:
                  paths: list[list[int]] | None = None) -> torch.Tensor:
         """logits (T, V) for the T positions that follow history + block[:i+1] (a tree: history + paths[i]);
         returns T token ids."""
-        scores = self.scores(logits, history, block, paths)
+        return self.draw(self.scores(logits, history, block, paths))
+
+    def scores(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None,
+               paths: list[list[int]] | None = None) -> torch.Tensor:
+        """The processed logits (T, V) the token is drawn from (filtered tokens at -inf)."""
+        if not self.processors:
+            return logits
+        scores = logits.float()
+        if self.params.repetition_penalty != 1.0:
+            hist = _histories(history, block, logits.device) if paths is None else \
+                _tree_histories(history, paths, logits.device)
+            return self.processors(hist, scores)
+        return self.processors(None, scores)
+
+    def draw(self, scores: torch.Tensor) -> torch.Tensor:
         if self.params.greedy:
             return scores.argmax(dim=-1)
         probs = torch.softmax(scores.float(), dim=-1)
@@ -55,21 +69,6 @@ class TorchSampler:
         distributions q_probs over q_ids (B-1, k). Returns B ids (dflash.sampling: the rule)."""
         p = torch.softmax(self.scores(logits, history, block).float(), dim=-1)
         return rejection_tokens(p, block[1:], q_ids, q_probs.float(), self.generator)
-
-    def scores(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None,
-               paths: list[list[int]] | None = None) -> torch.Tensor:
-        """The processed logits (T, V) sampling draws from (a tree: row i follows history + paths[i])."""
-        if self.processors:
-            scores = logits.float()
-            if self.params.repetition_penalty != 1.0:
-                hist = _histories(history, block, logits.device) if paths is None else \
-                    _tree_histories(history, paths, logits.device)
-                scores = self.processors(hist, scores)
-            else:
-                scores = self.processors(None, scores)
-        else:
-            scores = logits
-        return scores
 
 
 def rejection_tokens(p: torch.Tensor, drafted: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
@@ -86,6 +85,14 @@ def rejection_tokens(p: torch.Tensor, drafted: torch.Tensor, q_ids: torch.Tensor
     redrawn = torch.multinomial(residual, 1, generator=generator)[:, 0]
     bonus = torch.multinomial(p[-1:], 1, generator=generator)[:, 0]
     return torch.cat([torch.where(accept, drafted, redrawn), bonus])
+
+
+def log_probs(scores: torch.Tensor, tokens: torch.Tensor, top: int):
+    """(chosen, top ids, top log-probs) of processed scores (..., V) and the tokens drawn from them."""
+    lp = torch.log_softmax(scores.float(), dim=-1)
+    chosen = lp.gather(-1, tokens[..., None]).squeeze(-1)
+    values, ids = lp.topk(top, dim=-1) if top else (lp[..., :0], tokens[..., None][..., :0])
+    return chosen, ids, values
 
 
 def _histories(history: list[int], block: torch.Tensor | None, device) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dflash.sampling import SamplingParams
 from dflash.tree import TreeInputs
 
 from .rewind import CacheRewind, bounded_layers
-from .sampling import TorchSampler
+from .sampling import TorchSampler, log_probs
 from .target import LayerCapture, target_info
 
 
@@ -53,7 +53,7 @@ class TorchTarget:
         if compile:
             self._decode_model = torch.compile(model, dynamic=False, fullgraph=False,
                                                mode="reduce-overhead" if self.device.type == "cuda" else None)
-        self.sampler = TorchSampler(SamplingParams(), self.device)
+        self.samplers = [TorchSampler(SamplingParams(), self.device)]  # one per row (its own settings and seed)
 
     # ---- arrays ----------------------------------------------------------------------------------------------------
     def ids(self, rows: list[list[int]]) -> torch.Tensor:
@@ -84,22 +84,29 @@ class TorchTarget:
 
     # ---- sampling --------------------------------------------------------------------------------------------------
     def set_sampling(self, params: SamplingParams) -> None:
-        self.sampler = TorchSampler(params, self.device)
+        self.samplers = [TorchSampler(params, self.device)] * len(self.samplers)
 
     def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None,
-               paths: list[list[list[int]]] | None = None) -> torch.Tensor:
-        """The target's token at every position of every row (rows, T), each row with its own history; for a tree,
-        position j follows history + paths[row][j] (the tokens from the root to node j)."""
-        if self.sampler.params.greedy and not self.sampler.processors:
-            return logits.argmax(dim=-1)
-        return torch.stack([self.sampler(logits[i], histories[i], None if block is None else block[i],
-                                         None if paths is None else paths[i])
-                            for i in range(logits.shape[0])])
+               paths: list[list[list[int]]] | None = None, logprobs: int | None = None):
+        """The target's token at every position of every row (rows, T), each row with its own history and sampler;
+        for a tree, position j follows history + paths[row][j] (the tokens from the root to node j). With
+        logprobs=k also (chosen, top-k ids, top-k log-probs) of the distributions the tokens were drawn from."""
+        if all(s.params.greedy and not s.processors for s in self.samplers):
+            scores = logits  # the common case: one argmax for the whole batch
+            tokens = logits.argmax(dim=-1)
+        else:
+            per_row = [s.scores(logits[i], histories[i], None if block is None else block[i],
+                                None if paths is None else paths[i]) for i, s in enumerate(self.samplers)]
+            tokens = torch.stack([s.draw(x) for s, x in zip(self.samplers, per_row)])
+            scores = torch.stack(per_row) if logprobs is not None else None
+        if logprobs is None:
+            return tokens
+        return tokens, log_probs(scores, tokens, logprobs)
 
     def sample_rejection(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor,
                          draft) -> torch.Tensor:
-        return torch.stack([self.sampler.rejection(logits[i], histories[i], block[i], draft.q_ids[i],
-                                                   draft.q_probs[i]) for i in range(logits.shape[0])])
+        return torch.stack([s.rejection(logits[i], histories[i], block[i], draft.q_ids[i], draft.q_probs[i])
+                            for i, s in enumerate(self.samplers)])
 
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -249,6 +256,7 @@ class TorchTarget:
         else:
             self.cache = self._new_cache()
         self.length, self.valid, self.positions = 0, None, None
+        self.samplers = self.samplers[:1]
 
     def close(self) -> None:
         if self.capture is not None:
@@ -263,6 +271,7 @@ class TorchTarget:
         row = TorchTarget.__new__(TorchTarget)
         row.__dict__.update(self.__dict__)
         row.cache, row.length, row.valid, row.positions = self._new_cache(), 0, None, None
+        row.samplers = self.samplers[:1]
         return row
 
     @torch.inference_mode()
@@ -280,6 +289,26 @@ class TorchTarget:
         self.valid = torch.cat([F.pad(self.valid, (width - self.valid.shape[1], 0)),
                                 F.pad(other_valid, (width - other.length, 0))])
         self.positions = torch.cat([self.positions, torch.tensor([other.length], device=self.device)])
+        self.samplers = self.samplers + other.samplers
+
+    @torch.inference_mode()
+    def extract(self, i: int) -> "TorchTarget":
+        """Row i alone on a cache of its own (its valid slots, in order): a prefix kept after it leaves the batch."""
+        row = self.spawn()
+        if self.valid is None:
+            n, pick = self.length, (lambda t: t[:, :, :self.length].clone())  # noqa: E731
+        else:
+            idx = self.valid[i].nonzero().squeeze(1)
+            n, pick = idx.numel(), (lambda t: t[i:i + 1, :, idx])  # noqa: E731  (advanced indexing copies)
+        for layer_idx, layer in enumerate(self.cache.layers):
+            row.cache.update(pick(layer.keys), pick(layer.values), layer_idx)
+        row.length = n
+        row.samplers = [self.samplers[i if self.valid is not None else 0]]
+        return row
+
+    def cache_bytes(self) -> int:
+        return sum(t.nbytes for layer in self.cache.layers for t in (layer.keys, layer.values)
+                   if isinstance(t, torch.Tensor))
 
     def select(self, rows: list[int]) -> None:
         if self.valid is None:
@@ -287,6 +316,7 @@ class TorchTarget:
         idx = torch.tensor(rows, device=self.device)
         self.cache.batch_select_indices(idx)
         self.valid, self.positions = self.valid[idx], self.positions[idx]
+        self.samplers = [self.samplers[i] for i in rows]
 
     # ---- internals ---------------------------------------------------------------------------------------------------
     def check_batchable(self) -> None:

@@ -1,15 +1,15 @@
 """Measuring: the end-to-end benchmark against peers (benchmark, its prompts, worker processes, methods and
-report), the cost model of one cycle, what verify budgets buy, and the GPU check.
-`python -m dflash.bench [run | cost-model | tree-curve | gpu-check]`."""
+report), the cost model of one cycle, what verify budgets buy, the GPU check, and load on dflash.serve.
+`python -m dflash.bench [run | cost-model | tree-curve | gpu-check | serve]`."""
 
 from __future__ import annotations
 
 import sys
 
-from . import benchmark, costmodel, gpucheck, treecurve
+from . import benchmark, costmodel, gpucheck, serve_load, treecurve
 
 COMMANDS = {"run": benchmark.main, "cost-model": costmodel.main, "gpu-check": gpucheck.main,
-            "tree-curve": treecurve.main}
+            "tree-curve": treecurve.main, "serve": serve_load.main}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,61 @@
+"""The regenerated-answers JSONL both regeneration paths write (in-process: backends/torch/regeneration.py; through
+an OpenAI-compatible server: dflash/remote_regeneration.py): crash-safe appends, recovery of a torn last line, and
+the status counts."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+from .datasets import read_rows, row_id
+
+
+def recover_output(path: Path) -> set[str]:
+    """Ids already written; a torn last line (no trailing newline, or not JSON) is truncated away."""
+    if not path.is_file():
+        return set()
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1  # everything after the last newline is a partial write
+    lines = data[:keep].splitlines()
+    done, good = set(), 0
+    for line in lines:
+        try:
+            done.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break  # a garbled line can only be the torn end of an older crash: drop it and what follows
+        good += len(line) + 1
+    if good != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+    return done
+
+
+def append_row(f, row: dict) -> None:
+    """One row, flushed and fsynced: a crash after this line returns loses nothing."""
+    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def output_stats(path: Path) -> dict:
+    counts = Counter()
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            counts[json.loads(line).get("status", "ok")] += 1
+    return {"ok": counts["ok"], "failed": counts["failed"], "skipped": counts["skipped"], "total": sum(counts.values())}
+
+
+def input_rows(input_path) -> list[tuple[int, str, dict]]:
+    """Every input row with a unique id (a repeated id gets a #k suffix, stable across reruns)."""
+    rows, seen = [], Counter()
+    for i, row in read_rows(input_path):
+        rid = row_id(row, i)
+        seen[rid] += 1
+        if seen[rid] > 1:
+            rid = f"{rid}#{seen[rid] - 1}"
+        rows.append((i, rid, row))
+    return rows

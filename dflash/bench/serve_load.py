@@ -1,0 +1,198 @@
+"""python -m dflash.bench serve: load on `python -m dflash.serve` at several concurrencies, DFlash against the same
+server with --no-draft (the autoregressive baseline, same server code).
+
+For each mode a server process is started on a free 127.0.0.1 port; at each concurrency C, C client threads send
+--requests streamed completions in total (greedy, --max-tokens each, prompts cycled from --prompts). Per request:
+time to first token (request sent -> first text chunk), inter-token latency ((last chunk - first chunk) /
+(tokens - 1)) and the server's tau; per level: output tokens per second over the level's wall time. Writes
+serve.json, serve.md and serve.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..errors import DFlashError
+from ..io import atomic_write_text
+from .prompts import prompt_rows
+from .report import machine_info
+
+MODES = {"dflash": [], "no-draft": ["--no-draft"]}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m dflash.bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="target for the server (default: the bundled pair)")
+    p.add_argument("--draft", help="drafter for the server (default: registry / bundled)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--prompts", default="reference", help="reference, humaneval or a JSONL file with 'prompt'")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server (default: %(default)s)")
+    p.add_argument("--server-arg", action="append", default=[], help="extra dflash.serve flag (repeatable)")
+    p.add_argument("--out", default="docs/serve_bench", help="output directory (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, mode: str, log_path: Path):
+    import httpx
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "dflash.serve", "--port", str(port), "--max-batch", str(max(args.concurrency)),
+           "--max-queue", str(max(args.requests, 1)), *MODES[mode], *args.server_arg]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.draft and mode == "dflash":
+        cmd += ["--draft", args.draft]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DFlashError(f"dflash.serve ({mode}) exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise DFlashError(f"dflash.serve ({mode}) not ready after 600 s; see {log_path}")
+
+
+def one_request(url: str, prompt: str, max_tokens: int) -> dict:
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    usage, stats = {}, {}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            return {"error": f"HTTP {r.status_code}"}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+            usage, stats = chunk.get("usage") or usage, chunk.get("dflash") or stats
+    tokens = usage.get("completion_tokens", 0)
+    return {"ttft": (first or time.perf_counter()) - t0, "tokens": tokens, "tau": stats.get("tau"),
+            "itl": (last - first) / (tokens - 1) if first and last and tokens > 1 else None}
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def run_level(url: str, prompts: list[str], concurrency: int, n: int, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        out = list(pool.map(lambda i: one_request(url, prompts[i % len(prompts)], max_tokens), range(n)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in out if "error" not in r]
+    tokens = sum(r["tokens"] for r in ok)
+    taus = [r["tau"] for r in ok if r["tau"]]
+    return {"concurrency": concurrency, "requests": n, "failed": n - len(ok), "wall_seconds": wall,
+            "output_tokens": tokens, "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+            "ttft_p50": _pct([r["ttft"] for r in ok], 0.5), "ttft_p99": _pct([r["ttft"] for r in ok], 0.99),
+            "itl_p50": _pct([r["itl"] for r in ok], 0.5), "itl_p99": _pct([r["itl"] for r in ok], 0.99),
+            "tau": sum(taus) / len(taus) if taus else None}
+
+
+def markdown(report: dict) -> str:
+    lines = ["# dflash.serve under load", "", f"`{report['command']}`", "",
+             f"Machine: {report['machine']['cpu']} ({report['machine']['nproc']} CPUs), server threads "
+             f"{report['threads']}; {report['requests']} greedy requests of {report['max_tokens']} tokens per level.",
+             "", "| mode | concurrency | tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | tau "
+             "| failed |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(x):
+        return "—" if x is None else f"{1000 * x:.1f}"
+
+    for mode, levels in report["modes"].items():
+        for lv in levels:
+            tau = "—" if lv["tau"] is None else f"{lv['tau']:.2f}"
+            lines.append(f"| {mode} | {lv['concurrency']} | {lv['tokens_per_second']:.1f} | {ms(lv['ttft_p50'])} | "
+                         f"{ms(lv['ttft_p99'])} | {ms(lv['itl_p50'])} | {ms(lv['itl_p99'])} | {tau} | "
+                         f"{lv['failed']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for mode, levels in report["modes"].items():
+        c = [lv["concurrency"] for lv in levels]
+        axes[0].plot(c, [lv["tokens_per_second"] for lv in levels], "o-", label=mode)
+        axes[1].plot(c, [1000 * (lv["ttft_p50"] or 0) for lv in levels], "o-", label=mode)
+        axes[2].plot(c, [1000 * (lv["itl_p50"] or 0) for lv in levels], "o-", label=mode)
+    for ax, title in zip(axes, ["output tokens / s", "time to first token p50 (ms)", "inter-token latency p50 (ms)"]):
+        ax.set_title(title)
+        ax.set_xlabel("concurrent clients")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if any(c < 1 for c in args.concurrency) or args.requests < 1 or args.max_tokens < 1:
+        raise DFlashError("--concurrency / --requests / --max-tokens: expected integers >= 1")
+    prompts = [r["prompt"] for r in prompt_rows(args.prompts) if "prompt" in r]
+    if not prompts:
+        raise DFlashError(f"--prompts: {args.prompts} has no 'prompt' rows (completions need plain prompts)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"command": "python -m dflash.bench serve " + " ".join(argv if argv is not None else sys.argv[2:]),
+              "machine": machine_info(), "threads": args.threads, "requests": args.requests,
+              "max_tokens": args.max_tokens, "modes": {}}
+    for mode in args.modes:
+        proc, url = start_server(args, mode, out / f"server-{mode}.log")
+        try:
+            run_level(url, prompts, 1, 1, 8)  # warm-up
+            report["modes"][mode] = []
+            for c in args.concurrency:
+                level = run_level(url, prompts, c, args.requests, args.max_tokens)
+                report["modes"][mode].append(level)
+                print(f"{mode} c={c}: {level['tokens_per_second']:.1f} tok/s, TTFT p50 "
+                      f"{1000 * (level['ttft_p50'] or 0):.0f} ms, tau {level['tau'] or 0:.2f}", file=sys.stderr)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    atomic_write_text(out / "serve.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out / "serve.md", markdown(report))
+    plot(report, out / "serve.png")
+    print(json.dumps({"out": str(out), "modes": {m: [round(lv["tokens_per_second"], 1) for lv in v]
+                                                   for m, v in report["modes"].items()}}))
+    return 0

@@ -1,0 +1,70 @@
+"""python -m dflash.serve: an OpenAI-compatible HTTP server (chat and text completions, streaming) with continuous
+batching on PyTorch: a request joins the running batch at the next cycle and leaves when it finishes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from . import cli
+from .errors import DFlashError
+
+BUNDLED_NAME = "dflash-bundled"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m dflash.serve", description=__doc__)
+    cli.add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: --model, or dflash-bundled)")
+    p.add_argument("--max-batch", type=int, default=16, help="rows decoded together (default: %(default)s; MLX: 1)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a row before 503 (default: %(default)s)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="(default: %(default)s)")
+    p.add_argument("--prefix-cache-mb", type=float, default=1024,
+                   help="finished sequences' caches kept for prompts sharing their prefix (default: %(default)s; "
+                   "0 = off: only the last sequence, when it runs alone)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running requests (default: %(default)s)")
+    p.add_argument("--log-level", default="info", help="(default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def check_args(args) -> None:
+    for flag, value, low in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
+                             ("--max-queue", args.max_queue, 0), ("--max-request-bytes", args.max_request_bytes, 1)):
+        if value < low:
+            raise DFlashError(f"{flag}: got {value}, expected >= {low}")
+    if args.prefix_cache_mb < 0:
+        raise DFlashError(f"--prefix-cache-mb: got {args.prefix_cache_mb}, expected >= 0")
+    if args.drain_timeout < 0:
+        raise DFlashError(f"--drain-timeout: got {args.drain_timeout}, expected >= 0")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check_args(args)
+    try:
+        from .server.app import Server, run
+    except ImportError as e:
+        raise DFlashError(f"dflash.serve: {e.name} is not installed; pip install -e \".[serve]\"") from None
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    pipe = cli.load_pipeline(args)
+    name = args.served_model_name or (args.model if args.model else BUNDLED_NAME)
+    aliases = {str(args.model), Path(str(args.model)).name} if args.model else set()
+    server = Server(pipe, model_name=name, aliases=aliases, max_batch=args.max_batch, max_queue=args.max_queue,
+                    api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                    drain_timeout=args.drain_timeout, prefix_cache_mb=args.prefix_cache_mb)
+    logging.getLogger("dflash.serve").info("serving %s on http://%s:%d (backend %s, max batch %d)", name,
+                                           args.host, args.port, pipe.backend_name, server.scheduler.max_batch)
+    run(server, args.host, args.port, args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))

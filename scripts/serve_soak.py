@@ -1,0 +1,131 @@
+"""Soak test of python -m dflash.serve: C clients for M minutes, streamed and whole, chat and completions, with a few
+clients that hang up mid-stream. Every greedy answer must equal the one the same prompt got alone at the start
+(nothing failed, nothing garbled), and the server's RSS must stay flat after the warm-up (the first minute).
+
+    OMP_NUM_THREADS=1 python scripts/serve_soak.py --minutes 10 --concurrency 16 [--out soak.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "def parse(text):", "for i in range(10):",
+           "def __init__(self, name):", "try:\n    import json", "def read(path):", "while True:",
+           "if __name__ == '__main__':", "def add(a, b):", "class Node(object):", "with open(",
+           "def sort(items, key=None):", "raise ValueError(", "return [x for x in"]
+
+
+def rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def ask(url: str, prompt: str, max_tokens: int, stream: bool, chat: bool, hang_up: bool = False) -> str | None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    if not stream:
+        r = httpx.post(url + path, json=body, timeout=300)
+        r.raise_for_status()
+        c = r.json()["choices"][0]
+        return c["message"]["content"] if chat else c["text"]
+    text = []
+    with httpx.stream("POST", url + path, json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if hang_up and len(text) > 2:
+                return None
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk["choices"]:
+                c = chunk["choices"][0]
+                text.append((c["delta"].get("content") or "") if chat else c["text"])
+    return "".join(text)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", help="write the figures here as JSON")
+    args = p.parse_args()
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash.serve", "--port", str(port), "--max-batch",
+                             str(args.concurrency), "--log-level", "warning"],
+                            env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        want = {(pr, chat): ask(url, pr, args.max_tokens, False, chat) for pr in PROMPTS for chat in (False, True)}
+        counts = {"ok": 0, "failed": 0, "garbled": 0, "hung_up": 0}
+        errors: list[str] = []
+        lock = threading.Lock()
+        start = time.monotonic()
+        end = start + 60 * args.minutes
+
+        def client(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < end:
+                pr, chat, stream = rng.choice(PROMPTS), rng.random() < 0.5, rng.random() < 0.7
+                hang_up = stream and rng.random() < 0.05
+                try:
+                    got = ask(url, pr, args.max_tokens, stream, chat, hang_up)
+                    kind = "hung_up" if got is None else "ok" if got == want[(pr, chat)] else "garbled"
+                except Exception as e:  # noqa: BLE001  (counted and reported)
+                    kind = "failed"
+                    with lock:
+                        errors.append(repr(e)[:200])
+                with lock:
+                    counts[kind] += 1
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(args.concurrency)]
+        for t in threads:
+            t.start()
+        rss = []
+        while any(t.is_alive() for t in threads):
+            rss.append((round(time.monotonic() - start), round(rss_mb(proc.pid), 1)))
+            time.sleep(10)
+        for t in threads:
+            t.join()
+        warm = [m for s, m in rss if s >= 60] or [m for _, m in rss]
+        health = httpx.get(url + "/health").json()
+        report = {"minutes": args.minutes, "concurrency": args.concurrency, **counts, "errors": errors[:10],
+                  "rss_mb_after_warmup": warm[0], "rss_mb_end": warm[-1], "rss_mb_max": max(warm),
+                  "rss_samples": rss, "running_after": health["running"], "waiting_after": health["waiting"]}
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    report["exit_code"] = proc.returncode
+    print(json.dumps({k: v for k, v in report.items() if k != "rss_samples"}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["failed"] == report["garbled"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""dflash.server.app over a scripted engine (no model): a thinking model's reasoning and a Qwen-style tool call come
+back as reasoning_content / tool_calls, whole and streamed (delta.tool_calls), and `tools` and
+`chat_template_kwargs` reach the chat template."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from dflash.engine import Step  # noqa: E402
+from dflash.server.app import Server  # noqa: E402
+
+ALPHABET = [chr(c) for c in range(32, 127)] + ["\n", "<think>", "</think>", "<tool_call>", "</tool_call>", "<eos>"]
+EOS = ALPHABET.index("<eos>")
+
+
+class CharTokenizer:
+    """One token per character; the tags are single tokens, as in Qwen's vocabulary."""
+
+    chat_template = "{{ messages }}"
+
+    def __init__(self):
+        self.seen: list[dict] = []
+
+    def get_vocab(self):
+        return {t: i for i, t in enumerate(ALPHABET)}
+
+    def encode(self, text: str) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            tag = next((t for t in ALPHABET[95:] if text.startswith(t, i)), None)
+            ids.append(ALPHABET.index(tag or text[i]))
+            i += len(tag) if tag else 1
+        return ids
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": self.encode(text)}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("" if (i == EOS and skip_special_tokens) else ALPHABET[i] for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kwargs):
+        self.seen.append(kwargs)
+        opened = "<think>\n" if kwargs.get("enable_thinking", True) else ""
+        return "".join(m["content"] for m in messages) + "\n" + opened
+
+
+class ScriptedEngine:
+    """The engine protocol dflash.loop.Batch drives: every row writes the same script, three tokens a cycle."""
+
+    block_size, max_context, name = 4, 4096, "scripted"
+    info = SimpleNamespace(vocab_size=len(ALPHABET))
+
+    def __init__(self, script: list[int]):
+        self.script, self.rows, self.logprobs, self.first_logprobs, self.last_reused = script, [], None, None, 0
+        self.shared, self.cached_tokens = False, []
+
+    def set_sampling(self, params):
+        pass
+
+    def prefill(self, prompts):
+        self.rows = [0]
+        return [self.script[0]]
+
+    def admit(self, prompt, sampling=None):
+        self.rows.append(0)
+        return self.script[0]
+
+    def step(self, anchors):
+        out = []
+        for i in range(len(self.rows)):
+            at = self.rows[i] = self.rows[i] + 1
+            out.append(Step(self.script[1 + 3 * (at - 1): 1 + 3 * at], [], 3))
+        return out
+
+    def retire(self, rows):
+        self.rows = [r for i, r in enumerate(self.rows) if i not in set(rows)]
+
+    def reset(self):
+        self.rows = []
+
+
+def client_for(answer: str):
+    tok = CharTokenizer()
+    engine = ScriptedEngine(tok.encode(answer) + [EOS])
+    pipe = SimpleNamespace(backend=engine, tokenizer=tok, eos_token_ids={EOS}, backend_name="torch")
+    return TestClient(Server(pipe, model_name="m").app()), tok
+
+
+ANSWER = ("Let me think.\n</think>\n\nI will call it.<tool_call>\n"
+          '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_reasoning_and_tool_calls_whole():
+    client, tok = client_for(ANSWER)
+    with client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "weather?"}],
+                                                      "tools": TOOLS, "max_tokens": 500})
+    body = r.json()
+    msg = body["choices"][0]["message"]
+    assert msg["reasoning_content"] == "Let me think.\n" and msg["content"] == "I will call it."
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    (call,) = msg["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert tok.seen[-1]["tools"] == TOOLS
+
+
+def test_reasoning_and_tool_calls_streamed():
+    client, tok = client_for(ANSWER)
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "max_tokens": 500,
+            "stream": True, "chat_template_kwargs": {"enable_thinking": True}}
+    with client, client.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me think.\n"
+    assert "".join(d.get("content") or "" for d in deltas) == "I will call it."
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and calls[0]["index"] == 0
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert tok.seen[-1]["enable_thinking"] is True
+
+
+def test_thinking_off_is_all_content():
+    client, _ = client_for("Just the answer.")
+    with client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
+                                                      "chat_template_kwargs": {"enable_thinking": False}})
+    msg = r.json()["choices"][0]["message"]
+    assert msg["content"] == "Just the answer." and "reasoning_content" not in msg
