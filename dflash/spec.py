@@ -123,7 +123,7 @@ class DraftSpec:
             raise DFlashError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures")
         if archs is not None and (not isinstance(archs, list) or not any(a in archs for a in ARCHITECTURES)):
-            raise DFlashError(f"{source}: architectures is {archs}, expected [\"{ARCHITECTURE}\"] or "
+            raise DFlashError(f"{source}: architectures is {json.dumps(archs)}, expected [\"{ARCHITECTURE}\"] or "
                               f"[\"{DFLASH2}\"] (is this a target model rather than a DFlash drafter?)")
         architecture = DFLASH2 if archs is not None and DFLASH2 in archs else ARCHITECTURE
         for key in _REQUIRED:
