@@ -65,8 +65,40 @@ class TreePlanner:
         self.calibration = Calibration(block_size - 1)
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
+        # auto: measured tokens/s of the chain's own path (no host read between draft and verify, so on a lazy
+        # backend the draft overlaps the verify's graph building) against tree cycles; the loser is re-tried now
+        # and then, a few cycles at a time
+        self.measured: dict[str, float | None] = {"chain": None, "tree": None}
+        self.since = {"chain": 0, "tree": 0}
+        self.run: tuple[str, int] = ("tree", 0)  # the current stretch: which path, cycles left
         # seconds a cycle takes beyond its forwards (host work: the heap, the walk, sampling), learnt online
         self.overhead = {True: 0.0, False: 0.0}
+
+    def path(self) -> str:
+        """auto: "chain" or "tree" for this cycle (tree: always)."""
+        if self.mode != "auto":
+            return "tree"
+        kind, left = self.run
+        if left <= 0:
+            chain, tree = self.measured["chain"], self.measured["tree"]
+            if tree is None or chain is None:
+                kind = "tree" if tree is None or self.since["chain"] < 8 else "chain"
+            else:
+                kind = "chain" if chain > tree else "tree"
+                loser = "tree" if kind == "chain" else "chain"
+                if self.since[loser] >= 64:
+                    kind = loser
+            left = 4
+        self.run = (kind, left - 1)
+        return kind
+
+    def observe_speed(self, kind: str, tokens: int, seconds: float) -> None:
+        """One cycle's committed tokens (per row) in `seconds` on the chain's path or a tree's."""
+        rate = tokens / max(seconds, 1e-9)
+        old = self.measured[kind]
+        self.measured[kind] = rate if old is None else old + 0.2 * (rate - old)
+        for k in self.since:
+            self.since[k] = 0 if k == kind else self.since[k] + 1
 
     def drafts_this_cycle(self) -> bool:
         if self.skip > 0:

@@ -260,8 +260,16 @@ class Engine:
         """One speculative cycle for every row (draft -> verify -> accept -> commit); row i's anchor is its last
         committed token."""
         if self.planner is not None:
-            return self._tree_step(list(anchors))
-        self.draft(anchors)
+            start = time.perf_counter()
+            path = self.planner.path()
+            steps = self._tree_step(list(anchors)) if path == "tree" else self._chain_step(anchors, top_k=0)
+            tokens = sum(len(s.tokens) for s in steps) / len(steps)
+            self.planner.observe_speed(path, tokens, time.perf_counter() - start)
+            return steps
+        return self._chain_step(anchors, self.top_k)
+
+    def _chain_step(self, anchors: Sequence[int], top_k: int) -> list[Step]:
+        self.draft(anchors, top_k)
         drafted, target = self.verify()
         steps = [Step(t[: accepted_length(d, t) + 1], d, len(d)) for d, t in zip(drafted, target)]
         if self.logprobs is not None:
@@ -317,12 +325,13 @@ class Engine:
             self._add_pending(kept, len(slots[0]))
         return steps
 
-    def draft(self, anchors: Sequence[int]) -> None:
+    def draft(self, anchors: Sequence[int], top_k: int | None = None) -> None:
         anchor_ids = self.target.ids([[a] for a in anchors])
         if self.drafter is None:
             self.last_draft = Draft(anchor_ids)
         else:
-            self.last_draft = self.drafter.propose(anchor_ids, self._take_pending(), self.block_size, self.top_k)
+            self.last_draft = self.drafter.propose(anchor_ids, self._take_pending(), self.block_size,
+                                                   self.top_k if top_k is None else top_k)
         self._verify_ids = self.last_draft.ids
 
     def verify(self) -> tuple[list[list[int]], list[list[int]]]:

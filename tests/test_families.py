@@ -83,9 +83,9 @@ def with_oracle(backend, make_ids, seed: int = 0):
     rng = random.Random(seed)
     draft = backend.draft
 
-    def propose(anchors):
+    def propose(anchors, top_k=None):
         (anchor,) = anchors
-        draft(anchors)  # keeps the drafter's context bookkeeping in the loop
+        draft(anchors, top_k)  # keeps the drafter's context bookkeeping in the loop
         n, b = len(backend.tokens), backend.block_size
         proposals = (backend.reference[n + 1:n + b] + [0] * b)[:b - 1]
         slot = rng.randrange(b)

@@ -38,7 +38,7 @@ class FakeBackend:
         (self.tokens,) = [list(p) for p in prompts]
         return [next_token(self.tokens)]
 
-    def draft(self, anchors):
+    def draft(self, anchors, top_k=None):
         hist = self.tokens + list(anchors)
         self.block = list(anchors)
         for i in range(self.block_size - 1):
@@ -56,8 +56,8 @@ class FakeBackend:
     def retire(self, rows):
         pass
 
-    planner = None  # chain verification
-    step = Engine.step  # the engine's cycle over this fake's draft / verify / commit
+    planner, logprobs, top_k = None, None, 0  # chain verification, no log-probabilities
+    step, _chain_step = Engine.step, Engine._chain_step  # the engine's cycle over this fake's draft / verify / commit
 
 
 def reference(prompt, n):

@@ -68,9 +68,9 @@ class OracleDraft:
     def __getattr__(self, name):
         return getattr(self.be, name)
 
-    step = Engine.step  # the engine's cycle, with this draft
+    step, _chain_step = Engine.step, Engine._chain_step  # the engine's cycle, with this draft
 
-    def draft(self, anchors):
+    def draft(self, anchors, top_k=None):
         (anchor,) = anchors
         self.be.draft(anchors)
         b = self.be.block_size

@@ -30,7 +30,7 @@ class OracleDraftBackend(TorchBackend):
         self.memo = {}
 
     @torch.no_grad()
-    def draft(self, anchors):
+    def draft(self, anchors, top_k=None):
         (anchor,) = anchors
         key = tuple(self.tokens + [anchor])
         if key not in self.memo:

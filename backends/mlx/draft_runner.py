@@ -10,7 +10,7 @@ import mlx.core as mx
 from dflash.engine import Draft, Pending
 
 from .draft_cache import DraftContextCache
-from .drafter import DFlashDrafter, scale_logits, select_walk
+from .drafter import DFlashDrafter, scale_logits, select_walk, top_k_sorted
 
 DRAFT_NOISE_OFFSET = 0x5EED_D2  # the draft's stream: seed + offset, never the target sampler's own seed
 
@@ -91,8 +91,7 @@ class MLXDraft:
             draft.q_ids, draft.q_probs = candidates, mx.softmax(rows / self.walk_temperature, axis=-1)
         if top_k:
             probs = mx.softmax(logits.astype(mx.float32) / temperature, axis=-1)
-            ids = mx.argsort(-probs, axis=-1)[..., :top_k]
-            draft.top_ids, draft.top_probs = ids, mx.take_along_axis(probs, ids, axis=-1)
+            draft.top_ids, draft.top_probs = top_k_sorted(probs, top_k)
         mx.async_eval(draft.ids)  # the draft runs while Python builds the verify graph
         return draft
 

@@ -119,6 +119,15 @@ class DFlash2Layer(DraftLayer):
         return x + self.mlp_conv.convolve(self.mlp(inner), delta, 1)
 
 
+def top_k_sorted(values: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The k largest along the last axis, largest first, and their indices: a partition, then a sort of k (a full
+    argsort of the vocabulary costs more than the draft forward on a CPU)."""
+    ids = mx.argpartition(-values, kth=k - 1, axis=-1)[..., :k]
+    top = mx.take_along_axis(values, ids, axis=-1)
+    order = mx.argsort(-top, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(top, order, axis=-1)
+
+
 class CandidateSelector(nn.Module):
     """S_t(a, b) = U_t(b) + <A[a] * (W h_t), B[b]> over the top-k candidates of every position (DFlash2)."""
 
@@ -131,8 +140,7 @@ class CandidateSelector(nn.Module):
     def pair_scores(self, logits: mx.array, hidden: mx.array, anchor: mx.array, top_k: int):
         """logits (rows, P, V) float32, hidden (rows, P, H), anchor (rows, 1) -> candidates (rows, P, k) and
         scores (rows, P, k, k): [t, i, j] = S_t(i-th candidate of t-1, j-th of t); at t = 0 every i is the anchor."""
-        candidates = mx.argsort(-logits, axis=-1)[..., :top_k]
-        unary = mx.take_along_axis(logits, candidates, axis=-1)
+        candidates, unary = top_k_sorted(logits, top_k)
         rows = anchor.shape[0]
         predecessors = mx.concatenate([mx.broadcast_to(anchor[:, :, None], (rows, 1, top_k)), candidates[:, :-1]],
                                       axis=1)
