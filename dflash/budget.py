@@ -18,6 +18,7 @@ from typing import Sequence
 from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates, to_tree
 
 VERIFY_MODES = ("chain", "tree", "auto")
+STRETCH, RETRY_AFTER = 2, 128  # auto: cycles per stretch of one path; cycles before the slower path is re-tried
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
 
 
@@ -86,9 +87,9 @@ class TreePlanner:
             else:
                 kind = "chain" if chain > tree else "tree"
                 loser = "tree" if kind == "chain" else "chain"
-                if self.since[loser] >= 64:
+                if self.since[loser] >= RETRY_AFTER:
                     kind = loser
-            left = 4
+            left = STRETCH
         self.run = (kind, left - 1)
         return kind
 
