@@ -142,3 +142,19 @@ def test_auto_pauses_drafting_when_no_draft_wins():
         planner.skip = 0
         plan = planner.plan([0], *good)
     assert plan.trees[0].nodes == 3 and planner.drafts_this_cycle()
+
+
+def test_auto_keeps_the_faster_path_and_retries_the_other():
+    from dflash import budget
+
+    planner = TreePlanner("auto", 4, 8, Costs(draft=1.0, verify=[(1, 1.0), (16, 1.2)]))
+    seen = []
+    for _ in range(400):  # chain cycles commit 4 tokens in 1 s, tree cycles 2: the chain wins, trees are re-tried
+        path = planner.path()
+        seen.append(path)
+        planner.observe_speed(path, 4 if path == "chain" else 2, 1.0)
+    assert seen[:8] == ["tree"] * 8 and "chain" in seen[8:12]  # trees first, then the chain is measured
+    late = seen[100:]
+    assert late.count("chain") > 0.9 * len(late) and "tree" in late  # the loser comes back now and then
+    assert budget.STRETCH <= late.count("tree") <= 3 * budget.STRETCH * len(late) // budget.RETRY_AFTER + 2
+    assert TreePlanner("tree", 4, 8).path() == "tree"

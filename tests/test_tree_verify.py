@@ -54,6 +54,8 @@ def test_greedy_tree_is_lossless(trained, mode, budget):
     model, drafter, prompts, baseline = trained
     backend = TorchBackend(model, drafter, block_size=16)
     backend.set_verify(mode, budget, FLAT)
+    if mode == "auto":  # its chain-or-tree choice follows wall time (tests/test_tree.py); here the tree rule
+        backend.planner.path = lambda: "tree"
     rec = Recorder(backend)
     lengths = []
     for p, ref in zip(prompts, baseline):
