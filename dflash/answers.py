@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from .datasets import read_rows, row_id
+from .io import atomic_write_text
 
 
 def recover_output(path: Path) -> set[str]:
@@ -47,6 +48,16 @@ def output_stats(path: Path) -> dict:
         if line.strip():
             counts[json.loads(line).get("status", "ok")] += 1
     return {"ok": counts["ok"], "failed": counts["failed"], "skipped": counts["skipped"], "total": sum(counts.values())}
+
+
+def write_stats(output_path: Path, input_count: int, log) -> dict:
+    """The finished run's counts, next to its output as <name>.stats.json, and one summary line."""
+    stats = output_stats(output_path)
+    stats["input_rows"] = input_count
+    atomic_write_text(output_path.with_name(output_path.name.removesuffix(".jsonl") + ".stats.json"),
+                      json.dumps(stats, indent=2) + "\n")
+    log(f"regenerate: ok {stats['ok']}, failed {stats['failed']}, skipped {stats['skipped']} -> {output_path}")
+    return stats
 
 
 def input_rows(input_path) -> list[tuple[int, str, dict]]:

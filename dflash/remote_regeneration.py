@@ -10,17 +10,16 @@ stopped (the in-process count). The server's 503 (busy) is retried; an unreachab
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .answers import append_row, input_rows, output_stats, recover_output
+from .answers import append_row, input_rows, recover_output, write_stats
 from .datasets import prompt_messages, row_messages
 from .errors import DFlashError
-from .io import atomic_write_text, check_output_dir
+from .io import check_output_dir
 
 
 class Endpoint:
@@ -129,9 +128,4 @@ def regenerate_remote(endpoint: str, input_path, output_path, *, model: str | No
         with ThreadPoolExecutor(concurrency) as pool:
             for f in [pool.submit(one, item) for item in todo]:
                 f.result()  # an unreachable server stops the run here (the finished rows are kept)
-    stats = output_stats(output_path)
-    stats["input_rows"] = len(rows)
-    atomic_write_text(output_path.with_name(output_path.name.removesuffix(".jsonl") + ".stats.json"),
-                      json.dumps(stats, indent=2) + "\n")
-    log(f"regenerate: ok {stats['ok']}, failed {stats['failed']}, skipped {stats['skipped']} -> {output_path}")
-    return stats
+    return write_stats(output_path, len(rows), log)

@@ -11,16 +11,15 @@ after a SIGKILL at any point loses no finished row and duplicates none.
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
 from pathlib import Path
 
 from dflash import hub
-from dflash.answers import append_row as _append, input_rows, output_stats, recover_output  # noqa: F401
+from dflash.answers import append_row as _append, input_rows, recover_output, write_stats
 from dflash.datasets import prompt_messages, row_messages
 from dflash.errors import DFlashError
-from dflash.io import atomic_write_text, check_output_dir
+from dflash.io import check_output_dir
 from dflash.loop import generate_batch
 from dflash.sampling import SamplingParams
 from dflash.spec import DraftSpec
@@ -111,12 +110,7 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
             run_batch()
     if bar is not None:
         bar.close()
-    stats = output_stats(output_path)
-    stats["input_rows"] = len(rows)
-    atomic_write_text(output_path.with_name(output_path.name.removesuffix(".jsonl") + ".stats.json"),
-                      json.dumps(stats, indent=2) + "\n")
-    log(f"regenerate: ok {stats['ok']}, failed {stats['failed']}, skipped {stats['skipped']} -> {output_path}")
-    return stats
+    return write_stats(output_path, len(rows), log)
 
 
 def _batched_backend(model, draft_dir):
