@@ -15,6 +15,8 @@ from dflash.backends.torch.drafter import (CandidateSelector, DynamicConv, load_
 from dflash.errors import DFlashError  # noqa: E402
 from dflash.loop import generate  # noqa: E402
 
+from test_sampling import chi_square_ok  # noqa: E402  (the same bound as chain sampling's test)
+
 
 def held_out_prompts(n=6, length=8, seed=321):
     g = torch.Generator().manual_seed(seed)
@@ -305,17 +307,6 @@ def sampled_pairs(pair, temperature, n, accept, backend_name="torch"):
         accepted.append(r.acceptance_lengths[0] - 1)
     assert backend.accept_rule == accept
     return observed, accepted
-
-
-def chi_square_ok(observed, expected):
-    """Pearson chi-square with cells of expectation < 5 pooled; bound ~ 6 sigma above the dof."""
-    keep = expected > 5
-    chi2 = (((observed[keep] - expected[keep]) ** 2) / expected[keep]).sum()
-    rest_o, rest_e = observed[~keep].sum(), expected[~keep].sum()
-    if rest_e > 0:
-        chi2 += (rest_o - rest_e) ** 2 / rest_e
-    dof = int(keep.sum()) + int(rest_e > 0) - 1
-    return chi2 < dof + 6 * (2 * dof) ** 0.5, f"chi2 {chi2:.1f} with {dof} dof"
 
 
 N = 2000

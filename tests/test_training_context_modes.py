@@ -16,16 +16,9 @@ from dflash.backends.torch.training import SplitMask, build_blocks, dense_mask, 
 from dflash.errors import DFlashError
 from dflash.spec import DraftSpec
 
-H, K, B, MASK = 32, 2, 4, 99
+from test_training import B, H, K, MASK, make_spec  # the packed-forward test spec
+
 MODES = ["none", "input"]
-
-
-def make_spec(**kw) -> DraftSpec:
-    fields = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  intermediate_size=64, vocab_size=100, num_target_layers=4, target_layer_ids=[1, 2],
-                  mask_token_id=MASK, block_size=B, rope_theta=10000.0, max_position_embeddings=512)
-    fields.update(kw)
-    return DraftSpec(**fields)
 
 
 def random_drafter(mode: str) -> DFlashDrafter:
