@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from dflash.engine import Draft, Pending
-from dflash.sampling import SamplingParams
+from dflash.sampling import RowDraw, SamplingParams
 from dflash.spec import TargetInfo
 from dflash.tree import TreeInputs
 
@@ -31,12 +31,12 @@ class Target(Protocol):
 
     # sampling: the target's token at each position, as target-only decoding would draw it
     def set_sampling(self, params: SamplingParams) -> None: ...            # every row; spawn/merge/select keep
-    # each row's own settings; sample: (rows, T, V) -> (rows, T), with logprobs=k also (chosen, top-k ids, top-k
-    # log-probs), each (rows, T[, k]), of the distributions the tokens were drawn from
-    def sample(self, logits, histories: list[list[int]], block, paths=None, logprobs: int | None = None): ...
-    # rejection sampling against a sampled draft (Draft.q_ids / q_probs): the draft token where accepted, else
-    # the residual's sample; the last position draws the bonus from p. (rows, T, V) -> (rows, T)
-    def sample_rejection(self, logits, histories: list[list[int]], block, draft: Draft): ...
+    # each row's own settings; sample: (rows, T, V) -> (rows, T), each row drawn with its RowDraw's noise (draws
+    # None: all greedy), rejection rows verifying the draft's sampled proposals (Draft.q_ids / q_probs); with
+    # logprobs=k also (chosen, top-k ids, top-k log-probs), each (rows, T[, k]), of the distributions drawn from
+    def sample(self, logits, histories: list[list[int]], block, paths=None, logprobs: int | None = None,
+               draws: list[RowDraw] | None = None, draft: Draft | None = None): ...
+    def gumbel(self, keys: list[int]): ...                                  # (len(keys), V) noise, a row per key
 
     # the model and its cache
     def forward(self, ids, last_only: bool, tree: TreeInputs | None = None) -> tuple: ...  # -> (logits, features)
@@ -60,13 +60,14 @@ class Target(Protocol):
 
 class Drafter(Protocol):
     position: int  # row 0's context length (= its anchor's position)
-    distribution: bool  # True: propose can sample from a proper draft distribution (DFlash2's selector)
-
-    def set_sampling(self, params: SamplingParams | None) -> None: ...    # None: propose greedily (a point mass)
+    distribution: bool  # True: its selector has a proper draft distribution of its own (DFlash2)
 
     def extend(self, pending: Pending | None) -> None: ...                 # absorb context without drafting (prefill)
+    # proposals per row by its draw: greedy rows the argmax; match rows argmax(warped logits + the target's own
+    # Gumbel noise); rejection rows a sample of q (returned as Draft.q_ids / q_probs); with top_k the per-position
+    # candidates (greedy: by probability; sampled: by the noise-perturbed score)
     def propose(self, anchor_ids, pending: Pending | None, block_size: int, top_k: int = 0,
-                temperature: float = 1.0) -> Draft: ...                     # top-k probabilities at `temperature`
+                draws: list[RowDraw] | None = None) -> Draft: ...
     def crop(self, position: int) -> bool: ...
     def reset(self) -> None: ...
     def spawn(self) -> "Drafter": ...

@@ -43,11 +43,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens below min-p x the top probability (default: %(default)s = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: %(default)s = off)")
-    p.add_argument("--seed", type=int, help="sampling seed (default: none, a fresh draw every run)")
+    p.add_argument("--seed", type=int, help="sampling seed: the same seed, prompt, model and settings give the same "
+                   "tokens on the same machine, whatever the verify mode, budget or batch chose (every draw is "
+                   "keyed by the token's position); default: a fresh seed every run")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: EOS only)")
     p.add_argument("--accept", default="auto", choices=("auto", "match", "rejection"),
-                   help="acceptance rule when sampling: sample-and-match, or rejection sampling against a DFlash2 "
-                        "drafter's distribution (default: %(default)s = the measured better one)")
+                   help="acceptance rule when sampling: match (the draft proposes the token the target's own noise "
+                        "picks under the draft's distribution; output = target-only sampling with the same seed, "
+                        "chains and trees) or rejection (exact rejection sampling against the draft's distribution, "
+                        "chains; accepts more); default: %(default)s = rejection")
 
 
 def sampling_from(args) -> SamplingParams:

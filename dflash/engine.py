@@ -25,7 +25,7 @@ from typing import Sequence
 from .budget import VERIFY_MODES, Costs, TreePlanner
 from .errors import DFlashError
 from .prefix_cache import PrefixCache, keep_row
-from .sampling import SamplingParams, acceptance_rule, accepted_length, common_prefix
+from .sampling import RowDraw, RowSampling, SamplingParams, accepted_length, common_prefix, uniforms
 from .spec import check_block_size
 from .tree import CopyIndex, TreeInputs
 
@@ -105,8 +105,8 @@ class Engine:
         self.pending: Pending | None = None
         self.top_k = 0  # > 0: every draft also returns the per-position top-k (tree verification)
         self.last_draft: Draft | None = None
-        self.sampling = SamplingParams()
-        self.accept_rule = "match"  # when sampling: sample-and-match, or rejection (dflash.sampling)
+        self.sampling = SamplingParams()  # the settings of rows admitted without their own
+        self.row_sampling: list[RowSampling] = []  # per row: its settings, acceptance rule and noise seed
         self.logprobs: int | None = None  # None: off; k >= 0: every sample also returns log-probs (top k)
         self.first_logprobs: tuple[list[float], list[list[tuple[int, float]]]] | None = None  # last prefill's
         self.prefix_cache: PrefixCache | None = None  # finished rows' caches, for later prompts (enable_prefix_cache)
@@ -115,6 +115,7 @@ class Engine:
         self.planner: TreePlanner | None = None  # tree / auto verification (dflash/budget.py)
         self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
         self.last_trees, self.last_paths = [], []
+        self._cycle_draws: list[RowDraw] | None = None
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
     @property
@@ -127,13 +128,14 @@ class Engine:
         return self.tokens
 
     def set_sampling(self, params: SamplingParams) -> None:
-        """The sampling settings of every row (and of rows admitted without their own)."""
+        """The sampling settings of the next lone row (and of rows admitted without their own)."""
         self.sampling = params
         self.target.set_sampling(params)
-        # drafters with a draft distribution (DFlash2) say so; for them sampling may verify by rejection
-        self.accept_rule = acceptance_rule(params, getattr(self.drafter, "distribution", False))
-        if getattr(self.drafter, "distribution", False):
-            self.drafter.set_sampling(params if self.accept_rule == "rejection" else None)
+
+    @property
+    def accept_rules(self) -> list[str]:
+        """Each row's acceptance rule: greedy, match or rejection (dflash.sampling)."""
+        return [r.rule for r in self.row_sampling]
 
     def set_verify(self, mode: str = "chain", budget: int | None = None, costs: Costs | None = None,
                    copy_branch: bool = True) -> None:
@@ -220,7 +222,7 @@ class Engine:
         if row is None:
             row = Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None,
                          block_size=self.block_size, prefill_chunk=self.prefill_chunk)
-        row.logprobs = self.logprobs
+        row.logprobs, row.verify_mode = self.logprobs, self.verify_mode
         row.set_sampling(sampling or self.sampling)
         first = row._prefill_single(prompt_ids)
         self.first_logprobs, self.last_reused = row.first_logprobs, row.last_reused
@@ -231,6 +233,7 @@ class Engine:
             if self.pending is not None:
                 self.pending = Pending(self.target.pad_rows(self.pending.features, 1), self.pending.counts + [0])
         self.rows.append(row.rows[0])
+        self.row_sampling.append(row.row_sampling[0])
         return first
 
     def _prefill_single(self, prompt_ids: list[int]) -> int:
@@ -240,6 +243,9 @@ class Engine:
             self.rows = [[]]
         start, logits = len(self.tokens), None
         self.last_reused = start
+        # a fresh noise seed per generation (unless the request has one): its draws are keyed by position
+        self.row_sampling = [RowSampling.admit(self.sampling, getattr(self.drafter, "distribution", False),
+                                               trees=self.verify_mode == "tree")]
         for at in range(start, len(prompt_ids), self.prefill_chunk):
             chunk = prompt_ids[at:at + self.prefill_chunk]
             logits, features = self.target.forward(self.target.ids([chunk]), last_only=True)
@@ -249,7 +255,7 @@ class Engine:
                 self.drafter.extend(self._take_pending())
             if at + self.prefill_chunk < len(prompt_ids):
                 self.target.settle(self.drafter)  # bound the lazy graph (and its memory) chunk by chunk
-        first = self._sample(logits[:, -1:], [self.tokens], None)
+        first = self._sample(logits[:, -1:], [self.tokens], None, draws=self._draws(1, offset=0))
         self.target.settle(self.drafter, first)
         if self.logprobs is not None:
             self.first_logprobs = (self._logprobs[0][0][0], self._logprobs[1][0][0])
@@ -261,7 +267,7 @@ class Engine:
         committed token."""
         if self.planner is not None:
             start = time.perf_counter()
-            path = self.planner.path()
+            path = self.planner.path() if "rejection" not in self.accept_rules else "chain"
             steps = self._tree_step(list(anchors)) if path == "tree" else self._chain_step(anchors, top_k=0)
             tokens = sum(len(s.tokens) for s in steps) / len(steps)
             self.planner.observe_speed(path, tokens, time.perf_counter() - start)
@@ -269,6 +275,7 @@ class Engine:
         return self._chain_step(anchors, self.top_k)
 
     def _chain_step(self, anchors: Sequence[int], top_k: int) -> list[Step]:
+        self._cycle_draws = self._draws(self.block_size)
         self.draft(anchors, top_k)
         drafted, target = self.verify()
         steps = [Step(t[: accepted_length(d, t) + 1], d, len(d)) for d, t in zip(drafted, target)]
@@ -290,17 +297,21 @@ class Engine:
             copies.append(index.continuation(b - 1))
         # a pause in drafting (auto) is single-row: the pending features then simply wait for the next draft
         drafted = planner.drafts_this_cycle() or len(self.rows) > 1
+        draws = self._draws(b)
         if drafted:
-            temperature = self.sampling.temperature or 1.0  # the surrogate at the temperature verification samples
             draft = self.drafter.propose(target.ids([[a] for a in anchors]), self._take_pending(), b,
-                                         planner.top_k, temperature)
+                                         planner.top_k, draws)
             plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
         else:
             plan = planner.plan(anchors, copies=copies)
         inputs = TreeInputs.of(plan.trees)
         ids = target.ids(inputs.ids.tolist())
         logits, features = target.forward(ids, last_only=False, tree=inputs)
-        tokens = target.to_host(self._sample(logits, self.rows, ids, [t.paths() for t in plan.trees]))
+        if draws is not None:  # the node at depth d draws the token at the anchor's position + 1 + d
+            for draw, depths in zip(draws, inputs.depths.tolist()):
+                if draw.gumbel is not None:
+                    draw.gumbel = draw.gumbel[target.ids([depths])[0]]
+        tokens = target.to_host(self._sample(logits, self.rows, ids, [t.paths() for t in plan.trees], draws))
         steps, paths, slots = [], [], []
         for tree, row_tokens in zip(plan.trees, tokens):
             path, bonus = tree.walk(row_tokens)
@@ -331,7 +342,7 @@ class Engine:
             self.last_draft = Draft(anchor_ids)
         else:
             self.last_draft = self.drafter.propose(anchor_ids, self._take_pending(), self.block_size,
-                                                   self.top_k if top_k is None else top_k)
+                                                   self.top_k if top_k is None else top_k, self._cycle_draws)
         self._verify_ids = self.last_draft.ids
 
     def verify(self) -> tuple[list[list[int]], list[list[int]]]:
@@ -371,6 +382,7 @@ class Engine:
                 self.pending = Pending(self.target.take_rows(self.pending.features, keep),
                                        [self.pending.counts[i] for i in keep])
         self.rows = [self.rows[i] for i in keep]
+        self.row_sampling = [self.row_sampling[i] for i in keep]
         self._copies = [self._copies[i] for i in keep] if len(self._copies) == len(keep) + len(gone) else []
 
     # ---- single sequence: rewind and reset ---------------------------------------------------------------------------
@@ -402,20 +414,34 @@ class Engine:
         if self.drafter is not None:
             self.drafter.reset()
         self.rows, self.pending, self.shared, self._copies = [], None, False, []
+        self.row_sampling = []
 
     def close(self) -> None:
         self.target.close()
 
     # ---- internals -----------------------------------------------------------------------------------------------
     def _target_tokens(self, logits, ids):
-        """The target's token at every verified position under the run's rule: its own sample (sample-and-match),
-        or, when the draft was sampled from a distribution, the draft token where rejection sampling accepts it and
-        the residual's sample where it does not (so the longest agreeing prefix is the accepted one either way)."""
-        draft = self.last_draft
-        if (self.accept_rule == "rejection" and draft is not None and draft.q_probs is not None
-                and self.logprobs is None):  # (log-probabilities come with the target's own samples)
-            return self.target.sample_rejection(logits, self.rows, ids, draft)
-        return self._sample(logits, self.rows, ids)
+        """The target's token at every verified position under each row's rule: its own draw (greedy, match), or,
+        for a rejection row, the draft token where rejection sampling accepts it and the residual's draw where it
+        does not (so the longest agreeing prefix is the accepted one either way)."""
+        return self._sample(logits, self.rows, ids, draws=self._cycle_draws, draft=self.last_draft)
+
+    def _draws(self, width: int, offset: int = 1) -> list[RowDraw] | None:
+        """Each row's noise for a cycle that decides the tokens at positions n + offset .. n + offset + width - 1
+        (n: the row's cached length, its anchor's position); None when every row is greedy."""
+        if all(r.greedy for r in self.row_sampling):
+            return None
+        draws = []
+        for row, sampling in zip(self.rows, self.row_sampling):
+            positions = range(len(row) + offset, len(row) + offset + width)
+            draw = RowDraw(sampling, positions.start)
+            if not sampling.greedy:
+                draw.gumbel = self.target.gumbel(sampling.gumbel_keys(positions))
+            if sampling.rule == "rejection":
+                draw.draft_u, draw.accept_u, draw.residual_u = (uniforms(sampling.seed, stream, positions)
+                                                                for stream in ("draft", "accept", "residual"))
+            draws.append(draw)
+        return draws
 
     def _add_pending(self, features, n: int) -> None:
         if self.pending is None:
@@ -423,13 +449,13 @@ class Engine:
         else:
             self.pending = Pending(self.target.cat([self.pending.features, features]), [self.pending.counts[0] + n])
 
-    def _sample(self, logits, histories, block, paths=None):
+    def _sample(self, logits, histories, block, paths=None, draws=None, draft=None):
         """The target's tokens; with self.logprobs set, also leaves their log-probabilities in self._logprobs
         (per row: per position the chosen token's, and its top (id, log-probability) pairs) on the host."""
         if self.logprobs is None:
-            return self.target.sample(logits, histories, block, *([paths] if paths is not None else []))
+            return self.target.sample(logits, histories, block, paths, draws=draws, draft=draft)
         tokens, (chosen, top_ids, top_lps) = self.target.sample(logits, histories, block, paths,
-                                                                logprobs=self.logprobs)
+                                                                logprobs=self.logprobs, draws=draws, draft=draft)
         chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
         tops = [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)]
         self._logprobs = (chosen, tops)

@@ -42,6 +42,7 @@ class GenerationResult:
     verified: list[int] = field(default_factory=list)  # draft tokens the target verified, per cycle
     cycles_without_draft: int = 0  # --verify auto: cycles that verified without a draft forward
     verify_note: str = ""
+    accept_rule: str = "greedy"  # greedy, match or rejection (dflash.sampling)
 
     @property
     def generation_tokens(self) -> int:
@@ -74,6 +75,7 @@ class GenerationResult:
             "verified_tokens": sum(self.verified),
             "verified_per_cycle": self.verified,
             "cycles_without_draft": self.cycles_without_draft,
+            "accept_rule": self.accept_rule,
         }
         if self.verify_note:
             out["verify_note"] = self.verify_note
@@ -100,6 +102,7 @@ class _Row:
         self.seconds = 0.0
         self.prefill_seconds = 0.0
         self.started = 0.0  # when its prefill ended
+        self.rule = "greedy"  # its acceptance rule
 
     def add(self, new: list[int], logprobs=None, top_logprobs=None) -> Increment:
         gen, detok = self.gen, self.detok
@@ -129,7 +132,8 @@ class _Row:
             finish_reason=self.finish, acceptance_lengths=self.lengths, prefill_seconds=self.prefill_seconds,
             decode_seconds=self.seconds, block_size=engine.block_size, drafted=self.drafted,
             verify_mode=getattr(engine, "verify_mode", "chain"), verified=self.verified,
-            cycles_without_draft=self.undrafted, verify_note=getattr(engine, "verify_note", ""))
+            cycles_without_draft=self.undrafted, verify_note=getattr(engine, "verify_note", ""),
+            accept_rule=self.rule)
 
 
 class Batch:
@@ -163,6 +167,7 @@ class Batch:
             engine.set_sampling(gen.sampling)
             first = engine.prefill([gen.prompt_ids])[0]
         row = _Row(gen)
+        row.rule = engine.accept_rules[-1] if getattr(engine, "accept_rules", None) else "greedy"
         row.started = time.perf_counter()
         row.prefill_seconds = row.started - t0
         self.rows.append(row)

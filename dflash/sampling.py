@@ -1,20 +1,26 @@
-"""Sampling settings and the sample-and-match acceptance rule, in backend-neutral terms.
+"""Sampling settings, per-row sampling state, the acceptance rules and the noise they draw with, backend-neutral.
 
-At every verified position the backend draws the target's token from the target's own processed distribution
-(greedy = argmax). A drafted token is accepted while it equals the target's token at the same position. The
-draft is a point mass, so this is exactly speculative sampling: every emitted token is a sample of target-only
-decoding with the same settings. Under this rule, do not sample the draft: it lowers acceptance and buys nothing.
-
-A drafter with a proper draft distribution (DFlash2: its selector's q_t = softmax(S_t(a, .) / T) over the top-k
-candidates) also allows exact rejection sampling ("rejection"): the draft samples x_t ~ q_t, the target accepts it
-with probability min(1, p(x_t) / q(x_t)) and, at the first rejection, draws from the residual max(0, p - q)
-normalised; after a fully accepted block the bonus token is drawn from p. The draft and the acceptance / residual
-draws use independent noise streams (a shared one biases the output). Which rule a run uses is `acceptance_rule`.
+Rules (a row's `RowSampling.rule`, chosen when it is admitted; ../docs/sampling.md has the measurements):
+- greedy: the target's argmax at every verified position; a drafted token is kept while it equals it.
+- match (coupled sample-and-match): the target draws its token at position n as argmax(scores_n + G_n), an exact
+  sample by the Gumbel-max trick, with G_n Gumbel noise keyed by (seed, n). A DFlash draft proposes
+  argmax(draft scores_n + G_n) with the same noise, so it equals the target's draw whenever the two distributions
+  agree (and often when they differ). Every emitted token is the target's own draw: the output is target-only
+  sampling with that seed, whatever was drafted, verified, batched or budgeted. Trees rank each depth's candidates
+  by the same perturbed score.
+- rejection: the draft samples x_i ~ q_i (its per-position distribution at the row's temperature and filters,
+  on its 64 likeliest tokens; DFlash2: the selector's q), the target keeps x_i with probability min(1, p/q) and at
+  the first rejection draws from max(0, p - q) normalised; a full block draws the bonus from p. Acceptance per
+  position is 1 - TV(p_i, q_i). DFlash's q_i does not condition on the earlier draft tokens, which the proof does not
+  need: x_i is drawn from the q_i the ratio uses, given everything before.
+The draft draw, the acceptance test and the residual draw use noise streams of their own (a shared one biases the
+output), keyed by position like the target's.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from .errors import DFlashError
@@ -60,22 +66,95 @@ class SamplingParams:
 
 
 ACCEPT_RULES = ("auto", "match", "rejection")
-# The rule "auto" picks for drafters with a draft distribution, from the acceptance measured at temperatures 0.8
-# and 1.0 (docs/dflash2.md).
+# What "auto" picks when sampling, per drafter kind: rejection accepted more than coupled match for DFlash2's
+# selector (docs/dflash2.md) and for DFlash blocks at temperatures 0.3 and 0.8, level at 1.0 (docs/sampling.md).
 DISTRIBUTION_DEFAULT = "rejection"
+BLOCK_DEFAULT = "rejection"
 
 
-def acceptance_rule(params: SamplingParams, has_distribution: bool) -> str:
-    """"match" (sample-and-match against the draft's point mass) or "rejection" (exact rejection sampling against
-    the drafter's own distribution). Greedy decoding always matches."""
+def acceptance_rule(params: SamplingParams, has_distribution: bool, trees: bool = False) -> str:
+    """"greedy" (argmax and equality), "match" (sample-and-match against a proposal drawn with the target's own
+    noise) or "rejection" (exact rejection sampling against the draft distribution q). trees: every cycle verifies
+    a tree (--verify tree), which auto then matches (rejection verifies chains)."""
     if params.greedy:
-        return "match"
-    if params.accept == "rejection" and not has_distribution:
-        raise DFlashError("--accept: 'rejection' needs a drafter with a draft distribution (a DFlash2 drafter); "
-                          "use 'match'")
+        return "greedy"
     if params.accept == "auto":
-        return DISTRIBUTION_DEFAULT if has_distribution else "match"
+        if trees and not has_distribution:
+            return "match"
+        return DISTRIBUTION_DEFAULT if has_distribution else BLOCK_DEFAULT
     return params.accept
+
+
+# ---- noise tied to positions ----------------------------------------------------------------------------------------
+# Every random draw of a row is keyed by (the row's seed, the stream, the absolute position of the token it decides),
+# never by how many draws came before: the same seeded request then gives the same tokens whatever the verify mode,
+# the budget, the batch or the cycle boundaries were. Streams are independent (a shared one biases rejection
+# sampling): the target's draw (Gumbel noise over the vocabulary), the draft's draw, the acceptance test and the
+# residual's draw (one uniform each).
+NOISE_STREAMS = {"target": 1, "draft": 2, "accept": 3, "residual": 4}
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that scatters nearby inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, stream: str, position: int) -> int:
+    """The 63-bit key of one draw (a generator seed for vector noise)."""
+    return _mix(_mix(_mix(seed & _MASK64) ^ NOISE_STREAMS[stream]) ^ position) >> 1
+
+
+def uniforms(seed: int, stream: str, positions) -> list[float]:
+    """One uniform in (0, 1) per position, from its key alone."""
+    return [((noise_key(seed, stream, p) >> 10) + 0.5) / 2.0 ** 53 for p in positions]
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """What one row samples with, fixed when it is admitted: its settings, its acceptance rule and its noise seed
+    (the request's, or one drawn at admission)."""
+
+    params: SamplingParams
+    rule: str
+    seed: int
+
+    @classmethod
+    def admit(cls, params: SamplingParams, has_distribution: bool = False, trees: bool = False) -> "RowSampling":
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return cls(params, acceptance_rule(params, has_distribution, trees), seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.rule == "greedy"
+
+    def gumbel_keys(self, positions) -> list[int]:
+        return [noise_key(self.seed, "target", p) for p in positions]
+
+
+@dataclass
+class RowDraw:
+    """One row's draws for one cycle, as the drafter and the target's sampler read them: `gumbel` (positions, V) is
+    the target's noise at the cycle's positions (None: greedy); `draft_u` / `accept_u` / `residual_u` the
+    uniforms of the other streams (rejection rows)."""
+
+    sampling: RowSampling
+    position: int = 0  # the first position the cycle decides
+    gumbel: object = None
+    draft_u: list[float] | None = None
+    accept_u: list[float] | None = None
+    residual_u: list[float] | None = None
+
+    @property
+    def rule(self) -> str:
+        return self.sampling.rule
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.sampling.params
 
 
 def common_prefix(a, b) -> int:

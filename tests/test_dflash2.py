@@ -305,7 +305,7 @@ def sampled_pairs(pair, temperature, n, accept, backend_name="torch"):
                      sampling=SamplingParams(temperature=temperature, seed=i, accept=accept))
         observed[r.tokens[1], r.tokens[2]] += 1
         accepted.append(r.acceptance_lengths[0] - 1)
-    assert backend.accept_rule == accept
+    assert backend.accept_rules == [accept]
     return observed, accepted
 
 
@@ -329,10 +329,10 @@ def test_both_rules_are_lossless(small_vocab_pair, accept, backend):
 
 def test_accepting_every_sampled_draft_would_fail(small_vocab_pair, monkeypatch):
     """Power: emitting the drafter's samples unchecked (a wrong rule) is rejected by the same bound."""
-    from dflash.backends.torch import sampling
+    from dflash.backends.torch import target_runner
 
-    monkeypatch.setattr(sampling, "rejection_tokens", lambda p, drafted, q_ids, q_probs, generator: torch.cat(
-        [drafted, torch.multinomial(p[-1:], 1, generator=generator)[:, 0]]))
+    monkeypatch.setattr(target_runner, "rejection_tokens",
+                        lambda p, drafted, q_ids, q_probs, accept_u, residual_u, bonus: torch.cat([drafted, bonus[None]]))
     model = small_vocab_pair[0]
     observed, _ = sampled_pairs(small_vocab_pair, 1.0, N, "rejection")
     ok, _ = chi_square_ok(observed.flatten(), exact_pair_distribution(model, 1.0).flatten() * N)
@@ -345,12 +345,15 @@ def test_rejection_tokens_keep_the_draft_or_redraw_elsewhere():
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(4, 10), -1)
     q_ids = torch.arange(10).repeat(3, 1)
-    same = rejection_tokens(p, torch.tensor([1, 2, 3]), q_ids, p[:-1], g)  # q == p: always accepted
-    assert same[:3].tolist() == [1, 2, 3]
+    bonus = torch.tensor(7)
+    draws = lambda: (torch.rand(3, generator=g), torch.rand(3, generator=g))  # noqa: E731
+    same = rejection_tokens(p, torch.tensor([1, 2, 3]), q_ids, p[:-1], *draws(), bonus)  # q == p: always accepted
+    assert same.tolist() == [1, 2, 3, 7]
     q = torch.zeros(3, 10)
     q[:, 0] = 1.0  # q certain of token 0 where p gives it less: a rejection redraws a token other than 0
-    redrawn = [rejection_tokens(p, torch.zeros(3, dtype=torch.long), q_ids, q, g) for _ in range(50)]
-    assert any((r[:3] != 0).any() for r in redrawn) and all(((r[:3] == 0) | (r[:3] != 0)).all() for r in redrawn)
+    redrawn = [rejection_tokens(p, torch.zeros(3, dtype=torch.long), q_ids, q, *draws(), bonus) for _ in range(50)]
+    assert any((r[:3] != 0).any() for r in redrawn)
+    assert all(((r[:3] == 0) | (p[:-1].gather(1, r[:3, None])[:, 0] > 0)).all() for r in redrawn)
 
 
 def test_batched_rows_equal_their_single_outputs(tiny_target_dir, random_dflash2_dir, prompts):

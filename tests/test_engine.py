@@ -38,7 +38,7 @@ class FakeTarget:
     def set_sampling(self, params):
         pass
 
-    def sample(self, logits, histories, block):
+    def sample(self, logits, histories, block, paths=None, draws=None, draft=None):
         return logits.argmax(-1)
 
     def forward(self, ids, last_only):
@@ -106,7 +106,7 @@ class FakeDrafter:
     def extend(self, pending):
         self._absorb(pending)
 
-    def propose(self, anchor_ids, pending, block_size, top_k=0):
+    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None):
         self._absorb(pending)
         rows = []
         for r, (anchor,) in enumerate(anchor_ids.tolist()):

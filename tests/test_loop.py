@@ -59,6 +59,9 @@ class FakeBackend:
     planner, logprobs, top_k = None, None, 0  # chain verification, no log-probabilities
     step, _chain_step = Engine.step, Engine._chain_step  # the engine's cycle over this fake's draft / verify / commit
 
+    def _draws(self, width):
+        return None  # greedy: no noise
+
 
 def reference(prompt, n):
     hist = list(prompt)

@@ -6,6 +6,7 @@ forwards and transformers' own processors. A wrong acceptance rule (accepting th
 draft, reading the wrong position) fails the same bound by a wide margin.
 """
 
+import numpy as np
 import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -13,6 +14,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from dflash import tiny
 from dflash.backends.torch.backend import TorchBackend
 from dflash.backends.torch.drafter import DFlashDrafter
+from dflash.errors import DFlashError
 from dflash.loop import generate
 from dflash.sampling import SamplingParams
 
@@ -128,15 +130,24 @@ def test_same_seed_same_tokens(small_vocab_target):
 
 
 def test_acceptance_rule():
-    from dflash.errors import DFlashError
-    from dflash.sampling import DISTRIBUTION_DEFAULT, acceptance_rule
+    from dflash.sampling import BLOCK_DEFAULT, DISTRIBUTION_DEFAULT, acceptance_rule
 
     sampled = SamplingParams(temperature=0.8)
-    assert acceptance_rule(SamplingParams(accept="rejection"), True) == "match"  # greedy always matches
-    assert acceptance_rule(sampled, False) == "match"
+    assert acceptance_rule(SamplingParams(accept="rejection"), True) == "greedy"  # greedy never samples
+    assert acceptance_rule(sampled, False) == BLOCK_DEFAULT
     assert acceptance_rule(sampled, True) == DISTRIBUTION_DEFAULT
     assert acceptance_rule(SamplingParams(temperature=0.8, accept="match"), True) == "match"
-    with pytest.raises(DFlashError, match="--accept: 'rejection' needs a drafter with a draft distribution"):
-        acceptance_rule(SamplingParams(temperature=0.8, accept="rejection"), False)
+    assert acceptance_rule(SamplingParams(temperature=0.8, accept="rejection"), False) == "rejection"
     with pytest.raises(DFlashError, match="--accept"):
         SamplingParams(accept="always").validate()
+
+
+def test_noise_is_keyed_by_seed_stream_and_position():
+    from dflash.sampling import noise_key, uniforms
+
+    assert uniforms(7, "accept", [3, 4]) == uniforms(7, "accept", [3, 4])
+    assert uniforms(7, "accept", [3])[0] != uniforms(7, "draft", [3])[0] != uniforms(8, "draft", [3])[0]
+    u = np.array(uniforms(1, "residual", range(20_000)))
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01 and abs(u.var() - 1 / 12) < 0.003
+    assert np.corrcoef(u[:-1], u[1:])[0, 1] ** 2 < 1e-3  # neighbouring positions are independent
+    assert len({noise_key(s, "target", p) for s in range(50) for p in range(50)}) == 2500

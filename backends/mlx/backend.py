@@ -22,7 +22,7 @@ from dflash.tree import TreeInputs
 from .draft_runner import MLXDraft
 from .drafter import DFlashDrafter
 from .rewind import MLXRewind, needs_rewind
-from .sampling import MLXSampler
+from .sampling import MLXSampler, gumbel, rejection_tokens
 from .target import TargetRunner, embedding, lm_head, target_info
 from .tree import keep_path, tree_positions, tree_refusal
 
@@ -71,17 +71,24 @@ class MLXTarget:
         self.sampler = MLXSampler(params)
 
     def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None, paths=None,
-               logprobs: int | None = None):
+               logprobs: int | None = None, draws=None, draft=None):
+        """One row: see backends/base.py."""
         scores = self.sampler.processed(logits[0], histories[0], None if block is None else block[0],
                                         None if paths is None else paths[0])
-        tokens = self.sampler.draw(scores)[None].astype(mx.int32)
+        draw = draws[0] if draws is not None else None
+        tokens = self.sampler.draw(scores, None if draw is None else draw.gumbel)
+        if draw is not None and draw.rule == "rejection" and draft is not None and draft.q_probs is not None:
+            n = tokens.shape[0] - 1
+            tokens = rejection_tokens(self.sampler.probabilities(scores), block[0, 1:], draft.q_ids[0],
+                                      draft.q_probs[0], mx.array(draw.accept_u[:n]), mx.array(draw.residual_u[:n]),
+                                      tokens[-1])
+        tokens = tokens[None].astype(mx.int32)
         if logprobs is None:
             return tokens
         return tokens, tuple(x[None] for x in self.sampler.log_probs(scores, tokens[0], logprobs))
 
-    def sample_rejection(self, logits: mx.array, histories: list[list[int]], block: mx.array, draft) -> mx.array:
-        return self.sampler.rejection(logits[0], histories[0], block[0], draft.q_ids[0],
-                                      draft.q_probs[0])[None].astype(mx.int32)
+    def gumbel(self, keys: list[int]) -> mx.array:
+        return gumbel(keys, self.info.vocab_size)
 
     # ---- forward, keep, trim -----------------------------------------------------------------------------------------
     def forward(self, ids: mx.array, last_only: bool, tree: TreeInputs | None = None):

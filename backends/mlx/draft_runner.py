@@ -3,16 +3,16 @@ lazy: the proposals feed the verify forward as an array."""
 
 from __future__ import annotations
 
-import random
-
 import mlx.core as mx
 
 from dflash.engine import Draft, Pending
+from dflash.sampling import RowDraw, noise_key
 
 from .draft_cache import DraftContextCache
 from .drafter import DFlashDrafter, scale_logits, select_walk, top_k_sorted
+from .sampling import MLXSampler, inverse_cdf
 
-DRAFT_NOISE_OFFSET = 0x5EED_D2  # the draft's stream: seed + offset, never the target sampler's own seed
+Q_CANDIDATES = 64  # rejection: q is the draft's filtered distribution on its 64 most probable tokens, renormalised
 
 
 class MLXDraft:
@@ -21,8 +21,7 @@ class MLXDraft:
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
         spec = drafter.spec
-        self.distribution = spec.is_dflash2  # the selector's q_t: proposals can be sampled (rejection verification)
-        self.walk_temperature, self.key = 0.0, None
+        self.distribution = spec.is_dflash2  # the selector's q_t: a draft distribution of its own
         self.cache = DraftContextCache(spec, dtype, window=window)
         self.width, self.dtype = spec.hidden_size * spec.num_context_layers, dtype
         # slots 1..B-1 of every block are the mask token: embed them once (for any block size up to the trained)
@@ -34,15 +33,6 @@ class MLXDraft:
     @property
     def position(self) -> int:
         return self.cache.position
-
-    def set_sampling(self, params) -> None:
-        """Sample the selector's walk at the run's temperature (None: greedy) with keys of its own, split per
-        draft: the target's acceptance and residual draws use mlx's global generator, never these."""
-        self.walk_temperature, self.key = 0.0, None
-        if params is not None and not params.greedy:
-            self.walk_temperature = params.temperature
-            seed = params.seed + DRAFT_NOISE_OFFSET if params.seed is not None else random.getrandbits(32)
-            self.key = mx.random.key(seed)
 
     def extend(self, pending: Pending | None) -> None:
         """Append context K/V without drafting (prefill). Context K/V depends only on the features, not on the
@@ -58,7 +48,7 @@ class MLXDraft:
         cache.advance([n])
 
     def propose(self, anchor_ids: mx.array, pending: Pending | None, block_size: int, top_k: int = 0,
-                temperature: float = 1.0) -> Draft:
+                draws: list[RowDraw] | None = None) -> Draft:
         spec = self.drafter.spec
         anchor_embeds = self.embed(anchor_ids)
         if spec.input_embedding_scale is not None:
@@ -77,22 +67,51 @@ class MLXDraft:
         cache.advance(counts)
         hidden = self.drafter.norm(x)[:, 1:]
         logits = scale_logits(self.lm_head(hidden), *self.logit_scaling)
-        if spec.is_dflash2:  # the selector's greedy walk, built lazily with the forward
-            candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
-                                                                             anchor_ids, spec.selector_top_k)
-            key = None
-            if self.walk_temperature > 0:
-                self.key, key = mx.random.split(self.key)
-            proposals, rows = select_walk(candidates, scores, self.walk_temperature, key)
+        draw = draws[0] if draws is not None else None
+        if spec.is_dflash2:
+            draft = self.selector_walk(anchor_ids, logits, hidden, draw)
         else:
-            proposals = mx.argmax(logits, axis=-1)
-        draft = Draft(mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1))
-        if spec.is_dflash2 and self.walk_temperature > 0:
-            draft.q_ids, draft.q_probs = candidates, mx.softmax(rows / self.walk_temperature, axis=-1)
-        if top_k:
-            probs = mx.softmax(logits.astype(mx.float32) / temperature, axis=-1)
-            draft.top_ids, draft.top_probs = top_k_sorted(probs, top_k)
+            draft = self.choose(anchor_ids, logits, draw, top_k)
+        if top_k and draft.top_ids is None:
+            draft.top_ids, draft.top_probs = top_k_sorted(mx.softmax(logits.astype(mx.float32), axis=-1), top_k)
         mx.async_eval(draft.ids)  # the draft runs while Python builds the verify graph
+        return draft
+
+    def choose(self, anchor_ids: mx.array, logits: mx.array, draw: RowDraw | None, top_k: int) -> Draft:
+        """[anchor, proposals] of a DFlash block by the row's rule (backends/torch/draft_runner.py: the same)."""
+        draft = Draft(None)
+        if draw is None or draw.rule == "greedy":
+            proposals = mx.argmax(logits, axis=-1)
+        else:
+            filtered = MLXSampler(draw.params).filtered(logits[0])
+            if draw.rule == "match":
+                perturbed = filtered + draw.gumbel[: filtered.shape[0]]
+                proposals = mx.argmax(perturbed, axis=-1)[None]
+                if top_k:
+                    draft.top_ids, draft.top_probs = top_k_sorted(mx.softmax(perturbed, axis=-1)[None], top_k)
+            else:
+                ids, probs = top_k_sorted(mx.softmax(filtered, axis=-1), min(Q_CANDIDATES, filtered.shape[-1]))
+                probs = probs / probs.sum(axis=-1, keepdims=True)
+                pick = inverse_cdf(probs, mx.array(draw.draft_u[: filtered.shape[0]]))
+                proposals = mx.take_along_axis(ids, pick[:, None], axis=-1)[:, 0][None]
+                draft.q_ids, draft.q_probs = ids[None], probs[None]
+        draft.ids = mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1)
+        return draft
+
+    def selector_walk(self, anchor_ids: mx.array, logits: mx.array, hidden: mx.array, draw: RowDraw | None) -> Draft:
+        """DFlash2: the selector's walk, greedy, or for a rejection row sampled from q_t = softmax(S_t(a, .) / T)
+        with a key of the draft stream at the block's first position (q returned with the draft)."""
+        spec = self.drafter.spec
+        candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
+                                                                         anchor_ids, spec.selector_top_k)
+        if draw is None or draw.rule != "rejection":
+            proposals, _ = select_walk(candidates, scores)
+            return Draft(mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1))
+        t = draw.params.temperature
+        key = mx.random.key(noise_key(draw.sampling.seed, "draft", draw.position))
+        proposals, rows = select_walk(candidates, scores, t, key)
+        draft = Draft(mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1))
+        draft.q_ids, draft.q_probs = candidates, mx.softmax(rows / t, axis=-1)
         return draft
 
     def crop(self, position: int) -> bool:

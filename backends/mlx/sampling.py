@@ -10,7 +10,7 @@ other than 1 the two backends filter slightly different sets, each exactly as it
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from dflash.sampling import SamplingParams
 
@@ -18,24 +18,15 @@ _WHOLE_HISTORY = 2**31 - 1  # slice bounds must fit int32
 
 
 class MLXSampler:
+    """One row's processors and filters. Its draws take their noise from the engine (dflash.sampling: noise tied to
+    positions): the target's token is argmax(filtered log-weights + Gumbel noise), an exact sample of them."""
+
     def __init__(self, params: SamplingParams):
         p = self.params = params
         self.processors = []
         if p.repetition_penalty != 1.0:
             self.processors = make_logits_processors(repetition_penalty=p.repetition_penalty,
                                                      repetition_context_size=_WHOLE_HISTORY)
-        self.sampler = None
-        if not p.greedy:
-            self.sampler = make_sampler(temp=p.temperature, top_p=p.top_p if p.top_p < 1.0 else 0.0,
-                                        min_p=p.min_p, top_k=p.top_k)
-            if p.seed is not None:
-                mx.random.seed(p.seed)  # mlx-lm's samplers draw from the global generator
-
-    def __call__(self, logits: mx.array, history: list[int], block: mx.array | None,
-                 paths: list[list[int]] | None = None) -> mx.array:
-        """logits (T, V) for the T positions that follow history + block[:i+1] (a tree: history + paths[i]);
-        returns T token ids (lazy)."""
-        return self.draw(self.processed(logits, history, block, paths))
 
     def processed(self, logits: mx.array, history: list[int], block: mx.array | None,
                   paths: list[list[int]] | None = None) -> mx.array:
@@ -55,20 +46,19 @@ class MLXSampler:
             rows.append(row)
         return mx.concatenate(rows, axis=0)
 
-    def draw(self, logits: mx.array) -> mx.array:
-        if self.sampler is None:
+    def draw(self, logits: mx.array, gumbel: mx.array | None) -> mx.array:
+        if gumbel is None:
             return mx.argmax(logits, axis=-1)
-        logits = logits.astype(mx.float32)
-        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return mx.argmax(self.filtered(logits) + gumbel, axis=-1)
 
     def filtered(self, logits: mx.array) -> mx.array:
         """Processed logits (T, V) -> the log-weights the sampler's categorical draws from: mlx-lm's filters on the
         log-probs, then the temperature (its order); greedy: the log-probs."""
         logprobs = logits.astype(mx.float32)
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-        if self.sampler is None:
-            return logprobs
         p = self.params
+        if p.greedy:
+            return logprobs
         if 0 < p.top_p < 1.0:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p:
@@ -77,14 +67,9 @@ class MLXSampler:
             logprobs = apply_top_k(logprobs, p.top_k)
         return logprobs / p.temperature
 
-    def probabilities(self, logits: mx.array, history: list[int], block: mx.array | None) -> mx.array:
-        """The distribution (T, V) the sampler draws from."""
-        return mx.softmax(self.filtered(self.processed(logits, history, block)), axis=-1)
-
-    def rejection(self, logits: mx.array, history: list[int], block: mx.array, q_ids: mx.array,
-                  q_probs: mx.array) -> mx.array:
-        """Rejection sampling of one row (dflash.sampling: the rule; backends/torch/sampling.py: the same)."""
-        return rejection_tokens(self.probabilities(logits, history, block), block[1:], q_ids, q_probs)
+    def probabilities(self, processed: mx.array) -> mx.array:
+        """The distribution (T, V) the sampler draws from, given processed logits."""
+        return mx.softmax(self.filtered(processed), axis=-1)
 
     def log_probs(self, logits: mx.array, tokens: mx.array, top: int):
         """(chosen, top ids, top log-probs) of the distribution the tokens were drawn from (processed logits in:
@@ -96,17 +81,29 @@ class MLXSampler:
         return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)
 
 
-def rejection_tokens(p: mx.array, drafted: mx.array, q_ids: mx.array, q_probs: mx.array) -> mx.array:
-    """p (B, V), drafted (B-1,) sampled from the sparse q (B-1, k over q_ids): keep drafted[i] with probability
-    min(1, p/q), else draw from max(0, p - q) normalised; the last position draws the bonus from p. The draws use
-    the global generator (the target's stream; the drafter samples with keys of its own)."""
+def gumbel(keys: list[int], vocab: int) -> mx.array:
+    """(len(keys), vocab) standard Gumbel noise, row j drawn with the key keys[j] alone."""
+    return mx.stack([mx.random.gumbel(shape=(vocab,), key=mx.random.key(k)) for k in keys])
+
+
+def inverse_cdf(probs: mx.array, u: mx.array) -> mx.array:
+    """One draw per row of probs (..., V) (not necessarily normalised) from its uniform u (...,)."""
+    cdf = mx.cumsum(probs, axis=-1)
+    index = (cdf < (u * cdf[..., -1])[..., None]).sum(axis=-1)
+    return mx.minimum(index, probs.shape[-1] - 1).astype(mx.int32)
+
+
+def rejection_tokens(p: mx.array, drafted: mx.array, q_ids: mx.array, q_probs: mx.array, accept_u: mx.array,
+                     residual_u: mx.array, bonus: mx.array) -> mx.array:
+    """p (B, V), drafted (B-1,) sampled from the sparse q (B-1, k over q_ids): keep drafted[i] when
+    accept_u[i] * q <= p, else draw from max(0, p - q) normalised with residual_u[i]; `bonus` is the target's own
+    draw at the last position (backends/torch/sampling.py: the same)."""
     drafted = drafted.astype(mx.int32)
     q = mx.put_along_axis(mx.zeros_like(p[:-1]), q_ids.astype(mx.int32), q_probs.astype(p.dtype), axis=1)
     px = mx.take_along_axis(p[:-1], drafted[:, None], axis=1)[:, 0]
     qx = mx.take_along_axis(q, drafted[:, None], axis=1)[:, 0]
-    accept = mx.random.uniform(shape=px.shape) * qx <= px
+    accept = accept_u * qx <= px
     residual = mx.maximum(p[:-1] - q, 0.0)
     residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p[:-1])
-    redrawn = mx.random.categorical(mx.log(residual), axis=-1).astype(mx.int32)
-    bonus = mx.random.categorical(mx.log(p[-1:]), axis=-1).astype(mx.int32)
-    return mx.concatenate([mx.where(accept, drafted, redrawn), bonus])
+    redrawn = inverse_cdf(residual, residual_u)
+    return mx.concatenate([mx.where(accept, drafted, redrawn), bonus.astype(mx.int32)[None]])

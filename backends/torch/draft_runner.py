@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import LogitsProcessorList
 
 from dflash.engine import Draft, Pending
 from dflash.errors import DFlashError
+from dflash.sampling import RowDraw, noise_key
 
 from .draft_cache import BlockOnlyContext, DraftContextCache, StaticDraftCache
 from .drafter import DFlashDrafter, rotate, scale_logits, select_walk
+from .sampling import inverse_cdf, warpers
 
-DRAFT_NOISE_OFFSET = 0x5EED_D2  # the draft's stream: seed + offset, never the target sampler's own seed
+Q_CANDIDATES = 64  # rejection rows: q is the draft's warped distribution on its 64 most probable tokens, renormalised
 
 
 def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftContextCache) -> None:
@@ -120,8 +123,7 @@ class TorchDraft:
         self.drafter, self.embed, self.lm_head, self.window = drafter, embed, lm_head, window
         spec = drafter.spec
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
-        self.distribution = spec.is_dflash2  # the selector's q_t: proposals can be sampled (rejection verification)
-        self.walk_temperature, self.generator = 0.0, None
+        self.distribution = spec.is_dflash2  # the selector's q_t: a draft distribution of its own
         weight = embed.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.width = spec.hidden_size * spec.num_context_layers
@@ -148,18 +150,6 @@ class TorchDraft:
         """The same weights with an empty context cache (a row prefilled alone, then merged)."""
         return TorchDraft(self.drafter, self.embed, self.lm_head, window=self.window, logit_scaling=self.logit_scaling)
 
-    def set_sampling(self, params) -> None:
-        """Sample the selector's walk at the run's temperature (None: the greedy walk), from a noise stream of its
-        own: the target's acceptance and residual draws must not share it."""
-        self.walk_temperature, self.generator = 0.0, None
-        if params is not None and not params.greedy:
-            self.walk_temperature = params.temperature
-            self.generator = torch.Generator(device=self.device)
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed + DRAFT_NOISE_OFFSET)
-            else:
-                self.generator.seed()
-
     @torch.inference_mode()
     def extend(self, pending: Pending | None) -> None:
         if pending is None:
@@ -171,7 +161,7 @@ class TorchDraft:
 
     @torch.inference_mode()
     def propose(self, anchor_ids: torch.Tensor, pending: Pending | None, block_size: int, top_k: int = 0,
-                temperature: float = 1.0) -> Draft:
+                draws: list[RowDraw] | None = None) -> Draft:
         rows = anchor_ids.shape[0]
         mask_id = self.drafter.spec.mask_token_id
         block = torch.cat([anchor_ids, anchor_ids.new_full((rows, block_size - 1), mask_id)], dim=1)
@@ -190,10 +180,12 @@ class TorchDraft:
             hidden = step(self.drafter, self.embed_block(block), pending.features, pending.counts,
                           self.cache)[:, 1:]
             logits = self.logits(hidden)
-        draft = self.choose(anchor_ids, logits, hidden)
-        if top_k:
-            probs, ids = torch.softmax(logits.float() / temperature, dim=-1).topk(top_k, dim=-1)
-            draft.top_ids, draft.top_probs = ids, probs
+        if self.drafter.spec.is_dflash2:
+            draft = self.selector_walk(anchor_ids, logits, hidden, draws)
+        else:
+            draft = self.choose(anchor_ids, logits, draws, top_k)
+        if top_k and draft.top_ids is None:
+            draft.top_probs, draft.top_ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
         return draft
 
     def embed_block(self, block: torch.Tensor) -> torch.Tensor:
@@ -201,18 +193,64 @@ class TorchDraft:
         scale = self.drafter.spec.input_embedding_scale
         return x if scale is None else x * scale
 
-    def choose(self, anchor_ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor) -> Draft:
-        """[anchor, proposals]: the argmax of the draft logits, or DFlash2's selector walk (greedy, or sampled
-        from q_t = softmax(S_t(a, .) / T), q returned with the draft)."""
+    def choose(self, anchor_ids: torch.Tensor, logits: torch.Tensor, draws: list[RowDraw] | None,
+               top_k: int) -> Draft:
+        """[anchor, proposals] of a DFlash block, each row by its rule (dflash.sampling): greedy the argmax; match
+        the argmax of the warped logits plus the target's own noise at each position (the token the target draws
+        whenever the draft's distribution equals its own); rejection a draw from q, returned with the draft.
+        Sampled rows rank their tree candidates by the same perturbed score."""
+        proposals = logits.argmax(dim=-1)
+        draft = Draft(None)
+        positions = logits.shape[1]
+        top = [None] * len(proposals) if top_k else None
+        for i, draw in enumerate(draws or ()):
+            if draw.rule == "greedy":
+                continue
+            warped = LogitsProcessorList(warpers(draw.params))(None, logits[i].float())
+            if draw.rule == "match":
+                perturbed = warped + draw.gumbel[:positions]
+                proposals[i] = perturbed.argmax(dim=-1)
+                if top_k:
+                    top[i] = torch.softmax(perturbed, dim=-1).topk(top_k, dim=-1)
+                continue
+            probs, ids = torch.softmax(warped, dim=-1).topk(min(Q_CANDIDATES, warped.shape[-1]), dim=-1)
+            probs = probs / probs.sum(-1, keepdim=True)
+            pick = inverse_cdf(probs, torch.tensor(draw.draft_u[:positions], device=probs.device))
+            proposals[i] = ids.gather(1, pick[:, None])[:, 0]
+            if draft.q_ids is None:
+                draft.q_ids = torch.zeros(len(proposals), *ids.shape, dtype=torch.long, device=probs.device)
+                draft.q_probs = torch.zeros(draft.q_ids.shape, dtype=torch.float32, device=probs.device)
+            draft.q_ids[i], draft.q_probs[i] = ids, probs
+        draft.ids = torch.cat([anchor_ids, proposals], dim=1)
+        if top_k and any(t is not None for t in top):
+            greedy = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            pairs = [t if t is not None else (greedy[0][i], greedy[1][i]) for i, t in enumerate(top)]
+            draft.top_probs, draft.top_ids = torch.stack([p for p, _ in pairs]), torch.stack([x for _, x in pairs])
+        return draft
+
+    def selector_walk(self, anchor_ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
+               draws: list[RowDraw] | None) -> Draft:
+        """DFlash2: the candidate selector's walk, greedy, or for rejection rows sampled from
+        q_t = softmax(S_t(a, .) / T) (q returned with the draft) with the draft stream's noise at the block's
+        first position."""
         spec = self.drafter.spec
-        if not spec.is_dflash2:
-            return Draft(torch.cat([anchor_ids, logits.argmax(dim=-1)], dim=1))
         candidates, scores = self.drafter.candidate_selector.pair_scores(logits.float(), hidden, anchor_ids,
                                                                          spec.selector_top_k)
-        tokens, rows = select_walk(candidates, scores, self.walk_temperature, self.generator)
+        tokens, rows = select_walk(candidates, scores)
+        q_probs = None
+        for i, draw in enumerate(draws or ()):
+            if draw.rule != "rejection":
+                continue
+            t = draw.params.temperature
+            generator = torch.Generator(device=self.device).manual_seed(
+                noise_key(draw.sampling.seed, "draft", draw.position))
+            tokens[i:i + 1], rows[i:i + 1] = select_walk(candidates[i:i + 1], scores[i:i + 1], t, generator)
+            if q_probs is None:
+                q_probs = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+            q_probs[i] = torch.softmax(rows[i].float() / t, dim=-1)
         draft = Draft(torch.cat([anchor_ids, tokens], dim=1))
-        if self.walk_temperature > 0:
-            draft.q_ids, draft.q_probs = candidates, torch.softmax(rows / self.walk_temperature, dim=-1)
+        if q_probs is not None:
+            draft.q_ids, draft.q_probs = candidates, q_probs
         return draft
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

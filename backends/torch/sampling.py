@@ -15,39 +15,19 @@ from dflash.sampling import SamplingParams
 
 
 class TorchSampler:
-    def __init__(self, params: SamplingParams, device):
-        self.params = params
-        p = params
-        procs = []
-        if p.repetition_penalty != 1.0:
-            procs.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
-        if not p.greedy:
-            if p.temperature != 1.0:
-                procs.append(TemperatureLogitsWarper(p.temperature))
-            if p.top_k:
-                procs.append(TopKLogitsWarper(p.top_k))
-            if p.top_p < 1.0:
-                procs.append(TopPLogitsWarper(p.top_p))
-            if p.min_p > 0:
-                procs.append(MinPLogitsWarper(p.min_p))
-        self.processors = LogitsProcessorList(procs)
-        self.generator = None
-        if not p.greedy:
-            self.generator = torch.Generator(device=device)
-            if p.seed is not None:
-                self.generator.manual_seed(p.seed)
-            else:
-                self.generator.seed()
+    """One row's processors. Its draws take their noise from the engine (dflash.sampling: noise tied to positions):
+    the target's token is argmax(scores + Gumbel noise), an exact sample of softmax(scores)."""
 
-    def __call__(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None,
-                 paths: list[list[int]] | None = None) -> torch.Tensor:
-        """logits (T, V) for the T positions that follow history + block[:i+1] (a tree: history + paths[i]);
-        returns T token ids."""
-        return self.draw(self.scores(logits, history, block, paths))
+    def __init__(self, params: SamplingParams, device=None):
+        self.params = p = params
+        procs = [RepetitionPenaltyLogitsProcessor(p.repetition_penalty)] if p.repetition_penalty != 1.0 else []
+        self.warpers = LogitsProcessorList(warpers(p))
+        self.processors = LogitsProcessorList(procs + list(self.warpers))
 
     def scores(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None,
                paths: list[list[int]] | None = None) -> torch.Tensor:
-        """The processed logits (T, V) the token is drawn from (filtered tokens at -inf)."""
+        """The processed logits (T, V) the token is drawn from (filtered tokens at -inf), for the T positions that
+        follow history + block[:i+1] (a tree: history + paths[i])."""
         if not self.processors:
             return logits
         scores = logits.float()
@@ -57,34 +37,56 @@ class TorchSampler:
             return self.processors(hist, scores)
         return self.processors(None, scores)
 
-    def draw(self, scores: torch.Tensor) -> torch.Tensor:
-        if self.params.greedy:
+    def draw(self, scores: torch.Tensor, gumbel: torch.Tensor | None) -> torch.Tensor:
+        if gumbel is None:
             return scores.argmax(dim=-1)
-        probs = torch.softmax(scores.float(), dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return (scores.float() + gumbel).argmax(dim=-1)
 
-    def rejection(self, logits: torch.Tensor, history: list[int], block: torch.Tensor, q_ids: torch.Tensor,
-                  q_probs: torch.Tensor) -> torch.Tensor:
-        """Rejection sampling of one row (sampling mode): logits (B, V), block (B,) = [anchor, drafts], the draft
-        distributions q_probs over q_ids (B-1, k). Returns B ids (dflash.sampling: the rule)."""
-        p = torch.softmax(self.scores(logits, history, block).float(), dim=-1)
-        return rejection_tokens(p, block[1:], q_ids, q_probs.float(), self.generator)
+
+def warpers(p: SamplingParams) -> list:
+    """transformers' warpers in generate()'s order (temperature, top-k, top-p, min-p); none when greedy."""
+    if p.greedy:
+        return []
+    out = [TemperatureLogitsWarper(p.temperature)] if p.temperature != 1.0 else []
+    if p.top_k:
+        out.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        out.append(TopPLogitsWarper(p.top_p))
+    if p.min_p > 0:
+        out.append(MinPLogitsWarper(p.min_p))
+    return out
+
+
+def gumbel(keys: list[int], vocab: int, device) -> torch.Tensor:
+    """(len(keys), vocab) standard Gumbel noise, row j drawn from a generator seeded with keys[j] alone."""
+    rows = []
+    for key in keys:
+        g = torch.Generator(device=device).manual_seed(key)
+        rows.append(torch.rand(vocab, generator=g, device=device))
+    u = torch.stack(rows).clamp_(min=1e-20, max=1.0 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row of probs (..., V) (not necessarily normalised) from its uniform u (...,)."""
+    cdf = probs.cumsum(-1)
+    index = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None].contiguous())[..., 0]
+    return index.clamp_(max=probs.shape[-1] - 1)
 
 
 def rejection_tokens(p: torch.Tensor, drafted: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
-                     generator) -> torch.Tensor:
+                     accept_u: torch.Tensor, residual_u: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
     """p (B, V) target probabilities at the B verified positions, drafted (B-1,) sampled from the sparse q (B-1, k
-    over q_ids). Position i keeps drafted[i] with probability min(1, p/q), else draws from max(0, p - q)
-    normalised; position B-1 draws the bonus from p. Every position at once: only the first rejection counts."""
+    over q_ids). Position i keeps drafted[i] when accept_u[i] * q <= p (probability min(1, p/q)), else draws from
+    max(0, p - q) normalised with residual_u[i]; `bonus` is the target's own draw at position B-1. Every position
+    at once: only the first rejection counts."""
     q = torch.zeros_like(p[:-1]).scatter_(1, q_ids, q_probs)
     px, qx = p[:-1].gather(1, drafted[:, None])[:, 0], q.gather(1, drafted[:, None])[:, 0]
-    u = torch.rand(px.shape, generator=generator, device=p.device, dtype=p.dtype)
-    accept = u * qx <= px
+    accept = accept_u * qx <= px
     residual = (p[:-1] - q).clamp_(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:-1])  # p == q: never rejected anyway
-    redrawn = torch.multinomial(residual, 1, generator=generator)[:, 0]
-    bonus = torch.multinomial(p[-1:], 1, generator=generator)[:, 0]
-    return torch.cat([torch.where(accept, drafted, redrawn), bonus])
+    redrawn = inverse_cdf(residual, residual_u)
+    return torch.cat([torch.where(accept, drafted, redrawn), bonus[None]])
 
 
 def log_probs(scores: torch.Tensor, tokens: torch.Tensor, top: int):

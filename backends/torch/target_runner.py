@@ -19,7 +19,7 @@ from dflash.sampling import SamplingParams
 from dflash.tree import TreeInputs
 
 from .rewind import CacheRewind, bounded_layers
-from .sampling import TorchSampler, log_probs
+from .sampling import TorchSampler, gumbel, log_probs, rejection_tokens
 from .target import LayerCapture, target_info
 
 
@@ -87,26 +87,36 @@ class TorchTarget:
         self.samplers = [TorchSampler(params, self.device)] * len(self.samplers)
 
     def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None,
-               paths: list[list[list[int]]] | None = None, logprobs: int | None = None):
-        """The target's token at every position of every row (rows, T), each row with its own history and sampler;
-        for a tree, position j follows history + paths[row][j] (the tokens from the root to node j). With
-        logprobs=k also (chosen, top-k ids, top-k log-probs) of the distributions the tokens were drawn from."""
-        if all(s.params.greedy and not s.processors for s in self.samplers):
+               paths: list[list[list[int]]] | None = None, logprobs: int | None = None, draws=None, draft=None):
+        """The target's token at every position of every row (rows, T), each row with its own history, processors
+        and draws (dflash.sampling.RowDraw; None: all greedy); rejection rows verify `draft`'s sampled proposals.
+        For a tree, position j follows history + paths[row][j]. With logprobs=k also (chosen, top-k ids, top-k
+        log-probs) of the distributions the tokens were drawn from."""
+        if draws is None and all(not s.processors for s in self.samplers):
             scores = logits  # the common case: one argmax for the whole batch
             tokens = logits.argmax(dim=-1)
         else:
             per_row = [s.scores(logits[i], histories[i], None if block is None else block[i],
                                 None if paths is None else paths[i]) for i, s in enumerate(self.samplers)]
-            tokens = torch.stack([s.draw(x) for s, x in zip(self.samplers, per_row)])
+            tokens = []
+            for i, (sampler, scores) in enumerate(zip(self.samplers, per_row)):
+                draw = draws[i] if draws is not None else None
+                row = sampler.draw(scores, None if draw is None else draw.gumbel)
+                if draw is not None and draw.rule == "rejection" and draft is not None and draft.q_probs is not None:
+                    as_tensor = lambda u: torch.tensor(u[:len(row) - 1], device=self.device)  # noqa: E731
+                    row = rejection_tokens(torch.softmax(scores.float(), dim=-1), block[i, 1:], draft.q_ids[i],
+                                           draft.q_probs[i].float(), as_tensor(draw.accept_u),
+                                           as_tensor(draw.residual_u), row[-1])
+                tokens.append(row)
+            tokens = torch.stack(tokens)
             scores = torch.stack(per_row) if logprobs is not None else None
         if logprobs is None:
             return tokens
         return tokens, log_probs(scores, tokens, logprobs)
 
-    def sample_rejection(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor,
-                         draft) -> torch.Tensor:
-        return torch.stack([s.rejection(logits[i], histories[i], block[i], draft.q_ids[i], draft.q_probs[i])
-                            for i, s in enumerate(self.samplers)])
+    def gumbel(self, keys: list[int]) -> torch.Tensor:
+        """Gumbel noise (len(keys), V) over the LM head's vocabulary, one row per key."""
+        return gumbel(keys, self.model.get_output_embeddings().weight.shape[0], self.device)
 
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -68,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against the "
                    "baseline); > 0 = pure temperature sampling, no top-k/top-p (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
+    p.add_argument("--accept", default="auto", choices=("auto", "match", "rejection"),
+                   help="acceptance rule of the DFlash methods when sampling (default: %(default)s)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by batched speculative "
                    "decoding (PyTorch DFlash methods: no_draft, dflash_b16, dflash_b8; default 1)")
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
                 "ar_draft": str(Path(ar_draft).resolve()) if ar_draft else None, "dtype": args.dtype,
                 "device": args.device,
                 "threads": threads, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "seed": args.seed, "eos_token_ids": eos, "ignore_eos": args.ignore_eos,
+                "accept": args.accept, "seed": args.seed, "eos_token_ids": eos, "ignore_eos": args.ignore_eos,
                 "pad_token_id": tokenizer.pad_token_id, "lookup_tokens": args.lookup_tokens,
                 "mlx_draft_tokens": args.mlx_draft_tokens, "warmup": args.warmup,
                 "warmup_ids": prompts[0]["ids"], "batch_size": args.batch_size, "tree_budget": args.tree_budget}

@@ -1,0 +1,164 @@
+"""Every acceptance rule is exact, per row, in any batch: chi-square tests of the emitted tokens' joint
+distribution against target-only sampling (each with a power check that a subtly wrong rule fails), the
+drafter invariance of coupled sample-and-match, and mixed batches of greedy, matched and rejection rows.
+
+A 16-token target makes the joint of two consecutive tokens enumerable; a random DFlash drafter's q overlaps p only
+partly, so both acceptance and rejection happen at every block position.
+"""
+
+import pytest
+import torch
+
+from dflash import backends, engine, tiny
+from dflash.backends.torch import target_runner
+from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.drafter import DFlashDrafter, load_drafter, save_drafter
+from dflash.backends.torch.sampling import inverse_cdf
+from dflash.backends.torch.target import load_target
+from dflash.costs import measured_costs
+from dflash.loop import Batch, Generation, generate
+from dflash.sampling import SamplingParams
+
+from test_sampling import chi_square_ok
+
+V = 16
+PROMPT = [3, 1, 4, 1, 5]
+N = 1500
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v16_dflash")
+    model = tiny.build_target(d, vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, intermediate_size=64, seed=5, init_std=0.3).eval()
+    torch.manual_seed(6)
+    drafter = DFlashDrafter(tiny.draft_spec_for(d, num_layers=1, block_size=4, mask_token_id=V - 1)).eval()
+    save_drafter(drafter, d / "draft")
+    return model, drafter, d
+
+
+def exact_pair(model, temperature):
+    """P(t2, t3) of target-only sampling after PROMPT, t1 summed out."""
+    with torch.no_grad():
+        def probs(prefixes):
+            return torch.softmax(model(torch.tensor(prefixes)).logits[:, -1].double() / temperature, -1)
+
+        p1 = probs([PROMPT])[0]
+        p2 = probs([PROMPT + [a] for a in range(V)])
+        p3 = probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
+
+
+def sampled(pair, accept, backend="torch", n=N, temperature=1.0):
+    model, drafter, directory = pair
+    if backend == "torch":
+        run = TorchBackend(model, drafter, block_size=4)
+    else:
+        run = backends.get(backend).load(directory, directory / "draft", dtype="float32", device="cpu")
+    observed = torch.zeros(V, V, dtype=torch.float64)
+    depth = torch.zeros(4)
+    for i in range(n):
+        r = generate(run, PROMPT, max_new_tokens=3,
+                     sampling=SamplingParams(temperature=temperature, seed=i, accept=accept))
+        observed[r.tokens[1], r.tokens[2]] += 1
+        depth[r.acceptance_lengths[0] - 1] += 1
+    assert run.accept_rules == [accept]
+    return observed, depth
+
+
+def lossless(pair, observed, temperature=1.0):
+    return chi_square_ok(observed.flatten(), exact_pair(pair[0], temperature).flatten() * observed.sum())
+
+
+@pytest.mark.parametrize("accept, backend", [("rejection", "torch"), ("match", "torch"), ("rejection", "mlx"),
+                                             ("match", "mlx")])
+def test_chain_rules_are_exact(small_vocab_pair, accept, backend):
+    """(t2, t3): t2 at block position 1, t3 at position 2 when the first draft token is accepted."""
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    observed, depth = sampled(small_vocab_pair, accept, backend)
+    assert depth[1:].sum() > N * 0.15 and depth[2:].sum() > N * 0.02  # the rule decides at positions 1 and 2
+    ok, why = lossless(small_vocab_pair, observed)
+    assert ok, why
+
+
+def wrong_rejection(kind):
+    """The rejection rule with one subtle mistake."""
+    def rule(p, drafted, q_ids, q_probs, accept_u, residual_u, bonus):
+        q = torch.zeros_like(p[:-1]).scatter_(1, q_ids, q_probs)
+        px, qx = p[:-1].gather(1, drafted[:, None])[:, 0], q.gather(1, drafted[:, None])[:, 0]
+        if kind == "another q":  # the ratio with another q than the draft was drawn from (uniform on its support)
+            qx = torch.full_like(qx, 1.0 / q_ids.shape[1])
+        residual = p[:-1] if kind == "residual from p" else (p[:-1] - q).clamp(min=0)
+        redrawn = inverse_cdf(residual, residual_u)
+        return torch.cat([torch.where(accept_u * qx <= px, drafted, redrawn), bonus[None]])
+    return rule
+
+
+@pytest.mark.parametrize("kind", ["shared noise", "another q", "residual from p"])
+def test_subtly_wrong_rejection_rules_fail(small_vocab_pair, monkeypatch, kind):
+    """Power: the same bound rejects each wrong variant."""
+    if kind == "shared noise":  # the acceptance test reads the draft's own uniforms
+        real = engine.uniforms
+        monkeypatch.setattr(engine, "uniforms", lambda seed, stream, positions: real(
+            seed, "draft" if stream == "accept" else stream, positions))
+    else:
+        monkeypatch.setattr(target_runner, "rejection_tokens", wrong_rejection(kind))
+    observed, _ = sampled(small_vocab_pair, "rejection")
+    ok, _ = lossless(small_vocab_pair, observed)
+    assert not ok
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_matched_sampling_is_the_target_only_sample(trained_pair, prompts, backend):
+    """Coupled sample-and-match emits the target's own position-keyed draw: a seeded request gives the same
+    tokens with no drafter, the chain at any block size, trees and auto (whatever the budget chose)."""
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    pkg = backends.get(backend)
+    target_dir, draft_dir = trained_pair
+    runs = {"no draft": pkg.load(target_dir, None, dtype="float32", device="cpu")}
+    for verify in ("chain", "tree", "auto"):
+        run = pkg.load(target_dir, draft_dir, dtype="float32", device="cpu")
+        run.set_verify(verify, budget=8 if verify == "tree" else None,
+                       costs=measured_costs(run, use_cache=False) if verify == "auto" else None)
+        runs[verify] = run
+    runs["chain b4"] = pkg.load(target_dir, draft_dir, dtype="float32", device="cpu", block_size=4)
+    for seed, prompt in enumerate(prompts[:4]):
+        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
+        outs = {name: generate(run, prompt, max_new_tokens=48, sampling=sampling) for name, run in runs.items()}
+        want = outs.pop("no draft").tokens
+        for name, r in outs.items():
+            assert r.tokens == want, name
+        assert max(r.mean_acceptance_length for r in outs.values()) > 1.1  # drafts were accepted
+
+
+def mixed_settings(accepts):
+    return [SamplingParams(), SamplingParams(temperature=0.9, seed=3, accept=accepts[0]),
+            SamplingParams(temperature=0.7, top_k=20, seed=4, accept=accepts[1]), SamplingParams(),
+            SamplingParams(temperature=1.0, top_p=0.9, seed=5, accept="match")]
+
+
+@pytest.mark.parametrize("drafter_kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4], [4, 2, 1, 0, 3], [1, 3, 0, 4, 2]])
+def test_mixed_batches_keep_every_rows_output(trained_pair, dflash2_pair, drafter_kind, order):
+    """Greedy, matched and rejection rows in one batch, joining a running batch in any order: every row's tokens
+    are its batch-1 tokens (greedy: target-only greedy; seeded sampled rows: what they draw alone)."""
+    target_dir, draft_dir = trained_pair if drafter_kind == "dflash" else dflash2_pair
+    target, drafter = load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir)
+    settings = mixed_settings(["rejection", "rejection"] if drafter_kind == "dflash" else ["rejection", "match"])
+    prompt = [5, 6, 7, 8, 9]
+    want = [generate(TorchBackend(target, drafter), prompt, max_new_tokens=32, sampling=s).tokens for s in settings]
+    greedy = generate(TorchBackend(target), prompt, max_new_tokens=32).tokens
+    assert want[0] == want[3] == greedy
+    run = TorchBackend(target, drafter)
+    batch = Batch(run)
+    gens = {i: Generation(run, prompt, max_new_tokens=32, sampling=settings[i]) for i in order}
+    for i in order:
+        batch.join(gens[i])
+        batch.step()  # rows join a running batch, one cycle apart
+    rules = set(run.accept_rules)
+    while batch:
+        batch.step()
+    assert [gens[i].result.tokens for i in range(len(settings))] == want
+    assert {"greedy", "rejection"} <= rules or len(rules) > 1
