@@ -2,7 +2,7 @@
 
 Every method is a `Runner`: it loads its models once and turns prompt token ids into one record per prompt
 (`tokens`, `seconds`, `prefill_seconds`, `decode_seconds`, `acceptance_lengths`). The benchmark runs each method in
-its own worker process (`python -m dflash.bench.methods`, JSON lines on stdin/stdout), so every method gets its own
+its own worker process (`python -m dflash.bench.worker`, JSON lines on stdin/stdout), so every method gets its own
 peak-RSS figure, and MLX methods can run with OpenBLAS preloaded while torch methods never are.
 
     family   backend  what runs
@@ -349,7 +349,3 @@ def worker(stdin=None, stdout=None) -> int:
     send({"done": True, "peak_rss_bytes": peak_rss_bytes(), **accelerator_peak_bytes(runner)})
     return 0
 
-
-if __name__ == "__main__":
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    sys.exit(worker())
