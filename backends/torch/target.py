@@ -60,6 +60,8 @@ def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool =
                   ignore_mismatched_sizes=True, output_loading_info=True)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report would precede our one line
+    # and its "Loading weights" bar would precede every generation (a hook: the hub's download bars stay as set)
+    bars = hf_logging.set_tqdm_hook(lambda factory, args, kwargs: hf_logging.EmptyTqdm(*args, **kwargs))
     try:
         try:
             model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
@@ -73,6 +75,7 @@ def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool =
         raise DFlashError(f"{path}: cannot load the target model ({first})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        hf_logging.set_tqdm_hook(bars)
     mismatched = sorted(info.get("mismatched_keys") or [])
     if mismatched:
         name, found, want = mismatched[0]
