@@ -52,6 +52,34 @@ def test_install_commands_install_this_checkout():
     assert "cannot live in one environment" in readme and "dflash-toolkit" in readme
 
 
+def torch_extras() -> set[str]:
+    """The extras of pyproject.toml that install torch, directly or through another extra."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras, name = project["optional-dependencies"], project["name"]
+    pulls = {e for e, reqs in extras.items() if any(re.match(r"torch\b", r) for r in reqs)}
+    while True:
+        more = {e for e, reqs in extras.items() for r in reqs if r.startswith(f"{name}[")
+                and set(r[len(name) + 1:r.index("]")].split(",")) & pulls} - pulls
+        if not more:
+            return pulls
+        pulls |= more
+
+
+def test_every_install_that_pulls_torch_pins_it():
+    """An unpinned torch resolves PyPI's newest (on Linux, the multi-GB CUDA build); the docs' lines pin the tested one."""
+    pulls = torch_extras()
+    assert {"torch", "all"} <= pulls
+    checked = 0
+    for path in DOCS:  # (tables quote error messages, not commands to run)
+        text = "\n".join(line for line in path.read_text().splitlines() if not line.startswith("|"))
+        for cmd in re.findall(r"pip install [^\n`#]*", text):
+            extras = {x for spec in re.findall(r"\.\[([^\]]*)\]", cmd) for x in spec.split(",")}
+            if extras & pulls or re.search(r"(^|\s)['\"]?torch\b", cmd[len("pip install"):]):
+                checked += 1
+                assert "torch==2.13.0" in cmd, f"{path.relative_to(ROOT)}: {cmd.strip()!r} leaves torch unpinned"
+    assert checked >= 5
+
+
 def test_readme_first_lines():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert lines[3].startswith('pip install "torch==2.13.0" -e ".[torch]" && python -m dflash.generate --prompt ')
