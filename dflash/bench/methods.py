@@ -164,7 +164,7 @@ class HFRunner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from dflash.backends.torch import resolve_device, resolve_dtype
+        from dflash.backends.torch import quiet_loading, resolve_device, resolve_dtype
 
         torch.set_num_threads(cfg["threads"])
         self.torch, self.method, self.cfg = torch, method, cfg
@@ -172,7 +172,8 @@ class HFRunner:
         dtype = resolve_dtype(cfg["dtype"], self.device)
 
         def load(path):
-            m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+            with quiet_loading():
+                m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
             m = m.to(self.device).eval().requires_grad_(False)
             if cfg["ignore_eos"]:
                 m.generation_config.eos_token_id = None
