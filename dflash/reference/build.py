@@ -283,13 +283,15 @@ def export_drafter(src: Path, dst: Path) -> None:
 
 def measure_tau(target_dir: Path, draft_dir: Path, prompts: list[str], max_new_tokens: int) -> dict:
     """Greedy acceptance with the real speculative loop, pooled over prompts; checks losslessness on the way."""
+    from tqdm import tqdm
+
     import dflash
     from dflash.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 
     spec_pipe = dflash.load(target_dir, draft_dir, backend="torch", device="cpu")
     plain = dflash.load(target_dir, backend="torch", device="cpu", no_draft=True)
     lengths, rows, t_spec, t_plain, n_tok = [], [], 0.0, 0.0, 0
-    for p in prompts:
+    for p in tqdm(prompts, desc="tau", dynamic_ncols=True):
         r = spec_pipe.generate(p, max_new_tokens=max_new_tokens)
         base = plain.generate(p, max_new_tokens=max_new_tokens)
         if r.tokens != base.tokens:
