@@ -66,7 +66,7 @@ def torch_extras() -> set[str]:
 
 
 def test_every_install_that_pulls_torch_pins_it():
-    """An unpinned torch resolves PyPI's newest (on Linux, the multi-GB CUDA build); the docs' lines pin the tested one."""
+    """An unpinned torch resolves PyPI's newest (on Linux, the multi-GB CUDA build); the docs pin the tested one."""
     pulls = torch_extras()
     assert {"torch", "all"} <= pulls
     checked = 0

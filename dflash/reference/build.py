@@ -50,8 +50,8 @@ class BuildConfig:
     # first layers). ~40 min at one thread (bf16 autocast on AMX, ~0.85 s/step), held-out acceptance every 700 steps
     drafter: dict = field(default_factory=lambda: dict(num_layers=3, block_size=16, num_anchors=64, batch_size=4,
                                                        lr=2e-3, max_steps=2800, dtype="bfloat16", log_every=10,
-                                                       eval_every=700, eval_at_start=True, eval_holdout=16, eval_max_prompts=8,
-                                                       eval_max_new_tokens=96))
+                                                       eval_every=700, eval_at_start=True, eval_holdout=16,
+                                                       eval_max_prompts=8, eval_max_new_tokens=96))
     tau_prompts: int = 32
     tau_new_tokens: int = 128
 
