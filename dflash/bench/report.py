@@ -204,7 +204,8 @@ def plots(report: dict, out: Path) -> list[Path]:
     ax.set(xlabel="tokens committed per verification cycle", ylabel="fraction of cycles",
            title="acceptance length histogram")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=8)
+    if spec:  # (no speculative method ran: nothing to name)
+        ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     paths.append(out / "acceptance_histogram.png")
@@ -218,7 +219,8 @@ def plots(report: dict, out: Path) -> list[Path]:
     ax.set(xlabel="draft position k", ylabel="P(k-th drafted token accepted)", ylim=(0, 1.02),
            title="per-position acceptance (a position not drafted counts as not accepted)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=8)
+    if spec:  # (no speculative method ran: nothing to name)
+        ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     paths.append(out / "per_position_acceptance.png")
