@@ -165,9 +165,13 @@ def test_interrupted_build_resumes(tmp_path, monkeypatch, capsys):
     answers = (out / "answers_chat.jsonl").read_text().splitlines()
     assert len(answers) == 3
 
+    def three_steps(run, i):
+        if i == 3:
+            raise KeyboardInterrupt
+        return step(run, i)
+
     monkeypatch.setattr(regeneration, "_append", append)
-    monkeypatch.setattr(loop, "train_step", lambda run, i: (_ for _ in ()).throw(KeyboardInterrupt) if i == 3
-                        else step(run, i))
+    monkeypatch.setattr(loop, "train_step", three_steps)
     capsys.readouterr()
     with pytest.raises(KeyboardInterrupt):
         build(out, cfg, target=target)
