@@ -20,7 +20,8 @@ def _umask() -> int:
 
 
 # mkstemp / mkdtemp create 0600 / 0700: a finished file or directory gets the mode open() / mkdir() would give it
-_FILE_MODE, _DIR_MODE = 0o666 & ~_umask(), 0o777 & ~_umask()
+_UMASK = _umask()
+_FILE_MODE, _DIR_MODE = 0o666 & ~_UMASK, 0o777 & ~_UMASK
 
 
 def read_json_config(path: Path, missing: str):
