@@ -1,7 +1,10 @@
 """DFlash: block-diffusion speculative decoding on PyTorch and MLX (one core loop, one checkpoint format)."""
 
+from .deps import quiet_transformers_without_torch
 from .errors import DFlashError
 from .sampling import SamplingParams
+
+quiet_transformers_without_torch()
 
 __version__ = "0.1.0"
 

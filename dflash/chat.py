@@ -331,6 +331,7 @@ def describe(pipe, args) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    cli.restart_if_mlx(args)  # a restart after reading a piped prompt would leave the new process an empty stdin
     interactive = sys.stdin.isatty()
     prompt = None
     if not interactive:

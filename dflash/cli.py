@@ -60,11 +60,17 @@ def sampling_from(args) -> SamplingParams:
                           accept=args.accept).validate()
 
 
+def restart_if_mlx(args) -> None:
+    """An MLX run re-executes itself with OpenBLAS preloaded where it can (dflash.blas). LD_PRELOAD only acts at
+    process start, and the new process must find stdin unread: call this before any work and before reading stdin."""
+    if backends.pick(args.backend) == "mlx":
+        blas.restart_mlx_run_with_openblas()
+
+
 def load_pipeline(args):
     if args.draft_window is not None and args.draft_window < 1:
         raise DFlashError(f"--draft-window: got {args.draft_window}, expected >= 1")
-    if backends.pick(args.backend) == "mlx":
-        blas.restart_mlx_run_with_openblas()  # LD_PRELOAD only acts at process start: before any work
+    restart_if_mlx(args)
     return load(args.model, args.draft, backend=args.backend, no_draft=args.no_draft, dtype=args.dtype,
                 device=args.device, block_size=args.block_size, draft_window=args.draft_window,
                 trust_remote_code=args.trust_remote_code, verify=args.verify, tree_budget=args.tree_budget,

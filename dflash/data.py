@@ -108,7 +108,8 @@ def regenerate_through(args) -> int:
                               api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
                               concurrency=args.concurrency, temperature=args.temperature, top_p=args.top_p,
                               max_new_tokens=args.max_new_tokens, enable_thinking=args.enable_thinking,
-                              seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+                              seed=args.seed, progress=not args.no_progress,
+                              log=lambda m: print(m, file=sys.stderr))
     print(json.dumps(stats))
     return 0 if stats["failed"] == 0 else 1
 

@@ -33,3 +33,21 @@ def require(module: str, needed_by: str) -> None:
     if not installed(module):
         raise DFlashError(f"{needed_by}: needs the '{module}' package, which is not installed "
                           f"({install_hint(module)})")
+
+
+class _NoTorchAdvice:
+    """Drops transformers' "PyTorch was not found" warning: an MLX-only install uses transformers for tokenizers
+    only, by design."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def quiet_transformers_without_torch() -> None:
+    """Before transformers is first imported (it warns at import): a filter on its logger, which it keeps."""
+    import logging
+
+    logger = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchAdvice) for f in logger.filters):
+        logger.addFilter(_NoTorchAdvice())

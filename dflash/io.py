@@ -13,6 +13,17 @@ from pathlib import Path
 from .errors import DFlashError
 
 
+def _umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it; done once, at import
+    os.umask(mask)
+    return mask
+
+
+# mkstemp / mkdtemp create 0600 / 0700: a finished file or directory gets the mode open() / mkdir() would give it
+_UMASK = _umask()
+_FILE_MODE, _DIR_MODE = 0o666 & ~_UMASK, 0o777 & ~_UMASK
+
+
 def read_json_config(path: Path, missing: str):
     """A config.json's parsed content; one line naming the file when it is missing (`missing` says what the
     directory needs), unreadable or not JSON."""
@@ -62,6 +73,7 @@ def atomic_path(path: str | os.PathLike):
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -81,6 +93,7 @@ def atomic_directory(path: str | os.PathLike):
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        os.chmod(tmp, _DIR_MODE)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)

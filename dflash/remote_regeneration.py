@@ -84,7 +84,7 @@ def answer_row(rid: str, messages: list[dict], status: int, body: dict, thinking
 def regenerate_remote(endpoint: str, input_path, output_path, *, model: str | None = None,
                       api_key: str | None = None, concurrency: int = 8, temperature: float = 0.0,
                       top_p: float = 1.0, max_new_tokens: int = 2048, enable_thinking: bool | None = None,
-                      seed: int = 0, log=print) -> dict:
+                      seed: int = 0, progress: bool = True, log=print) -> dict:
     if concurrency < 1:
         raise DFlashError(f"--concurrency: got {concurrency}, expected >= 1")
     if max_new_tokens < 1:
@@ -102,11 +102,18 @@ def regenerate_remote(endpoint: str, input_path, output_path, *, model: str | No
     output_path.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     thinking = bool(enable_thinking)
+    bar = None
+    if progress and todo:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc="regenerate", dynamic_ncols=True)
 
     with open(output_path, "a", encoding="utf-8") as out:
         def write(row: dict) -> None:
             with lock:
                 append_row(out, row)
+                if bar is not None:
+                    bar.update(1)
 
         def one(item) -> None:
             i, rid, row = item
@@ -128,4 +135,6 @@ def regenerate_remote(endpoint: str, input_path, output_path, *, model: str | No
         with ThreadPoolExecutor(concurrency) as pool:
             for f in [pool.submit(one, item) for item in todo]:
                 f.result()  # an unreachable server stops the run here (the finished rows are kept)
+    if bar is not None:
+        bar.close()
     return write_stats(output_path, len(rows), log)

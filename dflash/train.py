@@ -70,6 +70,8 @@ HELP = {
     "keep_checkpoints": "checkpoints to keep",
     "resume": "resume from the newest checkpoint in --out",
     "eval_every": "measure real acceptance (speculative loop) every N steps",
+    "eval_at_start": "also evaluate the untrained drafter before the first step (the curve's baseline; costs one "
+                     "full evaluation)",
     "eval_data": "held-out prompts (JSONL / datasets dir) for the acceptance measurement",
     "eval_holdout": "hold out this many training samples and evaluate on their prompts",
     "eval_max_prompts": "prompts per evaluation",

@@ -59,6 +59,7 @@ class TrainConfig:
     resume: bool = True
     # evaluation: real acceptance length of the speculative loop on held-out prompts
     eval_every: int = 0
+    eval_at_start: bool = False  # also measure the untrained drafter (a full evaluation before step 1)
     eval_data: str | None = None
     eval_prompts: list | None = field(default=None, repr=False)  # in-process: lists of prompt ids
     eval_holdout: int = 0  # hold out this many training samples and evaluate on their prompts

@@ -75,6 +75,30 @@ def test_tiny_run_writes_reports_and_checks_greedy_equality(sharp_models, prompt
     md = (out / "results.md").read_text()
     assert "| dflash_b16 | torch | yes (2/2) |" in md
     assert md in r.stdout
+    # every output is an ordinary file (the atomic writes' temporary files are private until renamed)
+    assert {(out / n).stat().st_mode for n in ("results.json", "results.md")} == {(out / "speedup.png").stat().st_mode}
+    logs = "".join(p.read_text() for p in (out / "logs").iterdir())
+    assert "RuntimeWarning" not in logs and "Loading weights" not in logs, logs[-2000:]
+
+
+def test_help_lists_every_method(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--help"])
+    listed = [line.split()[0] for line in capsys.readouterr().out.split("is always added):\n")[1].split("\n\n")[0]
+              .splitlines()]
+    assert listed == list(METHODS)
+
+
+def test_speedup_legend_names_only_drawn_backends(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    legends = []
+    monkeypatch.setattr(Axes, "legend", lambda self, *a, **k: legends.append(a[1] if len(a) > 1 else None))
+    speedup = {"median": 1.5, "q25": 1.2, "q75": 1.8, "n": 2}
+    summary = {"no_draft": {"backend": "torch", "speedup": speedup}, "dflash_b16": {"backend": "torch",
+                                                                                   "speedup": speedup}}
+    reporting.plots({"summary": summary}, tmp_path)
+    assert legends[0] == ["PyTorch"]
 
 
 def _cfg(target, draft, ar, tok, max_new_tokens=24):

@@ -47,6 +47,20 @@ def test_prompt_ids_and_stream(tiny_target_dir, random_draft_dir):
     assert "tau" in p.stderr.strip().splitlines()[-1]
 
 
+def test_stderr_holds_only_our_lines(tiny_target_dir, random_draft_dir):
+    """No transformers weight-loading bar before the generation: stderr is the summary line and nothing else."""
+    p = run("--backend", "torch", "--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "def f(x):",
+            "--max-new-tokens", 8, "--verify", "chain")
+    assert p.returncode == 0 and p.stderr.startswith("tau ") and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_transformers_without_torch_does_not_warn():
+    """An MLX-only install uses transformers for tokenizers only: its "PyTorch was not found" advice is noise."""
+    p = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import dflash, transformers"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "PyTorch was not found" not in p.stderr, p.stderr
+
+
 def test_chat_template(tiny_target_dir, random_draft_dir):
     p = run("--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "hi", "--chat",
             "--max-new-tokens", 4, "--json")

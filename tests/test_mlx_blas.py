@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(blas.wheel_reference_blas() is None,
                                 reason="MLX here is not the mlx[cpu] wheel with its reference BLAS")
 
 
-def run(tmp_path, *args, hide_torch: bool, **env):
-    """`python -m dflash.generate ARGS` as a user types it; a sitecustomize makes every start of the interpreter
-    (the restart too) print its LD_PRELOAD to stderr and, with hide_torch, lose torch."""
+def start(tmp_path, command: list, hide_torch: bool, stdin: str | None = None, **env):
+    """`python COMMAND` as a user types it; a sitecustomize makes every start of the interpreter (the restart too)
+    print its LD_PRELOAD to stderr and, with hide_torch, lose torch. Returns (process, LD_PRELOAD of every start)."""
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(
@@ -33,15 +33,20 @@ def run(tmp_path, *args, hide_torch: bool, **env):
         "print('start LD_PRELOAD=' + os.environ.get('LD_PRELOAD', ''), file=sys.stderr)\n")
     base = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     path = os.pathsep.join([str(site), str(ROOT), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    p = subprocess.run([sys.executable, "-m", "dflash.generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "2",
-                        "--json", *args], capture_output=True, text=True, timeout=300,
+    p = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=300, input=stdin,
                        env={**base, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **env})
     assert p.returncode == 0, p.stderr
+    return p, [ln.removeprefix("start LD_PRELOAD=") for ln in p.stderr.splitlines() if ln.startswith("start ")]
+
+
+def run(tmp_path, *args, hide_torch: bool, **env):
+    """`python -m dflash.generate ARGS --json` (two tokens): (LD_PRELOAD of every start, BLAS notices)."""
+    p, starts = start(tmp_path, ["-m", "dflash.generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--json",
+                                 *args], hide_torch, **env)
     assert json.loads(p.stdout)["generation_tokens"] == 2
-    lines = [ln for ln in p.stderr.splitlines() if not ln.startswith("[transformers]")]
-    return [ln.removeprefix("start LD_PRELOAD=") for ln in lines if ln.startswith("start ")], \
-        [ln for ln in lines if ln.startswith("dflash: ") and "verify costs" not in ln]  # (the --verify auto
-    # profile's own notice, when the slow reference BLAS makes it take over a second, is not a BLAS notice)
+    return starts, [ln for ln in p.stderr.splitlines() if ln.startswith("dflash: ") and "verify costs" not in ln]
+    # (the --verify auto profile's own notice, when the slow reference BLAS makes it take over a second, is not a
+    # BLAS notice)
 
 
 @pytest.fixture
@@ -57,6 +62,15 @@ def openblas(tmp_path):
 def test_mlx_run_without_torch_restarts_with_openblas(openblas, tmp_path):
     starts, notices = run(tmp_path, "--backend", "mlx", hide_torch=True, DFLASH_OPENBLAS=openblas)
     assert starts == ["", openblas] and notices == []
+
+
+@pytest.mark.parametrize("backend", [["--backend", "mlx"], []])
+def test_piped_mlx_chat_restarts_before_reading_stdin(openblas, tmp_path, backend):
+    """The restarted process reads the piped prompt: the first one must not have consumed it."""
+    p, starts = start(tmp_path, ["-m", "dflash.chat", *backend, "--max-new-tokens", "4"], hide_torch=True,
+                      stdin="def f(x):\n", DFLASH_OPENBLAS=openblas)
+    assert starts == ["", openblas]
+    assert "tau " in p.stderr and "empty prompt" not in p.stderr and "PyTorch was not found" not in p.stderr
 
 
 def test_mlx_run_without_openblas_says_what_to_install(tmp_path):

@@ -140,3 +140,48 @@ def test_fast_build(tmp_path):
     assert gen.returncode == 0, gen.stderr
     rows = [json.loads(line) for line in (out / "pretrain.jsonl").read_text().splitlines()]
     assert rows and "heldout_loss" in rows[-1]
+
+
+def test_interrupted_build_resumes(tmp_path, monkeypatch, capsys):
+    """A build stopped mid-answers, then mid-drafter, keeps what it wrote: the rerun continues the answers where
+    they stopped and the drafter from its last checkpoint, and a finished phase is not redone."""
+    from dflash.backends.torch import regeneration
+    from dflash.backends.torch.training import loop
+    from dflash.reference.build import PACKAGE_DIR, BuildConfig, build
+
+    cfg = BuildConfig.fast()
+    cfg.drafter = dict(cfg.drafter, save_every=2)
+    out, target = tmp_path / "ref", PACKAGE_DIR / "assets" / "target"
+    append, step = regeneration._append, loop.train_step
+
+    def append_three(f, row):
+        if sum(1 for _ in open(f.name)) == 3:
+            raise KeyboardInterrupt
+        append(f, row)
+
+    monkeypatch.setattr(regeneration, "_append", append_three)
+    with pytest.raises(KeyboardInterrupt):
+        build(out, cfg, target=target)
+    answers = (out / "answers_chat.jsonl").read_text().splitlines()
+    assert len(answers) == 3
+
+    def three_steps(run, i):
+        if i == 3:
+            raise KeyboardInterrupt
+        return step(run, i)
+
+    monkeypatch.setattr(regeneration, "_append", append)
+    monkeypatch.setattr(loop, "train_step", three_steps)
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):
+        build(out, cfg, target=target)
+    log = capsys.readouterr().out
+    assert "8 input rows, 3 already done, 5 to answer" in log
+    rows = (out / "answers_chat.jsonl").read_text().splitlines()
+    assert rows[:3] == answers and len({json.loads(r)["id"] for r in rows}) == 8
+
+    monkeypatch.setattr(loop, "train_step", step)
+    report = build(out, cfg, target=target)
+    log = capsys.readouterr().out
+    assert log.count("regenerate: keeping") == 2 and "(step 2)" in log.split("resumed from", 1)[1].splitlines()[0]
+    assert report["drafter"]["steps"] == 4 and report["benchmark"]["tau"] >= 1.0

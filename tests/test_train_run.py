@@ -192,3 +192,29 @@ def test_init_from_an_existing_drafter(tiny_target_dir, random_draft_dir, data_f
     assert after["dflash_config"] == before["dflash_config"] and after["num_hidden_layers"] == 2
     a, b = (load_file(str(d / "model.safetensors")) for d in (random_draft_dir, r.draft_dir))
     assert a.keys() == b.keys() and not torch.equal(a["fc.weight"], b["fc.weight"])  # it trained from there
+
+
+def tiny_run(target, data, out, **extra) -> TrainConfig:
+    return TrainConfig(**dict(target=str(target), data=str(data), out=str(out), num_layers=1, block_size=4,
+                              num_anchors=4, max_steps=2, save_every=0, progress=False, plot=False, device="cpu",
+                              eval_max_prompts=2, eval_max_new_tokens=8) | extra)
+
+
+def test_eval_holdout_that_leaves_no_batch_names_eval_holdout(tiny_target_dir, data_file, tmp_path):
+    from dflash.errors import DFlashError
+
+    with pytest.raises(DFlashError) as e:
+        train(tiny_run(tiny_target_dir, data_file, tmp_path / "run", eval_holdout=16, quiet=True))
+    assert str(e.value).startswith("--eval-holdout: holding out 16 of the 16 samples leaves 0 to train on, fewer "
+                                   "than the global batch of 1; hold out at most 15")
+
+
+@pytest.mark.parametrize("at_start", [False, True])
+def test_step_zero_evaluation_is_opt_in_and_every_evaluation_says_so(tiny_target_dir, data_file, tmp_path, capsys,
+                                                                     at_start):
+    result = train(tiny_run(tiny_target_dir, data_file, tmp_path / "run", eval_holdout=2, eval_every=2,
+                            eval_at_start=at_start))
+    assert [e["step"] for e in result.evals] == ([0, 2] if at_start else [2])
+    out = capsys.readouterr().out
+    assert "eval step 2: generating on 2 held-out prompts (8 tokens each)" in out
+    assert ("eval step 0:" in out) == at_start

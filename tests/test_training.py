@@ -208,8 +208,8 @@ def test_overfitting_one_sample_reaches_nearly_full_blocks(sharp_target, tmp_pat
     sample = greedy_samples(model, 1, seed=5, prompt_len=8, answer_len=64)[0]
     cfg = TrainConfig(target=str(target_dir), samples=[sample], eval_prompts=[sample["input_ids"][:8]],
                       out=str(tmp_path / "run"), num_layers=1, block_size=8, num_anchors=64, max_steps=120,
-                      lr=1e-2, warmup_ratio=0.05, save_every=0, eval_every=60, eval_max_new_tokens=64,
-                      progress=False, plot=True, quiet=True, device="cpu")
+                      lr=1e-2, warmup_ratio=0.05, save_every=0, eval_every=60, eval_at_start=True,
+                      eval_max_new_tokens=64, progress=False, plot=True, quiet=True, device="cpu")
     result = train(cfg)
     assert result.losses[-1] < 0.2 * result.losses[0]
     assert [e["step"] for e in result.evals] == [0, 60, 120]

@@ -10,7 +10,8 @@ import importlib
 
 _PUBLIC = {
     "TorchBackend": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
-    "target_info": "target", "DTYPES": "target", "DFlashDrafter": "drafter", "load_drafter": "drafter",
+    "target_info": "target", "DTYPES": "target", "quiet_loading": "target", "DFlashDrafter": "drafter",
+    "load_drafter": "drafter",
     "save_drafter": "drafter", "regenerate": "regeneration", "write_feature_cache": "features",
     "TrainConfig": "training", "train": "training", "dflash_loss": "training",
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from dflash.checkpoint import check_target_dir
@@ -42,13 +44,28 @@ def resolve_device(name: str | None) -> str:
     return name
 
 
+@contextlib.contextmanager
+def quiet_loading():
+    """transformers' from_pretrained without its load report (our one-line errors say what matters) and without its
+    "Loading weights" bar, which would precede every generation; a tqdm hook, so the hub's download bars stay."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    bars = hf_logging.set_tqdm_hook(lambda factory, args, kwargs: hf_logging.EmptyTqdm(*args, **kwargs))
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.set_tqdm_hook(bars)
+
+
 def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool = False, checked: dict | None = None):
     """A transformers causal LM from safetensors only, refused with one line when its config or weights are broken,
     when it needs custom code and --trust-remote-code was not given, or when a weight is missing or mis-shaped
     (transformers would otherwise initialise it randomly and only warn)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.utils import logging as hf_logging
 
     cfg = checked if checked is not None else check_target_dir(path)
     auto_map = cfg.get("auto_map")
@@ -58,21 +75,18 @@ def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool =
                           f"checkpoint (auto_map: {code}); pass --trust-remote-code to run it")
     kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True,
                   ignore_mismatched_sizes=True, output_loading_info=True)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its load report would precede our one line
     try:
-        try:
-            model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
-        except ValueError as e:
-            if "scaled_dot_product_attention" not in str(e):
-                raise
-            # families without an SDPA path (gpt-oss: attention sinks) run transformers' eager attention
-            model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
+        with quiet_loading():
+            try:
+                model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
+            except ValueError as e:
+                if "scaled_dot_product_attention" not in str(e):
+                    raise
+                # families without an SDPA path (gpt-oss: attention sinks) run transformers' eager attention
+                model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DFlashError(f"{path}: cannot load the target model ({first})") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
     mismatched = sorted(info.get("mismatched_keys") or [])
     if mismatched:
         name, found, want = mismatched[0]

@@ -6,10 +6,6 @@ the same target, the same prompts and the same stop rule, in one run.
     python -m dflash.bench --model ./target --draft ./draft --ar-draft ./small-ar --prompts chats.jsonl --chat
 
 Methods (--methods, comma-separated; each backend's baseline is always added):
-  no_draft, dflash_b16, dflash_b8                     this project's loop on PyTorch (no_draft = the baseline)
-  hf_no_draft, prompt_lookup, assisted                transformers generate(): plain / prompt lookup / assisted
-  mlx_no_draft, mlx_dflash_b16, mlx_dflash_b8         this project's loop on MLX (mlx_no_draft = the MLX baseline)
-  mlx_lm_no_draft, mlx_lm_speculative                 mlx-lm stream_generate(): plain / speculative (AR draft)
 
 Every method runs in its own worker process (peak RSS per method); MLX workers get OpenBLAS preloaded when
 /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 exists, torch workers never do. By default the workers
@@ -48,8 +44,15 @@ BATCHED = ("no_draft", "dflash_b16", "dflash_b8")  # the methods batched specula
 
 
 # ---- arguments ------------------------------------------------------------------------------------------------------
+def description() -> str:
+    """The module docstring with the methods listed from the METHODS table (so that --help lists every one)."""
+    header = "Methods (--methods, comma-separated; each backend's baseline is always added):\n"
+    width = max(map(len, METHODS)) + 2
+    return __doc__.replace(header, header + "".join(f"  {m.name:<{width}}{m.label}\n" for m in METHODS.values()))
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m dflash.bench", description=description(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="target directory or hub id (default: the bundled reference target)")
     p.add_argument("--draft", help="DFlash drafter (default: the bundled reference drafter / the registry's)")

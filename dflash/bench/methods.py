@@ -2,7 +2,7 @@
 
 Every method is a `Runner`: it loads its models once and turns prompt token ids into one record per prompt
 (`tokens`, `seconds`, `prefill_seconds`, `decode_seconds`, `acceptance_lengths`). The benchmark runs each method in
-its own worker process (`python -m dflash.bench.methods`, JSON lines on stdin/stdout), so every method gets its own
+its own worker process (`python -m dflash.bench.worker`, JSON lines on stdin/stdout), so every method gets its own
 peak-RSS figure, and MLX methods can run with OpenBLAS preloaded while torch methods never are.
 
     family   backend  what runs
@@ -166,7 +166,7 @@ class HFRunner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from dflash.backends.torch import resolve_device, resolve_dtype
+        from dflash.backends.torch import quiet_loading, resolve_device, resolve_dtype
 
         torch.set_num_threads(cfg["threads"])
         self.torch, self.method, self.cfg = torch, method, cfg
@@ -174,7 +174,8 @@ class HFRunner:
         dtype = resolve_dtype(cfg["dtype"], self.device)
 
         def load(path):
-            m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+            with quiet_loading():
+                m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
             m = m.to(self.device).eval().requires_grad_(False)
             if cfg["ignore_eos"]:
                 m.generation_config.eos_token_id = None
@@ -351,7 +352,3 @@ def worker(stdin=None, stdout=None) -> int:
     send({"done": True, "peak_rss_bytes": peak_rss_bytes(), **accelerator_peak_bytes(runner)})
     return 0
 
-
-if __name__ == "__main__":
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    sys.exit(worker())

@@ -20,13 +20,13 @@ class WorkerFailed(Exception):
 
 
 class Worker:
-    """One method in its own process (python -m dflash.bench.methods), JSON lines both ways."""
+    """One method in its own process (python -m dflash.bench.worker), JSON lines both ways."""
 
     def __init__(self, method: Method, cfg: dict, env: dict, log_path: Path):
         self.method = method
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.bench.methods"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.bench.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1)
         self.send(cfg)
         self.ready: dict | None = None

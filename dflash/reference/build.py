@@ -7,6 +7,11 @@
     python -m dflash.reference build --fast --out D   # a tiny end-to-end build in well under a minute (CI)
     python -m dflash.reference build --target dflash/reference/assets/target --out D   # the drafter only (~35 min)
 
+Rerunning a build resumes it: a finished phase whose inputs match what --out holds is kept (the pretrained target,
+each answers file, the drafter run), an interrupted regeneration keeps its answers and continues, and an
+interrupted drafter run continues from its last checkpoint (every 100 steps). Pretraining restarts if it was
+interrupted. --fresh builds everything again.
+
 Everything lands under --out: tokenizer/, target_f32/ (pretrained, float32), pretrain.jsonl (curve),
 train_prompts.jsonl, prompts.jsonl (benchmark, held-out files), answers_{chat,completion}.jsonl (the target's
 answers), drafter/ (training run), assets/target + assets/draft (float16, what ships), build.json (costs, tau,
@@ -45,8 +50,8 @@ class BuildConfig:
     # first layers). ~40 min at one thread (bf16 autocast on AMX, ~0.85 s/step), held-out acceptance every 700 steps
     drafter: dict = field(default_factory=lambda: dict(num_layers=3, block_size=16, num_anchors=64, batch_size=4,
                                                        lr=2e-3, max_steps=2800, dtype="bfloat16", log_every=10,
-                                                       eval_every=700, eval_holdout=16, eval_max_prompts=8,
-                                                       eval_max_new_tokens=96))
+                                                       eval_every=700, eval_at_start=True, eval_holdout=16,
+                                                       eval_max_prompts=8, eval_max_new_tokens=96))
     tau_prompts: int = 32
     tau_new_tokens: int = 128
 
@@ -66,7 +71,7 @@ def _log(msg: str) -> None:
     print(f"[reference] {msg}", flush=True)
 
 
-def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False, target: str | Path | None = None,
+def build(out: str | Path, cfg: BuildConfig | None = None, fresh: bool = False, target: str | Path | None = None,
           answers_only: bool = False) -> dict:
     """The whole pipeline. `target`: an exported target directory (e.g. the bundled one) used as it is instead of
     training a tokenizer and pretraining (the drafter recipe alone, ~22 min shorter). `answers_only`: stop once the
@@ -103,9 +108,9 @@ def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False, 
         # 2. target
         pcfg = PretrainConfig(seed=cfg.seed, **cfg.pretrain)
         done = out / "target_f32" / "pretrain_summary.json"
-        if reuse and done.is_file() and json.loads(done.read_text())["config"] == json.loads(
+        if not fresh and done.is_file() and json.loads(done.read_text())["config"] == json.loads(
                 json.dumps(asdict(pcfg))):
-            _log(f"pretrain: reusing {done.parent} (same config)")
+            _log(f"pretrain: keeping {done.parent} (same config)")
             summary = json.loads(done.read_text())
         else:
             summary = timed("pretrain", pretrain, train_files, heldout_files, tok, pcfg, out / "target_f32",
@@ -139,14 +144,14 @@ def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False, 
                                                                                   out / "completion_target")
         path = out / f"answers_{fmt}.jsonl"
         report["answers"][fmt] = timed(f"regenerate_{fmt}", regenerate, target, train_prompts, path,
-                                       cfg.answer_tokens, reuse=reuse)
+                                       cfg.answer_tokens, fresh=fresh)
         samples += answer_samples(target, path)
     report["answers"]["samples"] = len(samples)
     report["answers"]["supervised_tokens"] = sum(sum(x["loss_mask"]) for x in samples)
     if answers_only:
         (out / "build.json").write_text(json.dumps(report, indent=2) + "\n")
         return report
-    result = timed("drafter", train_drafter, out / "assets" / "target", samples, out / "drafter", cfg)
+    result = timed("drafter", train_drafter, out / "assets" / "target", samples, out / "drafter", cfg, fresh)
     report["drafter"] = {"steps": result.steps, "final_loss": result.losses[-1] if result.losses else None,
                          "seconds": round(result.seconds, 1)}
 
@@ -164,31 +169,36 @@ def build(out: str | Path, cfg: BuildConfig | None = None, reuse: bool = False, 
 
 
 def regenerate(target_dir: Path, prompts: list, path: Path, max_new_tokens: int, batch_size: int = 32,
-               reuse: bool = False) -> dict:
+               fresh: bool = False) -> dict:
     """The target's greedy answers to the training prompts (`python -m dflash.data regenerate`, in process): each
-    prompt is the user turn of a ChatML conversation, the target writes the assistant turn. With `reuse`, answers
-    already in `path` for the same prompts, token budget and target weights are kept."""
-    import hashlib
-
+    prompt is the user turn of a ChatML conversation, the target writes the assistant turn. Answers already in
+    `path` for the same prompts, token budget and target weights are kept (unless `fresh`): a finished file is
+    used as it is, an interrupted one is continued."""
     from dflash.backends.torch import regenerate as answer
     from dflash.io import atomic_write_text
 
     inp = path.with_name("regenerate_input.jsonl")
     text = "".join(json.dumps({"id": f"p{i}", "prompt": p.prompt}) + "\n" for i, p in enumerate(prompts))
-    meta = {"inputs": hashlib.sha256(text.encode()).hexdigest(), "max_new_tokens": max_new_tokens,
-            "target": hashlib.sha256((target_dir / "model.safetensors").read_bytes()).hexdigest()}
+    meta = {"inputs": _sha256(text.encode()), "max_new_tokens": max_new_tokens,
+            "target": _sha256((target_dir / "model.safetensors").read_bytes())}
     meta_path, stats_path = path.with_suffix(".meta.json"), path.with_name(path.stem + ".stats.json")
-    if reuse and path.is_file() and meta_path.is_file() and stats_path.is_file() and \
-            json.loads(meta_path.read_text()) == meta:
-        _log(f"regenerate: reusing {path} (same prompts, budget and target)")
+    same = not fresh and meta_path.is_file() and json.loads(meta_path.read_text()) == meta
+    if same and path.is_file() and stats_path.is_file():  # the stats are written when the last answer is
+        _log(f"regenerate: keeping {path} (same prompts, budget and target)")
         return json.loads(stats_path.read_text())
+    if not same:  # answers to other prompts or by another target: start over
+        for old in (path, stats_path, meta_path):
+            old.unlink(missing_ok=True)
     atomic_write_text(inp, text)
-    if path.exists():
-        path.unlink()  # a fresh build answers everything again (regenerate itself would resume)
-    stats = answer(target_dir, inp, path, batch_size=batch_size, temperature=0.0, max_new_tokens=max_new_tokens,
-                   device="cpu", dtype="float32", progress=False, log=_log)
-    atomic_write_text(meta_path, json.dumps(meta) + "\n")
-    return stats
+    atomic_write_text(meta_path, json.dumps(meta) + "\n")  # before the first answer, so that a rerun continues
+    return answer(target_dir, inp, path, batch_size=batch_size, temperature=0.0, max_new_tokens=max_new_tokens,
+                  device="cpu", dtype="float32", progress=True, log=_log)
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
 
 
 COMPLETION_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -221,14 +231,23 @@ def build_samples(data: Path) -> list[dict]:
     return answer_samples(target_dir, data / "answers_chat.jsonl") + \
         answer_samples(completion_target(target_dir, data / "completion_target"), data / "answers_completion.jsonl")
 
-def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildConfig):
-    """`python -m dflash.train`, in process, on the target's answers (loss on the answer tokens only)."""
+def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildConfig, fresh: bool = False):
+    """`python -m dflash.train`, in process, on the target's answers (loss on the answer tokens only). A run of the
+    same samples, target and recipe in `out` resumes from its last checkpoint; any other is started over."""
     from dflash.backends.torch import TrainConfig, train
+    from dflash.io import atomic_write_text
 
-    if out.exists():
-        shutil.rmtree(out)  # no resuming from an older build's checkpoints
-    tc = TrainConfig(target=str(target_dir), samples=samples, out=str(out), seed=cfg.seed, device="cpu", save_every=0,
-                     plot=True, progress=False, resume=False, **(dict(dtype="float32") | cfg.drafter))
+    recipe = dict(dtype="float32", save_every=100) | cfg.drafter
+    inputs = {"samples": _sha256(json.dumps([[list(x["input_ids"]), list(x["loss_mask"])] for x in samples]).encode()),
+              "target": _sha256((target_dir / "model.safetensors").read_bytes()), "seed": cfg.seed,
+              "recipe": json.loads(json.dumps(recipe))}
+    inputs_path = out.with_name(out.name + ".inputs.json")
+    same = not fresh and inputs_path.is_file() and json.loads(inputs_path.read_text()) == inputs
+    if out.exists() and not same:
+        shutil.rmtree(out)  # checkpoints of other inputs
+    atomic_write_text(inputs_path, json.dumps(inputs) + "\n")
+    tc = TrainConfig(target=str(target_dir), samples=samples, out=str(out), seed=cfg.seed, device="cpu", plot=True,
+                     progress=True, resume=True, **recipe)
     return train(tc)
 
 
@@ -264,13 +283,15 @@ def export_drafter(src: Path, dst: Path) -> None:
 
 def measure_tau(target_dir: Path, draft_dir: Path, prompts: list[str], max_new_tokens: int) -> dict:
     """Greedy acceptance with the real speculative loop, pooled over prompts; checks losslessness on the way."""
+    from tqdm import tqdm
+
     import dflash
     from dflash.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 
     spec_pipe = dflash.load(target_dir, draft_dir, backend="torch", device="cpu")
     plain = dflash.load(target_dir, backend="torch", device="cpu", no_draft=True)
     lengths, rows, t_spec, t_plain, n_tok = [], [], 0.0, 0.0, 0
-    for p in prompts:
+    for p in tqdm(prompts, desc="tau", dynamic_ncols=True):
         r = spec_pipe.generate(p, max_new_tokens=max_new_tokens)
         base = plain.generate(p, max_new_tokens=max_new_tokens)
         if r.tokens != base.tokens:
@@ -303,9 +324,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/reference", help="build directory (default: runs/reference)")
     p.add_argument("--fast", action="store_true", help="tiny corpus, model and drafter: tests the pipeline")
     p.add_argument("--install", action="store_true", help="copy the result into the package afterwards")
-    p.add_argument("--reuse", action="store_true",
-                   help="keep the pretrained target and the answers already in --out when their inputs match "
-                        "(reruns only the drafter, export and measurement)")
+    p.add_argument("--fresh", action="store_true",
+                   help="build every phase again (default: keep what --out holds for the same inputs and continue "
+                        "an interrupted build)")
     p.add_argument("--drafter-steps", type=int, help="train the drafter for this many steps (default: the "
                    "bundled pair's 2800; evaluated 4 times)")
     p.add_argument("--target", help="use this exported target directory (e.g. dflash/reference/assets/target) "
@@ -319,7 +340,7 @@ def main(argv=None) -> int:
             raise DFlashError(f"--drafter-steps: got {args.drafter_steps}, expected >= 1")
         cfg.drafter = dict(cfg.drafter, max_steps=args.drafter_steps,
                            eval_every=max(1, args.drafter_steps // 4))
-    build(args.out, cfg, reuse=args.reuse, target=args.target, answers_only=args.answers_only)
+    build(args.out, cfg, fresh=args.fresh, target=args.target, answers_only=args.answers_only)
     if args.install:
         install(Path(args.out))
         _log(f"installed into {PACKAGE_DIR}")

@@ -13,8 +13,9 @@ from ..drafter import DFlashDrafter
 
 @torch.no_grad()
 def evaluate(target_model, drafter: DFlashDrafter, prompts: list[list[int]], max_new_tokens: int,
-             eos_token_ids=(), draft_window: int | None = None) -> dict:
-    """Real acceptance: run the speculative loop (greedy) on each prompt and pool the acceptance lengths."""
+             eos_token_ids=(), draft_window: int | None = None, progress: str | None = None) -> dict:
+    """Real acceptance: run the speculative loop (greedy) on each prompt and pool the acceptance lengths.
+    `progress`: the description of a tqdm bar over the prompts (None: no bar)."""
     from dflash.loop import generate
     from dflash.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 
@@ -24,6 +25,10 @@ def evaluate(target_model, drafter: DFlashDrafter, prompts: list[list[int]], max
     was_training = drafter.training
     backend = TorchBackend(target_model, drafter.to(dtype).eval(), draft_window=draft_window)
     lengths = []
+    if progress:
+        from tqdm import tqdm
+
+        prompts = tqdm(prompts, desc=progress, leave=False, dynamic_ncols=True)
     try:
         for p in prompts:
             backend.reset()

@@ -114,6 +114,16 @@ def train_step(run: Run, step: int) -> dict:
             "lr": lr, "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
 
 
+def too_few_samples(loaded: int, held: int, global_batch: int) -> str:
+    """The error for a run left with fewer training samples than one global batch, naming the flag to change."""
+    if held and loaded >= global_batch:
+        return (f"--eval-holdout: holding out {held} of the {loaded} samples leaves {loaded - held} to train on, "
+                f"fewer than the global batch of {global_batch}; hold out at most {loaded - global_batch} or pass "
+                "held-out prompts with --eval-data FILE")
+    return (f"--batch-size: global batch {global_batch} (batch x grad-accum x world) is larger than the {loaded} "
+            "training samples")
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     from dflash import hub
     from dflash.tokenizer import eos_token_ids, load_tokenizer
@@ -155,11 +165,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         from ..features import FeatureCache
 
         cache = FeatureCache(cfg.features, device=device)
-    samples, eval_prompts = split_eval_prompts(cfg, load_samples(cfg, tokenizer, cache), tokenizer)
+    loaded = load_samples(cfg, tokenizer, cache)
+    samples, eval_prompts = split_eval_prompts(cfg, loaded, tokenizer)
     global_batch = cfg.batch_size * cfg.grad_accum * d.world
     if len(samples) < global_batch:
-        raise DFlashError(f"--batch-size: global batch {global_batch} (batch x grad-accum x world) is larger than "
-                          f"the {len(samples)} training samples")
+        raise DFlashError(too_few_samples(len(loaded), len(loaded) - len(samples), global_batch))
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * (len(samples) // global_batch)))
 
     # --- drafter, parallel wrapping, optimiser, feature source ------------------------------------------------------
@@ -214,7 +224,12 @@ def train(cfg: TrainConfig) -> TrainResult:
         if d.main:
             probe = DFlashDrafter(spec)
             probe.load_state_dict(state)
-            r = evaluate(target, probe.to(device), eval_prompts, cfg.eval_max_new_tokens, eos, cfg.draft_window)
+            show = cfg.progress and not cfg.quiet
+            if not show:  # a bar says it itself; without one, a line, so a long evaluation does not look like a hang
+                _log(cfg, d, f"eval step {at}: generating on {len(eval_prompts)} held-out prompts "
+                             f"({cfg.eval_max_new_tokens} tokens each)")
+            r = evaluate(target, probe.to(device), eval_prompts, cfg.eval_max_new_tokens, eos, cfg.draft_window,
+                         progress=f"eval step {at}" if show else None)
             if hasattr(features, "capture"):
                 features.capture.outputs.clear()
             evals.append({"step": at, **r})
@@ -228,7 +243,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=step, desc="train", dynamic_ncols=True)
-    if cfg.eval_every and step == 0:
+    if cfg.eval_at_start and step == 0:
         run_eval(0)  # the untrained drafter's tau: the baseline the curve starts from
     module.train()
     while step < total:
