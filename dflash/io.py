@@ -1,5 +1,5 @@
-"""Atomic file writes (a reader never sees a half-written checkpoint, log or JSONL file), and config reads that fail
-with one line."""
+"""Atomic file writes (a reader never sees a half-written checkpoint, log or JSONL file), config reads that fail
+with one line, and where the project's own cache lives."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ import tempfile
 from pathlib import Path
 
 from .errors import DFlashError
+
+
+def cache_root() -> Path:
+    """$DFLASH_CACHE_DIR, default ~/.cache/dflash: device cost profiles (costs/) and prepared models (models/)."""
+    return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash")
 
 
 def read_json_config(path: Path, missing: str):
