@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="a real model (about 100 s on a CPU): run with pytest -m real")
     for item in items:
-        if "real" in item.keywords:
+        if item.get_closest_marker("real") is not None:
             item.add_marker(skip)
 
 
