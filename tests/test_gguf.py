@@ -146,6 +146,12 @@ def test_refusals_are_one_line(tmp_path, tiny_gguf, monkeypatch):
     monkeypatch.setattr(deps, "installed", lambda module: module != "gguf")
     with pytest.raises(DFlashError, match=r"convert gguf: needs the 'gguf' package.*pip install -e '\.\[gguf\]'"):
         convert_gguf(tiny_gguf, tmp_path / "out")
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(DFlashError, match=r"fetch smollm2: needs the 'gguf' package"):  # before any download
+        hub.fetch_prepared("smollm2")
+    monkeypatch.setattr(deps, "installed", lambda module: module != "accelerate")
+    with pytest.raises(DFlashError, match=r"needs the 'accelerate' package.*'\.\[gguf\]'"):
+        convert_gguf(tiny_gguf, tmp_path / "out")
 
 
 def test_cli_not_gguf_is_one_line(tmp_path):
