@@ -69,13 +69,15 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype
     import torch
     import transformers
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # dense weights whatever GGUF kernels are installed: packed blocks cannot be saved (transformers before GgufConfig
+    # always dequantizes)
+    dense = {"quantization_config": transformers.GgufConfig(dequantize=True)} \
+        if hasattr(transformers, "GgufConfig") else {}
     try:
-        # dequantize=True: dense weights whatever GGUF kernels are installed (packed blocks cannot be saved)
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=getattr(torch, dtype),
-            quantization_config=GgufConfig(dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype),
+                                                     **dense)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (ValueError, NotImplementedError, KeyError, TypeError) as e:
         raise DFlashError(f"--gguf: {path}: transformers {transformers.__version__} cannot convert this "
