@@ -16,7 +16,8 @@ from .sampling import SamplingParams
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="auto (MLX on Apple silicon, else torch; the installed one "
                    "if only one is), torch or mlx")
-    p.add_argument("--model", help="target: local HF directory or hub id (default: the bundled reference target)")
+    p.add_argument("--model", help="target: local HF directory, hub id, or smollm2 (python -m dflash.models fetch "
+                   "smollm2) (default: the bundled reference target)")
     p.add_argument("--draft", help="DFlash drafter: directory or hub id (default: registry / bundled)")
     p.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding (the baseline)")
     p.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")

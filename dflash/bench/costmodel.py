@@ -3,8 +3,8 @@
     speedup(B) = tau(B) * T_step / (T_draft(B) + T_verify(B))
 
 Times come from the real backend methods (draft / verify / commit), at a given model shape with random weights,
-so no download is needed: a hub or local config.json (e.g. Qwen3-8B) with an N-layer drafter on a GPU, or the tiny
-default on a CPU. With a per-position acceptance curve (from `dflash.bench` or `/stats`) it also names the block
+so no download is needed: a bundled shape (qwen3-8b, qwen3-4b, smollm2), a hub or local config.json with an N-layer
+drafter on a GPU, or the tiny default on a CPU. With a per-position acceptance curve (from `dflash.bench` or `/stats`) it also names the block
 size that maximises the speedup.
 """
 
@@ -210,7 +210,9 @@ def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash.bench cost-model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target-config", help="config.json path or hub id of the target shape (default: tiny 8x256)")
+    p.add_argument("--target-config", "--model", dest="target_config", help="the target's shape: a bundled one "
+                   "(qwen3-8b, qwen3-4b, smollm2), a config.json path, a model directory or a hub id (default: "
+                   "tiny 8x256)")
     p.add_argument("--draft-layers", type=int, default=3)
     p.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
                    help="drafter architecture (dflash2: convolutions + the candidate selector)")
@@ -312,7 +314,7 @@ def load_tree_curve(path: str) -> dict[int, float]:
 
 
 def load_config(name: str):
-    """A config.json path, a bundled shape (qwen3-8b, qwen3-4b), or a hub id / model directory."""
+    """A config.json path, a bundled shape (qwen3-8b, qwen3-4b, smollm2), or a hub id / model directory."""
     from transformers import AutoConfig
 
     bundled = Path(__file__).parent / "configs" / f"{name.lower()}.json"

