@@ -61,6 +61,12 @@ class TorchSampler:
         if self.params.greedy:
             return scores.argmax(dim=-1)
         probs = torch.softmax(scores.float(), dim=-1)
+        # guard: a row whose scores overflowed (inf / nan) would make multinomial raise for the whole batch;
+        # it takes its argmax instead (SamplingParams.validate keeps the settings that cause this out)
+        broken = ~torch.isfinite(probs).all(dim=-1)
+        if broken.any():
+            probs = torch.where(broken[:, None], torch.nn.functional.one_hot(
+                scores.float().nan_to_num(nan=float("-inf")).argmax(dim=-1), probs.shape[-1]).to(probs.dtype), probs)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
 
     def rejection(self, logits: torch.Tensor, history: list[int], block: torch.Tensor, q_ids: torch.Tensor,
