@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -97,4 +98,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main))
+    code = cli.run(main)
+    # Served and drained: the engine thread has ended (or is stuck in a kernel past the drain). Skip the
+    # interpreter's teardown: with torch loaded it takes seconds beyond --drain-timeout, and it destroys native
+    # thread pools under a thread that may still run ("terminate called without an active exception", SIGABRT).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

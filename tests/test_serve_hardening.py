@@ -202,3 +202,44 @@ def test_auth_and_refusals_counted(server):
 
 def test_no_tracebacks(server):
     assert "Traceback" not in server.log()
+
+
+def test_sigterm_cuts_long_streams_with_an_error_and_exits_0_within_the_drain(start_server):
+    """--drain-timeout 2 and 8 long streams: each ends with an error event and [DONE] (or finishes), exit 0 in
+    time (once: SIGABRT after 10 s, 'terminate called without an active exception', streams cut bare)."""
+    import signal
+
+    s = start_server("--drain-timeout", "2", "--max-batch", "8", "--verify", "chain")
+    streams, started = [None] * 8, threading.Barrier(9)
+
+    def one(i):
+        body = {"prompt": f"def f{i}(x):", "max_tokens": 1900, "temperature": 0, "stream": True,
+                "stop": ["@@never@@"]}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            started.wait()
+            streams[i] = [first] + [line for line in lines if line]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    started.wait()
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    code = s.proc.wait(30)
+    elapsed = time.monotonic() - t0
+    for t in threads:
+        t.join()
+    assert code == 0 and elapsed < 3.5, (code, elapsed, s.log()[-2000:])
+    cut = 0
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2][6:])
+        if "error" in last:
+            cut += 1
+            assert "drain-timeout" in last["error"]["message"]
+        else:
+            assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    assert cut > 0
+    assert "Traceback" not in s.log() and "terminate called" not in s.log()
