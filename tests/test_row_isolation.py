@@ -84,3 +84,12 @@ def test_max_queue_0_admits_max_batch():
     scheduler.submit(job)
     with pytest.raises(QueueFull):
         scheduler.submit(job)
+
+
+def test_overflowing_scores_never_reach_multinomial():
+    """The sampler's guard: a row of inf / nan scores takes its argmax instead of failing the batch's draw."""
+    import torch
+
+    sampler = TorchSampler(SamplingParams(temperature=1.0, seed=0), "cpu")
+    scores = torch.tensor([[float("inf"), 0.0, float("nan")], [0.0, 0.0, 50.0]])
+    assert sampler.draw(scores).tolist() == [0, 2]
