@@ -29,20 +29,39 @@ def pipe():
     return dflash.load(backend="torch", device="cpu", verify="chain")
 
 
-def test_a_failing_row_fails_alone(pipe, monkeypatch):
-    solo = [pipe.generate(p, max_new_tokens=40).tokens for p in PROMPTS]
-    draws = {"poisoned": 0}
-    real_draw = TorchSampler.draw
+@pytest.fixture(scope="module")
+def solo(pipe):
+    return [pipe.generate(p, max_new_tokens=40).tokens for p in PROMPTS]
 
-    def draw(self, scores):
-        if self.params.seed == POISON_SEED:
-            draws["poisoned"] += 1
-            if draws["poisoned"] > 3:  # after its prefill and two cycles: mid-batch
-                raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real_draw(self, scores)
 
-    monkeypatch.setattr(TorchSampler, "draw", draw)
+@pytest.mark.parametrize("fault", ["sampler", "forward"])
+def test_a_failing_row_fails_alone(pipe, solo, monkeypatch, fault):
     engine = pipe.backend
+    if fault == "sampler":
+        draws = {"poisoned": 0}
+        real_draw = TorchSampler.draw
+
+        def draw(self, scores):
+            if self.params.seed == POISON_SEED:
+                draws["poisoned"] += 1
+                if draws["poisoned"] > 3:  # after its prefill and two cycles: mid-batch
+                    raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+            return real_draw(self, scores)
+
+        monkeypatch.setattr(TorchSampler, "draw", draw)
+        message = "probability tensor"
+    else:  # the batch's forward raises once the poisoned row has generated a few tokens
+        poison = pipe.encode("def poisoned():")
+        real_forward = type(engine.target).forward
+
+        def forward(self, ids, last_only, tree=None):
+            if self is engine.target and any(r[:len(poison)] == poison and len(r) > len(poison) + 8
+                                             for r in engine.rows):
+                raise RuntimeError("illegal memory access")
+            return real_forward(self, ids, last_only, tree)
+
+        monkeypatch.setattr(type(engine.target), "forward", forward)
+        message = "illegal memory access"
     scheduler = Scheduler(engine, Metrics(engine.block_size), max_batch=16, max_queue=0)
 
     async def run():
@@ -70,7 +89,7 @@ def test_a_failing_row_fails_alone(pipe, monkeypatch):
         scheduler.stop(5)
     kinds = [k for k, _ in outcomes]
     assert kinds == ["done"] * 4 + ["error"] + ["done"] * 4, outcomes[4]
-    assert "probability tensor" in outcomes[4][1]
+    assert message in outcomes[4][1]
     got = [r.tokens for k, r in outcomes if k == "done"]
     assert got == solo
     assert scheduler.accepted == 0
