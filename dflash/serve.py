@@ -55,10 +55,11 @@ def check_args(args) -> None:
             raise DFlashError(f"{flag}: got {value}, expected >= {low}")
     if args.prefix_cache_mb < 0:
         raise DFlashError(f"--prefix-cache-mb: got {args.prefix_cache_mb}, expected >= 0")
-    for flag, value in (("--drain-timeout", args.drain_timeout), ("--body-timeout", args.body_timeout),
-                        ("--header-timeout", args.header_timeout)):
-        if not value >= 0:
-            raise DFlashError(f"{flag}: got {value}, expected >= 0")
+    if not args.drain_timeout >= 0:
+        raise DFlashError(f"--drain-timeout: got {args.drain_timeout}, expected >= 0")
+    for flag, value in (("--body-timeout", args.body_timeout), ("--header-timeout", args.header_timeout)):
+        if not value > 0:
+            raise DFlashError(f"{flag}: got {value}, expected > 0 seconds")
     if args.chat_template is not None and not Path(args.chat_template).is_file():
         raise DFlashError(f"--chat-template: {args.chat_template} is not a file (expected a Jinja template file)")
 
