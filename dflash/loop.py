@@ -43,6 +43,7 @@ class GenerationResult:
     cycles_without_draft: int = 0  # --verify auto: cycles that verified without a draft forward
     verify_note: str = ""
     accept_rule: str = "greedy"  # greedy, match or rejection (dflash.sampling)
+    error: str = ""  # finish_reason "error": why this row failed (the batch's other rows went on)
 
     @property
     def generation_tokens(self) -> int:
@@ -103,6 +104,7 @@ class _Row:
         self.prefill_seconds = 0.0
         self.started = 0.0  # when its prefill ended
         self.rule = "greedy"  # its acceptance rule
+        self.error = ""
 
     def add(self, new: list[int], logprobs=None, top_logprobs=None) -> Increment:
         gen, detok = self.gen, self.detok
@@ -133,7 +135,7 @@ class _Row:
             decode_seconds=self.seconds, block_size=engine.block_size, drafted=self.drafted,
             verify_mode=getattr(engine, "verify_mode", "chain"), verified=self.verified,
             cycles_without_draft=self.undrafted, verify_note=getattr(engine, "verify_note", ""),
-            accept_rule=self.rule)
+            accept_rule=self.rule, error=self.error)
 
 
 class Batch:
@@ -180,7 +182,13 @@ class Batch:
         """One speculative cycle for every live row; finished rows leave the batch at once."""
         if not self.rows:
             return []
-        steps = self.engine.step([r.tokens[-1] for r in self.rows])
+        try:
+            steps = self.engine.step([r.tokens[-1] for r in self.rows])
+        except Exception as e:
+            if len(self.rows) == 1:
+                raise  # nothing to isolate: the caller fails this generation
+            self._isolate(e)
+            return []
         out = []
         for row, step in zip(self.rows, steps):
             row.lengths.append(len(step.tokens))
@@ -198,6 +206,39 @@ class Batch:
             if row.gen is gen and row.finish is None:
                 row.finish = "cancelled"
         self._leave()
+
+    def _isolate(self, error: Exception) -> None:
+        """A batched step raised. Its caches may hold half a cycle (drafted, forwarded, not committed), and undoing
+        that in place would need every backend to rewind a failed forward, so none of it is trusted: the engine is
+        reset and each row replays one step alone, rebuilt from its committed tokens (prompt + tokens[:-1] cached,
+        tokens[-1] the anchor: exactly the state after a commit). A row whose replay raises fails alone (finish
+        "error", its own message); the others are rebuilt into a fresh batch and go on. If no row fails alone, the
+        failure needs the batch, and every row fails with it (no retry loop). Greedy rows continue as they would
+        have, and so do seeded sampled rows (their noise is keyed by position, not by the draws before)."""
+        engine, failed = self.engine, {}
+        for row in self.rows:
+            engine.reset()
+            try:
+                self._rebuild(row)
+                engine.step([row.tokens[-1]])
+            except Exception as e:  # noqa: BLE001  (the row's own failure, reported on it)
+                failed[id(row)] = f"{type(e).__name__}: {e}"
+        engine.reset()
+        if not failed:
+            failed = {id(r): f"{type(error).__name__}: {error}" for r in self.rows}
+        survivors = [r for r in self.rows if id(r) not in failed]
+        for row in survivors:
+            self._rebuild(row)
+        now = time.perf_counter()
+        for row in self.rows:
+            if id(row) in failed:
+                row.finish, row.error, row.seconds = "error", failed[id(row)], now - row.started
+                row.gen.result = row.result(engine)
+        self.rows = survivors
+        self._want_logprobs()
+
+    def _rebuild(self, row: _Row) -> None:
+        self.engine.admit(row.gen.prompt_ids + row.tokens[:-1], row.gen.sampling)
 
     def _leave(self) -> None:
         done = [j for j, r in enumerate(self.rows) if r.finish is not None]

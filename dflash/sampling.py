@@ -21,9 +21,16 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import DFlashError
+
+
+# vLLM's conventions: a temperature below this is greedy (dividing logits by 1e-38 overflows to inf and the softmax to
+# nan); top_k -1 is "off" like 0. The repetition penalty divides (or multiplies) logits by itself, so it is kept
+# within a range that cannot overflow float16/32 logits.
+SAMPLING_EPS = 1e-5
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> "SamplingParams":
+        """Refuse what no sampler can use; returns the settings normalised (a temperature below SAMPLING_EPS is
+        greedy: 0; top_k -1 is off: 0)."""
         def bad(flag: str, value, expected: str):
             raise DFlashError(f"--{flag}: got {value!r}, expected {expected}")
 
@@ -54,14 +63,18 @@ class SamplingParams:
             bad("top-p", self.top_p, "a value in (0, 1]")
         if not 0 <= self.min_p <= 1:
             bad("min-p", self.min_p, "a value in [0, 1]")
-        if self.top_k < 0:
-            bad("top-k", self.top_k, ">= 0 (0 = off)")
-        if self.repetition_penalty <= 0:
-            bad("repetition-penalty", self.repetition_penalty, "> 0 (1 = off)")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top-k", self.top_k, ">= 0 (0 or -1 = off)")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            bad("repetition-penalty", self.repetition_penalty, f"a value in [{low:g}, {high:g}] (1 = off)")
         if self.seed is not None and self.seed < 0:
             bad("seed", self.seed, ">= 0")
         if self.accept not in ACCEPT_RULES:
             bad("accept", self.accept, " or ".join(repr(r) for r in ACCEPT_RULES))
+        if self.temperature < SAMPLING_EPS and self.temperature != 0.0 or self.top_k == -1:
+            return replace(self, temperature=0.0 if self.temperature < SAMPLING_EPS else self.temperature,
+                           top_k=max(self.top_k, 0))
         return self
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
-from . import cli
+from . import backends, blas, cli
 from .errors import DFlashError
 
 BUNDLED_NAME = "dflash-bundled"
@@ -29,7 +30,20 @@ def parse_args(argv=None):
                    help="finished sequences' caches kept for prompts sharing their prefix (default: %(default)s; "
                    "0 = off: only the last sequence, when it runs alone)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for running requests (default: %(default)s)")
+                   help="seconds SIGTERM waits for running requests; those still running then end with an error "
+                   "event (default: %(default)s)")
+    p.add_argument("--chat-template", help="a Jinja chat template file replacing the model's (requests cannot "
+                   "supply one)")
+    p.add_argument("--default-sampling", default="model", choices=("model", "openai"),
+                   help="sampling fields a request leaves out: model = the target's generation_config.json "
+                   "(temperature, top_p, top_k, min_p, repetition_penalty; vLLM's behaviour), then OpenAI's; openai = "
+                   "OpenAI's (temperature 1) (default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds to receive a request's whole body before 408 (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=30.0,
+                   help="seconds a new connection has to send its request headers (default: %(default)s)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the --api-key (default: /metrics needs it when one is set)")
     p.add_argument("--log-level", default="info", help="(default: %(default)s)")
     return p.parse_args(argv)
 
@@ -41,30 +55,55 @@ def check_args(args) -> None:
             raise DFlashError(f"{flag}: got {value}, expected >= {low}")
     if args.prefix_cache_mb < 0:
         raise DFlashError(f"--prefix-cache-mb: got {args.prefix_cache_mb}, expected >= 0")
-    if args.drain_timeout < 0:
+    if not args.drain_timeout >= 0:
         raise DFlashError(f"--drain-timeout: got {args.drain_timeout}, expected >= 0")
+    for flag, value in (("--body-timeout", args.body_timeout), ("--header-timeout", args.header_timeout)):
+        if not value > 0:
+            raise DFlashError(f"{flag}: got {value}, expected > 0 seconds")
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise DFlashError(f"--chat-template: {args.chat_template} is not a file (expected a Jinja template file)")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_args(args)
     try:
-        from .server.app import Server, run
+        from .server.app import Server
+        from .server.intake import model_sampling_defaults
+        from .server.runner import run
+        from .server.scheduler import engine_executor
     except ImportError as e:
         raise DFlashError(f"dflash.serve: {e.name} is not installed; pip install -e \".[serve]\"") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
-    pipe = cli.load_pipeline(args)
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    if backends.pick(args.backend) == "mlx":
+        blas.restart_mlx_run_with_openblas()  # (re-executes the process: on the main thread, before any work)
+    # the model is loaded on the thread that will decode with it: MLX arrays built lazily on one thread cannot be
+    # evaluated on another ("There is no Stream(cpu, 0) in current thread")
+    executor = engine_executor()
+    pipe = executor.submit(cli.load_pipeline, args).result()
+    defaults = model_sampling_defaults(pipe.target_dir) if args.default_sampling == "model" else {}
     name = args.served_model_name or (args.model if args.model else BUNDLED_NAME)
     aliases = {str(args.model), Path(str(args.model)).name} if args.model else set()
     server = Server(pipe, model_name=name, aliases=aliases, max_batch=args.max_batch, max_queue=args.max_queue,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                    drain_timeout=args.drain_timeout, prefix_cache_mb=args.prefix_cache_mb)
-    logging.getLogger("dflash.serve").info("serving %s on http://%s:%d (backend %s, max batch %d)", name,
-                                           args.host, args.port, pipe.backend_name, server.scheduler.max_batch)
-    run(server, args.host, args.port, args.log_level)
+                    drain_timeout=args.drain_timeout, prefix_cache_mb=args.prefix_cache_mb, chat_template=template,
+                    sampling_defaults=defaults, body_timeout=args.body_timeout, metrics_public=args.metrics_public,
+                    executor=executor)
+    logging.getLogger("dflash.serve").info("serving %s on http://%s:%d (backend %s, max batch %d, default sampling "
+                                           "%s)", name, args.host, args.port, pipe.backend_name,
+                                           server.scheduler.max_batch, defaults or "OpenAI's")
+    run(server, args.host, args.port, args.log_level, header_timeout=args.header_timeout)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main))
+    code = cli.run(main)
+    # Served and drained: the engine thread has ended (or is stuck in a kernel past the drain). Skip the
+    # interpreter's teardown: with torch loaded it takes seconds beyond --drain-timeout, and it destroys native
+    # thread pools under a thread that may still run ("terminate called without an active exception", SIGABRT).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

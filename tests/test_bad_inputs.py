@@ -480,7 +480,10 @@ def write_doc():
         how = "subprocess" if c.sub else "in-process"
         msg = MESSAGES[c.id].replace("|", "\\|")
         rows.append(f"| `{c.id}` | `{c.cli}` | {c.what} | {how} | `{msg}` |")
-    Path(target).write_text(DOC_HEAD + "\n".join(rows) + "\n" + DOC_TAIL)
+    # the server's section (tests/test_serve_hardening.py's matrix, written by hand) is kept as it is
+    old = Path(target).read_text() if Path(target).is_file() else ""
+    server = old[old.index(SERVER_SECTION):] if SERVER_SECTION in old else ""
+    Path(target).write_text(DOC_HEAD + "\n".join(rows) + "\n" + DOC_TAIL + server)
 
 
 DOC_HEAD = """# Reliability: bad inputs
@@ -510,6 +513,7 @@ broken copies, `<work>` the run's directory). Regenerate with
 | case | command | bad input | run as | message |
 |---|---|---|---|---|
 """
+SERVER_SECTION = "\n## The server"
 DOC_TAIL = """
 One more: with `--debug` the same failure prints the full traceback (`test_debug_shows_the_traceback`).
 """

@@ -47,7 +47,8 @@ def post(server, path, body, key=KEY, **kw):
 
 def metrics(server) -> dict:
     out = {}
-    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out

@@ -135,3 +135,35 @@ def test_thinking_off_is_all_content():
                                                       "chat_template_kwargs": {"enable_thinking": False}})
     msg = r.json()["choices"][0]["message"]
     assert msg["content"] == "Just the answer." and "reasoning_content" not in msg
+
+
+def test_sampling_defaults_come_from_generation_config(tmp_path):
+    """--default-sampling model: the fields a request leaves out take generation_config.json's, then OpenAI's."""
+    from dflash.errors import DFlashError
+    from dflash.sampling import SamplingParams
+    from dflash.server.intake import model_sampling_defaults
+    from dflash.server.protocol import ChatRequest
+
+    assert model_sampling_defaults(tmp_path) == {}  # no file: OpenAI's defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6,
+                                                                 "top_p": 0.95, "top_k": 20, "eos_token_id": 2}))
+    defaults = model_sampling_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    req = ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "top_p": 0.5})
+    assert req.sampling(defaults) == SamplingParams(temperature=0.6, top_p=0.5, top_k=20)
+    assert req.sampling() == SamplingParams(temperature=1.0, top_p=0.5)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 0}))
+    with pytest.raises(DFlashError, match="--default-sampling openai"):
+        model_sampling_defaults(tmp_path)
+
+
+def test_validate_normalises_like_vllm():
+    from dflash.errors import DFlashError
+    from dflash.sampling import SamplingParams
+
+    assert SamplingParams(temperature=3e-38).validate().greedy
+    assert SamplingParams(temperature=1e-5).validate().temperature == 1e-5
+    assert SamplingParams(top_k=-1).validate().top_k == 0
+    for bad in (1e-45, 0.0, 1e30):
+        with pytest.raises(DFlashError, match="--repetition-penalty"):
+            SamplingParams(repetition_penalty=bad).validate()

@@ -40,7 +40,9 @@ class TorchSampler:
     def draw(self, scores: torch.Tensor, gumbel: torch.Tensor | None) -> torch.Tensor:
         if gumbel is None:
             return scores.argmax(dim=-1)
-        return (scores.float() + gumbel).argmax(dim=-1)
+        # Gumbel-max needs no normalisation, so scores that overflowed (inf) or broke (nan, treated as -inf) cannot
+        # make the draw raise for the whole batch (SamplingParams.validate keeps the settings that cause them out)
+        return (scores.float().nan_to_num(nan=float("-inf")) + gumbel).argmax(dim=-1)
 
 
 def warpers(p: SamplingParams) -> list:

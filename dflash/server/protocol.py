@@ -32,6 +32,9 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -52,12 +55,14 @@ class _Sampled(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: Any = None  # refused unless {"type": "text"} (dflash.server.intake)
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,  # OpenAI's default
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty, seed=self.seed)
+    def sampling(self, defaults: dict | None = None) -> SamplingParams:
+        """The request's settings; a field it does not set takes `defaults` (the model's generation_config), then
+        OpenAI's (temperature 1, everything else off)."""
+        values = {**OPENAI_DEFAULTS, **(defaults or {})}
+        values.update({k: getattr(self, k) for k in OPENAI_DEFAULTS if getattr(self, k) is not None})
+        return SamplingParams(**values, seed=self.seed)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -88,6 +93,7 @@ class CompletionRequest(_Sampled):
     prompt: Union[str, list[int], list[str]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
 
     def token_limit(self) -> int | None:
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's completions default
@@ -121,14 +127,23 @@ def chat_messages(messages: list[dict]) -> list[dict]:
             raise ApiError(400, f"messages[{i}].role: got {role!r}, expected system, user, assistant or tool",
                            f"messages[{i}].role")
         msg = dict(m, role="system" if role == "developer" else role, content=message_text(m.get("content")))
-        if isinstance(m.get("tool_calls"), list):
-            msg["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise ApiError(400, f"messages[{i}].tool_calls: expected a list of tool calls",
+                               f"messages[{i}].tool_calls")
+            msg["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
         out.append(msg)
     return out
 
 
-def _template_call(call: dict) -> dict:
-    fn = dict(call.get("function") or {})
+def _template_call(call, where: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+            not isinstance(fn.get("arguments", "{}"), (str, dict)):
+        raise ApiError(400, f"{where}: expected {{\"type\": \"function\", \"function\": {{\"name\": str, "
+                       f"\"arguments\": str}}}} (got {json.dumps(call)[:60]})", where)
+    fn = dict(fn)
     if isinstance(fn.get("arguments"), str):
         try:
             fn["arguments"] = json.loads(fn["arguments"])

@@ -1,5 +1,6 @@
 """The engine thread: one thread owns the engine and drives dflash.loop.Batch; the asyncio side talks to it only
-through queues.
+through queues. It is a one-worker executor, so the model can be loaded on it too (MLX streams belong to the thread
+that created the arrays) and interpreter exit joins it (a daemon thread killed inside C++ aborts the process).
 
 Requests wait in a bounded FIFO; between cycles the thread admits waiting requests while the batch has free rows
 (their prefill runs then), drops cancelled rows, and runs one cycle for every live row. Each request's increments go
@@ -13,6 +14,7 @@ import collections
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..errors import DFlashError
@@ -46,28 +48,39 @@ class Job:
             pass  # the event loop is gone (shutdown): nobody is listening
 
 
+def engine_executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-engine")
+
+
 class Scheduler:
-    def __init__(self, engine, metrics: Metrics, max_batch: int = 16, max_queue: int = 64):
+    def __init__(self, engine, metrics: Metrics, max_batch: int = 16, max_queue: int = 64,
+                 executor: ThreadPoolExecutor | None = None):
         self.engine, self.metrics = engine, metrics
         self.batch = Batch(engine)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.waiting: collections.deque[Job] = collections.deque()
         self.live: dict[int, Job] = {}
+        self.accepted = 0  # submitted and not yet answered: running, about to run, or waiting
         self.wake = threading.Condition()
         self.stopping = False
-        self.thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
+        self.cutoff: float | None = None  # drain: past this, unfinished requests end with an error
+        self.executor = executor or engine_executor()
+        self.future = None
 
     # ---- the asyncio side --------------------------------------------------------------------------------------------
     def start(self) -> None:
-        self.thread.start()
+        self.future = self.executor.submit(self._run)
 
     def submit(self, job: Job) -> None:
         with self.wake:
             if self.stopping:
                 raise QueueFull("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.live)} requests running and {len(self.waiting)} waiting "
-                                f"(--max-batch {self.max_batch}, --max-queue {self.max_queue})")
+            # capacity = max_batch running + max_queue waiting; `accepted` also counts requests the engine thread
+            # has not moved to a row yet (len(waiting) alone refused too early on an idle server)
+            if self.accepted >= self.max_batch + self.max_queue:
+                raise QueueFull(f"{self.accepted} requests running or waiting (--max-batch {self.max_batch} + "
+                                f"--max-queue {self.max_queue})")
+            self.accepted += 1
             self.waiting.append(job)
             self.metrics.queue_depth.set(len(self.waiting))
             self.wake.notify()
@@ -77,13 +90,24 @@ class Scheduler:
             job.cancelled = True
             self.wake.notify()
 
-    def stop(self, timeout: float) -> bool:
-        """Finish the running and waiting requests (at most `timeout` seconds), then end the thread."""
+    def drain(self, timeout: float) -> None:
+        """Take no new requests; those running or waiting finish, or end with an error event after `timeout` s."""
         with self.wake:
-            self.stopping = True
+            if not self.stopping:
+                self.stopping, self.cutoff = True, time.monotonic() + timeout
             self.wake.notify()
-        self.thread.join(timeout)
-        return not self.thread.is_alive()
+
+    def stop(self, timeout: float) -> bool:
+        """drain(timeout), then wait for the engine thread to end (a little longer: it answers the cut requests)."""
+        self.drain(timeout)
+        if self.future is None:
+            return True
+        try:
+            self.future.result(max(0.0, self.cutoff - time.monotonic()) + 5)
+        except Exception:  # noqa: BLE001  (a timeout; _run itself never raises)
+            return False
+        self.executor.shutdown(wait=False)
+        return True
 
     @property
     def running(self) -> int:
@@ -97,6 +121,9 @@ class Scheduler:
                     self.wake.wait()
                 if self.stopping and not self.waiting and not self.live:
                     return
+                if self.cutoff is not None and time.monotonic() >= self.cutoff:
+                    self._cut()
+                    return
                 joining = []
                 while self.waiting and len(self.live) + len(joining) < self.max_batch:
                     joining.append(self.waiting.popleft())
@@ -109,21 +136,39 @@ class Scheduler:
                         self.batch.cancel(job.gen)
                 self._collect()
                 if self.live:
-                    for gen, inc in self.batch.step():
+                    for gen, inc in self.batch.step():  # a row whose step fails leaves alone (Batch._isolate)
                         self._deliver(self.live[id(gen)], inc)
                     self._collect()
-            except Exception as e:  # an engine failure fails the running requests, not the server
+            except Exception as e:  # a failure no row explains fails the running requests, not the server
                 log.exception("engine failure")
                 for job in self.live.values():
-                    job.send("error", f"engine failure: {type(e).__name__}: {e}")
+                    self._answer(job, "error", f"engine failure: {type(e).__name__}: {e}")
                 self.live.clear()
                 self.batch = Batch(self.engine)
                 self.engine.reset()
             self.metrics.batch_size.set(len(self.batch))
 
+    def _cut(self) -> None:
+        """The drain timeout passed: every unfinished request gets an error event now (streams end with it and
+        [DONE]), and the rows are freed."""
+        message = "server shutting down: the request did not finish within --drain-timeout"
+        for job in list(self.live.values()) + list(self.waiting):
+            self._answer(job, "error", message)
+        for gen in self.batch.generations:
+            self.batch.cancel(gen)
+        self.live.clear()
+        self.waiting.clear()
+        self.metrics.batch_size.set(0)
+
+    def _answer(self, job: Job, kind: str, payload) -> None:
+        """A job's last event: it leaves the admission count."""
+        with self.wake:
+            self.accepted -= 1
+        job.send(kind, payload)
+
     def _join(self, job: Job) -> None:
         if job.cancelled:
-            job.send("done", None)
+            self._answer(job, "done", None)
             return
         prompt = job.gen.prompt_ids
         try:
@@ -133,7 +178,8 @@ class Scheduler:
                 log.exception("prefill failure")
             if not self.batch:
                 self.engine.reset()  # a lone prefill may have left its caches half-written
-            job.send("error", str(e) if isinstance(e, DFlashError) else f"prefill failure: {type(e).__name__}")
+            self._answer(job, "error", str(e) if isinstance(e, DFlashError) else
+                         f"prefill failure: {type(e).__name__}")
             return
         job.reused = self.engine.last_reused
         cache = getattr(self.engine, "prefix_cache", None)
@@ -162,10 +208,14 @@ class Scheduler:
             if result is None:
                 continue
             del self.live[key]
+            if result.error:
+                log.warning("request failed alone: %s", result.error)
+                self._answer(job, "error", f"engine failure: {result.error}")
+                continue
             for n in result.acceptance_lengths:
                 self.metrics.cycle(n)
             if result.acceptance_lengths:
                 self.metrics.tau.observe(result.mean_acceptance_length)
             self.metrics.e2e.observe(time.perf_counter() - job.arrived)
-            job.send("done", result)
+            self._answer(job, "done", result)
 
