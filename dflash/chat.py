@@ -257,7 +257,8 @@ class Chat:
             return lines + ["no drafter (--no-draft): this is the autoregressive baseline"]
         tau = mean_acceptance_length(s.lengths)
         rates = per_position_acceptance(s.lengths, b)
-        lines += [f"tau {tau:.2f} tokens per draft/verify cycle (block {b})",
+        rule = backend.accept_rules[0] if getattr(backend, "accept_rules", None) else "greedy"
+        lines += [f"tau {tau:.2f} tokens per draft/verify cycle (block {b}; acceptance rule {rule})",
                   f"acceptance by draft position 1..{b - 1}: " + " ".join(f"{r:.2f}" for r in rates),
                   f"speedup <= {tau:.2f}x tau-based (if a draft+verify cycle cost one target step)"]
         if s.verified:

@@ -226,3 +226,24 @@ def test_metrics_and_access_log(server, client):
     assert m[("dflash_requests_total", (("endpoint", "/v1/chat/completions"), ("outcome", "rejected")))] > 0
     access = [line for line in server.log().splitlines() if "dflash.serve.access" in line]
     assert any("POST /v1/completions 200" in line and "outcome=ok" in line for line in access)
+
+
+@pytest.mark.parametrize("accept", ["rejection", "match"])
+def test_seeded_requests_reproduce_under_the_default_verify_mode(client, accept):
+    """The same seeded sampled request, alone three times and then beside two others: the same tokens every time
+    (every draw is keyed by the token's position, whatever auto verified or the batch held)."""
+    kw = dict(model="dflash-bundled", prompt=PROMPTS[2], max_tokens=40, temperature=0.8, seed=11,
+              extra_body={"accept": accept})
+    alone = [client.completions.create(**kw).choices[0].text for _ in range(3)]
+    together = [None] * 3
+
+    def one(i):
+        body = kw if i == 0 else {**kw, "prompt": PROMPTS[i], "seed": i}
+        together[i] = client.completions.create(**body).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert alone[0] == alone[1] == alone[2] == together[0]

@@ -227,7 +227,7 @@ class Server:
     def _finish(self, ctx: dict, result, reused: int) -> dict:
         self._outcome(ctx, "ok")
         ctx["access"].update(completion_tokens=result.generation_tokens, finish=result.finish_reason,
-                             tau=round(result.mean_acceptance_length, 2))
+                             tau=round(result.mean_acceptance_length, 2), accept=result.accept_rule)
         return render.dflash_stats(result, reused, ctx["max_tokens"], ctx["capped"])
 
     def _outcome(self, ctx: dict, outcome: str) -> None:

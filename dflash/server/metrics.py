@@ -24,7 +24,7 @@ class Metrics:
         self.acceptance = Histogram("dflash_acceptance_length", "Tokens committed per cycle (accepted + 1)",
                                     buckets=lengths, registry=r)
         self.tau = Histogram("dflash_request_tau", "Mean acceptance length of a finished request",
-                             buckets=lengths, registry=r)
+                             ["accept_rule"], buckets=lengths, registry=r)
         self.prefix_cache_bytes = Gauge("dflash_prefix_cache_bytes", "Bytes of kept prefixes (--prefix-cache-mb)",
                                         registry=r)
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a batch row", registry=r)

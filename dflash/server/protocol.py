@@ -7,7 +7,7 @@ servers do, so clients that send `presence_penalty` or `user` still work.
 from __future__ import annotations
 
 import json
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,6 +52,7 @@ class _Sampled(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    accept: Literal["auto", "match", "rejection"] = "auto"  # the acceptance rule when sampling (dflash.sampling)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -62,7 +63,7 @@ class _Sampled(BaseModel):
         OpenAI's (temperature 1, everything else off)."""
         values = {**OPENAI_DEFAULTS, **(defaults or {})}
         values.update({k: getattr(self, k) for k in OPENAI_DEFAULTS if getattr(self, k) is not None})
-        return SamplingParams(**values, seed=self.seed)
+        return SamplingParams(**values, seed=self.seed, accept=self.accept)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -36,6 +36,7 @@ def dflash_stats(result: GenerationResult, reused: int, max_tokens: int, capped:
     return {"tau": round(result.mean_acceptance_length, 4), "cycles": cycles,
             "verified_tokens": sum(result.verified), "accepted_tokens": sum(n - 1 for n in result.acceptance_lengths),
             "acceptance_histogram": histogram, "verify_mode": result.verify_mode, "block_size": b,
+            "accept_rule": result.accept_rule,
             "prompt_tokens_reused": reused, "prefill_seconds": round(result.prefill_seconds, 6),
             "decode_seconds": round(result.decode_seconds, 6), "max_tokens": max_tokens,
             "max_tokens_capped": capped}

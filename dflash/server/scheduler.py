@@ -215,7 +215,7 @@ class Scheduler:
             for n in result.acceptance_lengths:
                 self.metrics.cycle(n)
             if result.acceptance_lengths:
-                self.metrics.tau.observe(result.mean_acceptance_length)
+                self.metrics.tau.labels(accept_rule=result.accept_rule).observe(result.mean_acceptance_length)
             self.metrics.e2e.observe(time.perf_counter() - job.arrived)
             self._answer(job, "done", result)
 
