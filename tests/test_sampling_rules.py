@@ -125,7 +125,7 @@ def test_matched_sampling_is_the_target_only_sample(trained_pair, prompts, backe
         runs[verify] = run
     runs["chain b4"] = pkg.load(target_dir, draft_dir, dtype="float32", device="cpu", block_size=4)
     for seed, prompt in enumerate(prompts[:4]):
-        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
+        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, accept="match")
         outs = {name: generate(run, prompt, max_new_tokens=48, sampling=sampling) for name, run in runs.items()}
         want = outs.pop("no draft").tokens
         for name, r in outs.items():

@@ -25,9 +25,11 @@ from dflash.errors import DFlashError  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 SMOLLM2 = hub.PREPARED["smollm2"]
-PROMPTS = ["What is the capital of France? Answer in one sentence.",
-           "Rewrite this sentence in a formal tone: the meeting got moved to tuesday cause half the team was out."]
-MAX_NEW_TOKENS = 24
+# the question a new user asks first, then the first 8 prompts of the benchmark split (one per category)
+BENCHMARK = Path(__file__).resolve().parents[1] / "dflash" / "bench" / "prompts" / "chat.jsonl"
+PROMPTS = ["What is the capital of France? Answer in one sentence."] + [
+    json.loads(line)["prompt"] for line in BENCHMARK.read_text().splitlines()[:8]]
+MAX_NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def ours(prompt: str, cache: Path, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", PROMPTS, ids=[f"prompt{i}" for i in range(len(PROMPTS))])
 def test_greedy_equals_transformers_on_the_gguf(prompt, prepared, reference, capsys):
     expected, eos = reference
     result = ours(prompt, prepared[0], capsys)
