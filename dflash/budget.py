@@ -158,3 +158,60 @@ class TreePlanner:
             self.skip = self.backoff
         else:
             self.backoff = 0
+
+
+class ChainBudget:
+    """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies,
+    and whether it drafts at all. Expected tokens of a chain of L proposals are 1 + sum_j prod_{i<=j} a_i with a_i
+    the measured rate at which position i accepts when reached (an exponential average over recent cycles, under the
+    rule in use); seconds are T_draft + T_verify(L + 1) from the device profile plus the overhead learnt online. L = 0
+    is a plain target step without the draft forward; while it wins, drafting pauses for 1, 2, 4 .. 16 cycles
+    between probes, as the tree planner's pauses do."""
+
+    def __init__(self, block_size: int, costs: Costs, prior: float = 0.5, smoothing: float = 0.1):
+        self.costs, self.smoothing = costs, smoothing
+        self.rates = [prior] * (block_size - 1)
+        self.overhead = {True: 0.0, False: 0.0}
+        self.skip, self.backoff, self.probing = 0, 0, False
+
+    def expected(self, length: int) -> float:
+        tokens, reach = 1.0, 1.0
+        for a in self.rates[:length]:
+            reach *= a
+            tokens += reach
+        return tokens
+
+    def seconds(self, length: int) -> float:
+        drafted = length > 0
+        return (self.costs.verify_seconds(length + 1) + (self.costs.draft if drafted else 0.0)
+                + self.overhead[drafted])
+
+    def length(self, can_pause: bool) -> int:
+        """Proposals to verify this cycle (0: no draft forward; only when `can_pause`). The cycle after a pause
+        drafts (a probe), so the acceptance estimates stay current."""
+        best = max(range(1, len(self.rates) + 1), key=lambda n: self.expected(n) / self.seconds(n))
+        if not can_pause:
+            return best
+        if self.skip > 0:
+            self.skip -= 1
+            return 0
+        plain_wins = self.expected(0) / self.seconds(0) > self.expected(best) / self.seconds(best)
+        if plain_wins and not self.probing:
+            self.backoff = min(max(1, 2 * self.backoff), 16)
+            self.skip, self.probing = self.backoff - 1, True
+            return 0
+        self.probing = False
+        if not plain_wins:
+            self.backoff = 0
+        return best
+
+    def observe(self, length: int, accepted: Sequence[int], seconds: float) -> None:
+        """One cycle: `length` proposals verified per row, rows accepted `accepted[r]` of them, in `seconds`."""
+        s = self.smoothing
+        for k in accepted:
+            for i in range(min(k + 1, length)):  # position i was reached; accepted unless i == k
+                self.rates[i] += s * ((1.0 if i < k else 0.0) - self.rates[i])
+        drafted = length > 0
+        rows = max(len(accepted), 1)
+        forwards = self.costs.verify_seconds(rows * (length + 1)) + (self.costs.draft * rows if drafted else 0.0)
+        self.overhead[drafted] += s * (max(seconds - forwards, 0.0) - self.overhead[drafted])

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from .budget import VERIFY_MODES, Costs, TreePlanner
+from .budget import VERIFY_MODES, ChainBudget, Costs, TreePlanner
 from .errors import DFlashError
 from .prefix_cache import PrefixCache, keep_row
 from .sampling import RowDraw, RowSampling, SamplingParams, accepted_length, common_prefix, uniforms
@@ -113,6 +113,7 @@ class Engine:
         self.last_reused = 0  # prompt tokens the last prefill found in the caches
         self.verify_mode, self.verify_note = "chain", ""
         self.planner: TreePlanner | None = None  # tree / auto verification (dflash/budget.py)
+        self.chain_budget: ChainBudget | None = None  # auto, for rows that verify by rejection
         self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
         self.last_trees, self.last_paths = [], []
         self._cycle_draws: list[RowDraw] | None = None
@@ -146,6 +147,7 @@ class Engine:
         if budget is not None and budget < 1:
             raise DFlashError(f"--tree-budget: got {budget}, expected >= 1 draft nodes")
         self.verify_mode, self.verify_note, self.planner, self.top_k = mode, "", None, 0
+        self.chain_budget = None
         if mode == "chain" or self.drafter is None:
             self.verify_mode = "chain"
             return
@@ -166,6 +168,7 @@ class Engine:
                                                                    min(256, costs.verify[-1][0] - 1))
         self.planner = TreePlanner(mode, self.block_size, budget, costs, copy_branch)
         self.top_k = self.planner.top_k
+        self.chain_budget = ChainBudget(self.block_size, costs) if mode == "auto" else None
 
     def enable_prefix_cache(self, max_bytes: int) -> None:
         """Keep finished rows' caches (at most max_bytes, least recently used out) for prompts that share their
@@ -265,6 +268,13 @@ class Engine:
     def step(self, anchors: Sequence[int]) -> list[Step]:
         """One speculative cycle for every row (draft -> verify -> accept -> commit); row i's anchor is its last
         committed token."""
+        if self.chain_budget is not None and "rejection" in self.accept_rules:
+            # rejection verifies chains: auto chooses their length, or a plain step
+            start = time.perf_counter()
+            length = self.chain_budget.length(can_pause=len(self.rows) == 1)
+            steps = self._chain_step(anchors, top_k=0, length=length)
+            self.chain_budget.observe(length, [s.accepted for s in steps], time.perf_counter() - start)
+            return steps
         if self.planner is not None:
             start = time.perf_counter()
             path = self.planner.path() if "rejection" not in self.accept_rules else "chain"
@@ -274,11 +284,21 @@ class Engine:
             return steps
         return self._chain_step(anchors, self.top_k)
 
-    def _chain_step(self, anchors: Sequence[int], top_k: int) -> list[Step]:
-        self._cycle_draws = self._draws(self.block_size)
-        self.draft(anchors, top_k)
+    def _chain_step(self, anchors: Sequence[int], top_k: int, length: int | None = None) -> list[Step]:
+        """Draft, verify the first `length` proposals (default: all B-1; 0: no draft forward), commit."""
+        verified = self.block_size if length is None else length + 1
+        # a matched row's draft reads the noise of every block position; otherwise only the verified ones are drawn
+        self._cycle_draws = self._draws(self.block_size, noise=self.block_size if "match" in self.accept_rules
+                                        else verified)
+        if length == 0:
+            self.last_draft = Draft(self.target.ids([[a] for a in anchors]))
+            self._verify_ids = self.last_draft.ids
+        else:
+            self.draft(anchors, top_k)
+            if length is not None and length < self.block_size - 1:
+                self._verify_ids = self.target.head(self._verify_ids, length + 1)
         drafted, target = self.verify()
-        steps = [Step(t[: accepted_length(d, t) + 1], d, len(d)) for d, t in zip(drafted, target)]
+        steps = [Step(t[: accepted_length(d, t) + 1], d, len(d), length != 0) for d, t in zip(drafted, target)]
         if self.logprobs is not None:
             for step, chosen, top in zip(steps, *self._logprobs):
                 step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]
@@ -361,8 +381,13 @@ class Engine:
             raise AssertionError("a verified block can always be rewound")  # within the last forward
         for row, verified, k in zip(self.rows, self._verified, keeps):
             row.extend(verified[:k])
-        if self.drafter is not None:
-            self.pending = Pending(self.target.head(self._features, max(keeps)), keeps)
+        if self.drafter is None:
+            return
+        kept = self.target.head(self._features, max(keeps))
+        if self.pending is None:
+            self.pending = Pending(kept, keeps)
+        else:  # a cycle without a draft forward (one row): the features wait for the next draft
+            self._add_pending(kept, keeps[0])
 
     def retire(self, rows: Sequence[int]) -> None:
         """Drop finished rows (indices into the current rows) from every cache."""
@@ -426,9 +451,10 @@ class Engine:
         does not (so the longest agreeing prefix is the accepted one either way)."""
         return self._sample(logits, self.rows, ids, draws=self._cycle_draws, draft=self.last_draft)
 
-    def _draws(self, width: int, offset: int = 1) -> list[RowDraw] | None:
+    def _draws(self, width: int, offset: int = 1, noise: int | None = None) -> list[RowDraw] | None:
         """Each row's noise for a cycle that decides the tokens at positions n + offset .. n + offset + width - 1
-        (n: the row's cached length, its anchor's position); None when every row is greedy."""
+        (n: the row's cached length, its anchor's position), Gumbel noise for the first `noise` of them (default:
+        all); None when every row is greedy."""
         if all(r.greedy for r in self.row_sampling):
             return None
         draws = []
@@ -436,7 +462,7 @@ class Engine:
             positions = range(len(row) + offset, len(row) + offset + width)
             draw = RowDraw(sampling, positions.start)
             if not sampling.greedy:
-                draw.gumbel = self.target.gumbel(sampling.gumbel_keys(positions))
+                draw.gumbel = self.target.gumbel(sampling.gumbel_keys(positions[:noise]))
             if sampling.rule == "rejection":
                 draw.draft_u, draw.accept_u, draw.residual_u = (uniforms(sampling.seed, stream, positions)
                                                                 for stream in ("draft", "accept", "residual"))

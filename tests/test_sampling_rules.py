@@ -124,13 +124,15 @@ def test_matched_sampling_is_the_target_only_sample(trained_pair, prompts, backe
                        costs=measured_costs(run, use_cache=False) if verify == "auto" else None)
         runs[verify] = run
     runs["chain b4"] = pkg.load(target_dir, draft_dir, dtype="float32", device="cpu", block_size=4)
+    accepted = 0
     for seed, prompt in enumerate(prompts[:4]):
         sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, accept="match")
         outs = {name: generate(run, prompt, max_new_tokens=48, sampling=sampling) for name, run in runs.items()}
         want = outs.pop("no draft").tokens
         for name, r in outs.items():
             assert r.tokens == want, name
-        assert max(r.mean_acceptance_length for r in outs.values()) > 1.1  # drafts were accepted
+        accepted += sum(n - 1 for r in outs.values() for n in r.acceptance_lengths)
+    assert accepted > 20  # drafts were accepted, so the invariance is not the no-draft path's alone
 
 
 def mixed_settings(accepts):

@@ -76,11 +76,11 @@ class MLXTarget:
         scores = self.sampler.processed(logits[0], histories[0], None if block is None else block[0],
                                         None if paths is None else paths[0])
         draw = draws[0] if draws is not None else None
-        tokens = self.sampler.draw(scores, None if draw is None else draw.gumbel)
+        n = scores.shape[0] - 1  # (a chain may verify fewer positions than its draws cover)
+        tokens = self.sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[: n + 1])
         if draw is not None and draw.rule == "rejection" and draft is not None and draft.q_probs is not None:
-            n = tokens.shape[0] - 1
-            tokens = rejection_tokens(self.sampler.probabilities(scores), block[0, 1:], draft.q_ids[0],
-                                      draft.q_probs[0], mx.array(draw.accept_u[:n]), mx.array(draw.residual_u[:n]),
+            tokens = rejection_tokens(self.sampler.probabilities(scores), block[0, 1:], draft.q_ids[0, :n],
+                                      draft.q_probs[0, :n], mx.array(draw.accept_u[:n]), mx.array(draw.residual_u[:n]),
                                       tokens[-1])
         tokens = tokens[None].astype(mx.int32)
         if logprobs is None:

@@ -101,11 +101,12 @@ class TorchTarget:
             tokens = []
             for i, (sampler, scores) in enumerate(zip(self.samplers, per_row)):
                 draw = draws[i] if draws is not None else None
-                row = sampler.draw(scores, None if draw is None else draw.gumbel)
+                t = scores.shape[0]  # (a chain may verify fewer positions than its draws cover)
+                row = sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[:t])
                 if draw is not None and draw.rule == "rejection" and draft is not None and draft.q_probs is not None:
-                    as_tensor = lambda u: torch.tensor(u[:len(row) - 1], device=self.device)  # noqa: E731
-                    row = rejection_tokens(torch.softmax(scores.float(), dim=-1), block[i, 1:], draft.q_ids[i],
-                                           draft.q_probs[i].float(), as_tensor(draw.accept_u),
+                    as_tensor = lambda u: torch.tensor(u[:t - 1], device=self.device)  # noqa: E731
+                    row = rejection_tokens(torch.softmax(scores.float(), dim=-1), block[i, 1:], draft.q_ids[i, :t - 1],
+                                           draft.q_probs[i, :t - 1].float(), as_tensor(draw.accept_u),
                                            as_tensor(draw.residual_u), row[-1])
                 tokens.append(row)
             tokens = torch.stack(tokens)
