@@ -20,6 +20,7 @@ from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates
 VERIFY_MODES = ("chain", "tree", "auto")
 STRETCH, RETRY_AFTER = 2, 128  # auto: cycles per stretch of one path; cycles before the slower path is re-tried
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
+PLAIN_EVERY = 32  # ChainBudget: drafted cycles in a row before a plain step is timed again
 
 
 @dataclass
@@ -164,7 +165,8 @@ class ChainBudget:
     """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies,
     and whether it drafts at all. Expected tokens of a chain of L proposals are 1 + sum_j prod_{i<=j} a_i with a_i
     the measured rate at which position i accepts when reached (an exponential average over recent cycles, under the
-    rule in use); seconds are T_draft + T_verify(L + 1) from the device profile plus the overhead learnt online. L = 0
+    rule in use); seconds are T_draft + T_verify(L + 1) from the device profile plus a correction learnt online from
+    the cycles' own wall time (either sign: a profile measured while the machine was busy overstates). L = 0
     is a plain target step without the draft forward; while it wins, drafting pauses for 1, 2, 4 .. 16 cycles
     between probes, as the tree planner's pauses do."""
 
@@ -173,6 +175,7 @@ class ChainBudget:
         self.rates = [prior] * (block_size - 1)
         self.overhead = {True: 0.0, False: 0.0}
         self.skip, self.backoff, self.probing = 0, 0, False
+        self.since_plain = 0  # drafted cycles since the last plain one
 
     def expected(self, length: int) -> float:
         tokens, reach = 1.0, 1.0
@@ -183,8 +186,8 @@ class ChainBudget:
 
     def seconds(self, length: int) -> float:
         drafted = length > 0
-        return (self.costs.verify_seconds(length + 1) + (self.costs.draft if drafted else 0.0)
-                + self.overhead[drafted])
+        forwards = self.costs.verify_seconds(length + 1) + (self.costs.draft if drafted else 0.0)
+        return max(forwards + self.overhead[drafted], 0.1 * forwards)
 
     def length(self, can_pause: bool) -> int:
         """Proposals to verify this cycle (0: no draft forward; only when `can_pause`). The cycle after a pause
@@ -192,8 +195,8 @@ class ChainBudget:
         best = max(range(1, len(self.rates) + 1), key=lambda n: self.expected(n) / self.seconds(n))
         if not can_pause:
             return best
-        if self.skip > 0:
-            self.skip -= 1
+        if self.skip > 0 or self.since_plain >= PLAIN_EVERY:  # (a plain step now and then keeps its time known)
+            self.skip = max(self.skip - 1, 0)
             return 0
         plain_wins = self.expected(0) / self.seconds(0) > self.expected(best) / self.seconds(best)
         if plain_wins and not self.probing:
@@ -212,6 +215,7 @@ class ChainBudget:
             for i in range(min(k + 1, length)):  # position i was reached; accepted unless i == k
                 self.rates[i] += s * ((1.0 if i < k else 0.0) - self.rates[i])
         drafted = length > 0
+        self.since_plain = self.since_plain + 1 if drafted else 0
         rows = max(len(accepted), 1)
         forwards = self.costs.verify_seconds(rows * (length + 1)) + (self.costs.draft * rows if drafted else 0.0)
-        self.overhead[drafted] += s * (max(seconds - forwards, 0.0) - self.overhead[drafted])
+        self.overhead[drafted] += s * (seconds - forwards - self.overhead[drafted])

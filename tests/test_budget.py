@@ -11,6 +11,7 @@ def test_length_follows_the_acceptance_measured():
     budget = ChainBudget(16, CPU)
     for _ in range(200):  # every proposal accepted
         budget.observe(15, [15], 1.0 + 0.25 * 15 + 0.5)
+    budget.observe(0, [0], 1.0)  # (a plain step is timed every PLAIN_EVERY drafted cycles)
     assert budget.length(can_pause=True) == 15
     for _ in range(200):  # the first proposal accepted half the time, the second never
         budget.observe(15, [0], 5.25)
@@ -21,9 +22,24 @@ def test_length_follows_the_acceptance_measured():
 
 def test_a_drafter_that_is_never_right_pauses_with_backoff():
     budget = ChainBudget(16, CPU)
-    for _ in range(100):
-        budget.observe(1, [0], 1.75)
-    lengths = [budget.length(can_pause=True) for _ in range(40)]
-    assert lengths[0] == 0 and lengths.count(0) > 30  # mostly plain steps ...
-    assert any(n > 0 for n in lengths)  # ... with probes between growing pauses
+    lengths = []
+    for _ in range(60):  # the device's cycles: a drafted one costs its forwards, nothing is ever accepted
+        n = budget.length(can_pause=True)
+        budget.observe(n, [0], CPU.verify_seconds(n + 1) + (CPU.draft if n else 0.0))
+        lengths.append(n)
+    assert lengths.count(0) > 45  # mostly plain steps ...
+    assert 0 < sum(n > 0 for n in lengths[20:]) < 6  # ... with probes between growing pauses
     assert budget.length(can_pause=False) >= 1  # a batch always drafts (its rows' features cannot wait apart)
+
+
+def test_a_stale_profile_is_corrected_by_the_cycles_own_times():
+    """A profile measured on a busy machine (every forward twice its real time) first favours drafting; the plain
+    steps timed now and then correct it."""
+    busy = Costs(draft=1.0, verify=[(1, 2.0), (16, 9.5)])
+    budget = ChainBudget(16, busy)
+    for _ in range(200):
+        n = budget.length(can_pause=True)
+        accepted = [min(n, 1)] if (_ % 10) < 3 else [0]  # position 1 accepted 30% of the time
+        budget.observe(n, accepted, CPU.verify_seconds(n + 1) + (CPU.draft if n else 0.0))
+    # real: one token per 1.0 plain, 1.3 tokens per 1.75 drafted: plain steps win
+    assert budget.length(can_pause=True) == 0
