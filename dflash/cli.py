@@ -52,7 +52,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="acceptance rule when sampling: match (the draft proposes the token the target's own noise "
                         "picks under the draft's distribution; output = target-only sampling with the same seed, "
                         "chains and trees) or rejection (exact rejection sampling against the draft's distribution, "
-                        "chains; accepts more); default: %(default)s = rejection")
+                        "chains; accepts more); default: %(default)s = match with --seed (its promise holds "
+                        "whatever the verify budget chose), else rejection")
 
 
 def sampling_from(args) -> SamplingParams:

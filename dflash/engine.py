@@ -268,8 +268,8 @@ class Engine:
     def step(self, anchors: Sequence[int]) -> list[Step]:
         """One speculative cycle for every row (draft -> verify -> accept -> commit); row i's anchor is its last
         committed token."""
-        if self.chain_budget is not None and "rejection" in self.accept_rules:
-            # rejection verifies chains: auto chooses their length, or a plain step
+        if self.chain_budget is not None and any(not r.greedy for r in self.row_sampling):
+            # sampled rows verify chains: auto chooses their length, or a plain step
             start = time.perf_counter()
             length = self.chain_budget.length(can_pause=len(self.rows) == 1)
             steps = self._chain_step(anchors, top_k=0, length=length)

@@ -80,7 +80,8 @@ class SamplingParams:
 
 ACCEPT_RULES = ("auto", "match", "rejection")
 # What "auto" picks when sampling, per drafter kind: rejection accepted more than coupled match for DFlash2's
-# selector (docs/dflash2.md) and for DFlash blocks at temperatures 0.3 and 0.8, level at 1.0 (docs/sampling.md).
+# selector (docs/dflash2.md) and for DFlash blocks at temperatures 0.3 and 0.8, level at 1.0 (docs/sampling.md); a
+# seeded DFlash request (or one verified by trees) matches instead, since its output must not depend on the budget.
 DISTRIBUTION_DEFAULT = "rejection"
 BLOCK_DEFAULT = "rejection"
 
@@ -92,9 +93,10 @@ def acceptance_rule(params: SamplingParams, has_distribution: bool, trees: bool 
     if params.greedy:
         return "greedy"
     if params.accept == "auto":
-        if trees and not has_distribution:
-            return "match"
-        return DISTRIBUTION_DEFAULT if has_distribution else BLOCK_DEFAULT
+        if has_distribution:
+            return DISTRIBUTION_DEFAULT
+        # a seed promises the same tokens whatever the verify budget chose, which only match's output keeps
+        return "match" if trees or params.seed is not None else BLOCK_DEFAULT
     return params.accept
 
 

@@ -1,6 +1,8 @@
 """Soak test of python -m dflash.serve: C clients for M minutes, streamed and whole, chat and completions, with a few
-clients that hang up mid-stream. Every greedy answer must equal the one the same prompt got alone at the start
-(nothing failed, nothing garbled), and the server's RSS must stay flat after the warm-up (the first minute).
+clients that hang up mid-stream, seeded sampled requests and hostile ones (numerics that once killed every running
+row, a template in the request, malformed tool calls, vLLM's top_k -1). Every greedy or seeded answer must equal the
+one the same request got alone at the start (nothing failed, nothing garbled), every hostile request must get its
+expected status, and the server's RSS must stay flat after the warm-up (the first minute).
 
     OMP_NUM_THREADS=1 python scripts/serve_soak.py --minutes 10 --concurrency 16 [--out soak.json]
 """
@@ -19,6 +21,16 @@ import time
 
 import httpx
 
+# (body, the status it must get): requests a hostile or careless client sends
+HOSTILE = [
+    ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 3e-38}, 200),  # below 1e-5: greedy
+    ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 1.0, "repetition_penalty": 1e-45}, 400),
+    ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 0.7, "top_k": -1}, 200),  # vLLM's "off"
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+      "chat_template_kwargs": {"chat_template": "{% for i in range(999999) %}x{% endfor %}"}}, 400),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": ["abc"]},
+                   {"role": "user", "content": "again"}], "max_tokens": 8}, 400),
+]
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "def parse(text):", "for i in range(10):",
            "def __init__(self, name):", "try:\n    import json", "def read(path):", "while True:",
            "if __name__ == '__main__':", "def add(a, b):", "class Node(object):", "with open(",
@@ -32,9 +44,17 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def ask(url: str, prompt: str, max_tokens: int, stream: bool, chat: bool, hang_up: bool = False) -> str | None:
+def hostile(url: str, body: dict) -> int:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    return httpx.post(url + path, json=body, timeout=300).status_code
+
+
+def ask(url: str, prompt: str, max_tokens: int, stream: bool, chat: bool, hang_up: bool = False,
+        seed: int | None = None) -> str | None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body = {"max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    body = {"max_tokens": max_tokens, "temperature": 0 if seed is None else 0.8, "stream": stream}
+    if seed is not None:
+        body["seed"] = seed
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     if not stream:
         r = httpx.post(url + path, json=body, timeout=300)
@@ -80,8 +100,10 @@ def main() -> int:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        want = {(pr, chat): ask(url, pr, args.max_tokens, False, chat) for pr in PROMPTS for chat in (False, True)}
-        counts = {"ok": 0, "failed": 0, "garbled": 0, "hung_up": 0}
+        want = {(pr, chat, seed): ask(url, pr, args.max_tokens, False, chat, seed=seed)
+                for pr in PROMPTS for chat in (False, True) for seed in (None, 7)}
+        counts = {"ok": 0, "failed": 0, "garbled": 0, "garbled_seeded": 0, "hung_up": 0, "hostile_ok": 0,
+                  "hostile_wrong": 0}
         errors: list[str] = []
         lock = threading.Lock()
         start = time.monotonic()
@@ -92,9 +114,15 @@ def main() -> int:
             while time.monotonic() < end:
                 pr, chat, stream = rng.choice(PROMPTS), rng.random() < 0.5, rng.random() < 0.7
                 hang_up = stream and rng.random() < 0.05
+                seed = 7 if rng.random() < 0.2 else None
                 try:
-                    got = ask(url, pr, args.max_tokens, stream, chat, hang_up)
-                    kind = "hung_up" if got is None else "ok" if got == want[(pr, chat)] else "garbled"
+                    if rng.random() < 0.1:
+                        body, status = rng.choice(HOSTILE)
+                        kind = "hostile_ok" if hostile(url, body) == status else "hostile_wrong"
+                    else:
+                        got = ask(url, pr, args.max_tokens, stream, chat, hang_up, seed)
+                        kind = "hung_up" if got is None else "ok" if got == want[(pr, chat, seed)] else \
+                            "garbled" if seed is None else "garbled_seeded"
                 except Exception as e:  # noqa: BLE001  (counted and reported)
                     kind = "failed"
                     with lock:
@@ -124,7 +152,8 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-    return 0 if report["failed"] == report["garbled"] == 0 else 1
+    return 0 if report["failed"] == report["garbled"] == report["garbled_seeded"] == report["hostile_wrong"] == 0 \
+        else 1
 
 
 if __name__ == "__main__":

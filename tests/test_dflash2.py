@@ -15,7 +15,7 @@ from dflash.backends.torch.drafter import (CandidateSelector, DynamicConv, load_
 from dflash.errors import DFlashError  # noqa: E402
 from dflash.loop import generate  # noqa: E402
 
-from test_sampling import chi_square_ok  # noqa: E402  (the same bound as chain sampling's test)
+from test_sampling_rules import lossless, sampled  # noqa: E402  (the same draws and bound as DFlash's rules)
 
 
 def held_out_prompts(n=6, length=8, seed=321):
@@ -254,7 +254,6 @@ def test_loaded_drafter_is_the_saved_one(random_dflash2_dir):
 
 # ---- sampling: exact rejection sampling against the selector's distribution -----------------------------------------
 V = 16
-PROMPT = [3, 1, 4, 1, 5]
 
 
 @pytest.fixture(scope="module")
@@ -276,40 +275,7 @@ def small_vocab_pair(tmp_path_factory):
     return model, drafter, d
 
 
-def exact_pair_distribution(model, temperature):
-    """P(t2, t3) of target-only sampling after PROMPT, t1 summed out."""
-    with torch.no_grad():
-        def probs(prefixes):
-            logits = model(torch.tensor(prefixes)).logits[:, -1].double()
-            return torch.softmax(logits / temperature, -1)
-
-        p1 = probs([PROMPT])[0]
-        p2 = probs([PROMPT + [a] for a in range(V)])  # (t1, t2)
-        p3 = probs([PROMPT + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)  # (t1, t2, t3)
-    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
-
-
-def sampled_pairs(pair, temperature, n, accept, backend_name="torch"):
-    from dflash.backends.torch.backend import TorchBackend
-    from dflash.sampling import SamplingParams
-
-    model, drafter, directory = pair
-    if backend_name == "torch":
-        backend = TorchBackend(model, drafter, block_size=4)
-    else:
-        backend = backends.get(backend_name).load(directory, directory / "draft", dtype="float32", device="cpu")
-    observed = torch.zeros(V, V, dtype=torch.float64)
-    accepted = []
-    for i in range(n):
-        r = generate(backend, PROMPT, max_new_tokens=3,
-                     sampling=SamplingParams(temperature=temperature, seed=i, accept=accept))
-        observed[r.tokens[1], r.tokens[2]] += 1
-        accepted.append(r.acceptance_lengths[0] - 1)
-    assert backend.accept_rules == [accept]
-    return observed, accepted
-
-
-N = 2000
+N = 1200
 
 
 @pytest.mark.parametrize("accept, backend", [("rejection", "torch"), ("match", "torch"), ("rejection", "mlx")])
@@ -318,12 +284,11 @@ def test_both_rules_are_lossless(small_vocab_pair, accept, backend):
     block) follow target-only sampling, under either rule."""
     if backend == "mlx":
         pytest.importorskip("mlx_lm")
-    model = small_vocab_pair[0]
-    observed, accepted = sampled_pairs(small_vocab_pair, 1.0, N, accept, backend)
-    assert sum(a >= 1 for a in accepted) > N * 0.15  # the rule decides often...
+    observed, depth = sampled(small_vocab_pair, accept, backend, n=N)
+    assert depth[1:].sum() > N * 0.15  # the rule decides often...
     if accept == "rejection":  # ...and at position 2 too (the greedy walk's second token rarely survives a match)
-        assert sum(a >= 2 for a in accepted) > N * 0.02
-    ok, why = chi_square_ok(observed.flatten(), exact_pair_distribution(model, 1.0).flatten() * N)
+        assert depth[2:].sum() > N * 0.02
+    ok, why = lossless(small_vocab_pair, observed)
     assert ok, why
 
 
@@ -333,9 +298,8 @@ def test_accepting_every_sampled_draft_would_fail(small_vocab_pair, monkeypatch)
 
     monkeypatch.setattr(target_runner, "rejection_tokens",
                         lambda p, drafted, q_ids, q_probs, accept_u, residual_u, bonus: torch.cat([drafted, bonus[None]]))
-    model = small_vocab_pair[0]
-    observed, _ = sampled_pairs(small_vocab_pair, 1.0, N, "rejection")
-    ok, _ = chi_square_ok(observed.flatten(), exact_pair_distribution(model, 1.0).flatten() * N)
+    observed, _ = sampled(small_vocab_pair, "rejection", n=N)
+    ok, _ = lossless(small_vocab_pair, observed)
     assert not ok
 
 

@@ -163,3 +163,12 @@ def test_help_shows_the_generation_defaults(module, argv, capsys):
     text = " ".join(capsys.readouterr().out.split())
     for flag in ("--max-new-tokens MAX_NEW_TOKENS", "--temperature TEMPERATURE"):
         assert re.search(re.escape(flag) + r" (?:(?! --).)*default: [\d.]+", text), (module, flag)
+
+
+def test_a_seed_reproduces_under_the_default_verify_mode():
+    """The bundled pair under the default --verify auto, sampled: the same --seed gives the same tokens on every run
+    (each draw is keyed by its token's position, not by the cycles auto chose), and --help says so."""
+    args = ("--prompt", "def fibonacci(n):", "--temperature", "0.8", "--seed", "5", "--max-new-tokens", "48", "--json")
+    a, b = (json.loads(run(*args).stdout) for _ in range(2))
+    assert a["tokens"] == b["tokens"] and a["verify_mode"] == "auto" and a["accept_rule"] == "match"
+    assert "same tokens" in " ".join(run("--help").stdout.split())

@@ -56,10 +56,11 @@ class FakeBackend:
     def retire(self, rows):
         pass
 
-    planner, logprobs, top_k = None, None, 0  # chain verification, no log-probabilities
+    planner, chain_budget, logprobs, top_k = None, None, None, 0  # chain verification, no log-probabilities
+    accept_rules: list = []  # greedy
     step, _chain_step = Engine.step, Engine._chain_step  # the engine's cycle over this fake's draft / verify / commit
 
-    def _draws(self, width):
+    def _draws(self, width, noise=None):
         return None  # greedy: no noise
 
 

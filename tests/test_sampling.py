@@ -138,6 +138,8 @@ def test_acceptance_rule():
     assert acceptance_rule(sampled, True) == DISTRIBUTION_DEFAULT
     assert acceptance_rule(SamplingParams(temperature=0.8, accept="match"), True) == "match"
     assert acceptance_rule(SamplingParams(temperature=0.8, accept="rejection"), False) == "rejection"
+    assert acceptance_rule(SamplingParams(temperature=0.8, seed=1), False) == "match"  # a seed's promise
+    assert acceptance_rule(sampled, False, trees=True) == "match"
     with pytest.raises(DFlashError, match="--accept"):
         SamplingParams(accept="always").validate()
 

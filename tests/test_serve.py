@@ -242,9 +242,17 @@ def test_seeded_requests_reproduce_under_the_default_verify_mode(client, accept)
         body = kw if i == 0 else {**kw, "prompt": PROMPTS[i], "seed": i}
         together[i] = client.completions.create(**body).choices[0].text
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    greedy = {}
+
+    def greedy_beside():  # a greedy request in a batch with sampled rows stays target-only greedy
+        greedy["text"] = client.completions.create(model="dflash-bundled", prompt=PROMPTS[3], max_tokens=40,
+                                                   temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)] + [threading.Thread(target=greedy_beside)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert alone[0] == alone[1] == alone[2] == together[0]
+    assert greedy["text"] == client.completions.create(model="dflash-bundled", prompt=PROMPTS[3], max_tokens=40,
+                                                       temperature=0).choices[0].text
