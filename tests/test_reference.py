@@ -185,3 +185,47 @@ def test_interrupted_build_resumes(tmp_path, monkeypatch, capsys):
     log = capsys.readouterr().out
     assert log.count("regenerate: keeping") == 2 and "(step 2)" in log.split("resumed from", 1)[1].splitlines()[0]
     assert report["drafter"]["steps"] == 4 and report["benchmark"]["tau"] >= 1.0
+
+
+def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    """Pretraining killed after its second checkpoint continues from it on the rerun and ends with the weights an
+    uninterrupted run gives."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash import tiny
+    from dflash.reference import pretrain as pt
+    from dflash.reference.corpus import SourceFile
+
+    texts = [f"def f{i}(x):\n    return x + {i}\n" * 20 for i in range(12)]
+    tokenizer = tiny.train_tokenizer(texts, 300, tmp_path / "tok")
+    cfg = pt.PretrainConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=16, intermediate_size=64, max_position_embeddings=64, steps=6, batch_size=2,
+                            seq_len=32, warmup_steps=1, max_seconds=None, bf16=False, compile=False, eval_every=0,
+                            log_every=1, save_every=2)
+    train, heldout = [SourceFile(f"a{i}.py", t) for i, t in enumerate(texts[:10])], \
+        [SourceFile("b.py", texts[10])]
+
+    def run(out):
+        pt.pretrain(train, heldout, tokenizer, cfg, out, tmp_path / f"{out.name}.jsonl", progress=False)
+        return load_file(str(out / "model.safetensors"))
+
+    whole = run(tmp_path / "whole")
+    real_batch, calls = pt.batch, []
+
+    def dies_at_step_5(*a, **k):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_batch(*a, **k)
+
+    monkeypatch.setattr(pt, "batch", dies_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "cut")
+    assert (tmp_path / ".cut.checkpoint.pt").is_file()
+    monkeypatch.setattr(pt, "batch", real_batch)
+    resumed = run(tmp_path / "cut")
+    assert not (tmp_path / ".cut.checkpoint.pt").exists()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "cut.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4, 5]  # the curve continues where the checkpoint was (steps 4, 5 once)

@@ -113,6 +113,8 @@ def build(out: str | Path, cfg: BuildConfig | None = None, fresh: bool = False, 
             _log(f"pretrain: keeping {done.parent} (same config)")
             summary = json.loads(done.read_text())
         else:
+            if fresh:
+                (out / ".target_f32.checkpoint.pt").unlink(missing_ok=True)  # (an interrupted run's, see pretrain)
             summary = timed("pretrain", pretrain, train_files, heldout_files, tok, pcfg, out / "target_f32",
                             out / "pretrain.jsonl", progress=True)
         report["target"] = {k: v for k, v in summary.items() if k != "config"}

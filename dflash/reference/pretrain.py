@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,6 +58,7 @@ class PretrainConfig:
     eval_every: int = 200
     eval_batches: int = 8
     log_every: int = 10
+    save_every: int = 100  # steps between resumable checkpoints (a rerun continues from the last one)
     threads: int = 2
     extra: dict = field(default_factory=dict)
 
@@ -189,7 +191,9 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=cfg.betas,
                             fused=True)
     g = torch.Generator().manual_seed(cfg.seed)
-    log = open(log_path, "w") if log_path else None
+    checkpoint = Path(out_dir).parent / f".{Path(out_dir).name}.checkpoint.pt"
+    state = _resume(checkpoint, cfg, model, opt, g)
+    log = open(log_path, "a" if state and log_path and Path(log_path).exists() else "w") if log_path else None
     summary = {"params": n_params, "train_tokens_in_corpus": len(train), "heldout_tokens": len(heldout),
                "config": asdict(cfg)}
     if progress:
@@ -203,10 +207,13 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
 
     step_loss = torch.compile(loss_of) if cfg.compile else loss_of  # evaluation stays eager (no recompile)
     model.train()
-    t_train = time.time()
-    seen = 0
     sched = Schedule(cfg)
-    step = 0
+    step, seen, t_train = 0, 0, time.time()
+    if state:
+        step, seen, t_train = state["step"], state["seen"], time.time() - state["seconds"]
+        sched.guard_step, sched.guard_time = state["guard_step"], state["guard_time"]
+        if progress:
+            print(f"target: resumed from {checkpoint} (step {step})", flush=True)
     while not sched.done(step, time.time() - t_train):
         lr = sched.lr(step, time.time() - t_train)
         for group in opt.param_groups:
@@ -231,6 +238,9 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
             if progress:
                 print(json.dumps(rec), flush=True)
         step += 1
+        if cfg.save_every and step % cfg.save_every == 0:
+            _save(checkpoint, cfg, model, opt, g, dict(step=step, seen=seen, seconds=time.time() - t_train,
+                                                       guard_step=sched.guard_step, guard_time=sched.guard_time))
     train_seconds = time.time() - t_train
     out_dir = Path(out_dir)
     model.eval()
@@ -240,9 +250,30 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
                    tokens_seen=seen, steps=step, time_guard_step=sched.guard_step, final_loss=rec["loss"],
                    final_heldout_loss=rec.get("heldout_loss"))
     atomic_write_text(out_dir / "pretrain_summary.json", json.dumps(summary, indent=2) + "\n")
+    checkpoint.unlink(missing_ok=True)
     if log:
         log.close()
     return summary
+
+
+def _save(path: Path, cfg: PretrainConfig, model, opt, generator, state: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"config": json.loads(json.dumps(asdict(cfg))), "model": model.state_dict(), "opt": opt.state_dict(),
+                "generator": generator.get_state(), **state}, tmp)
+    os.replace(tmp, path)  # a kill while saving leaves the previous checkpoint whole
+
+
+def _resume(path: Path, cfg: PretrainConfig, model, opt, generator) -> dict | None:
+    """The interrupted run's state, loaded into model / opt / generator, if it was made with this config."""
+    if not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=False)
+    if saved["config"] != json.loads(json.dumps(asdict(cfg))):
+        return None
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    generator.set_state(saved["generator"])
+    return saved
 
 
 def main(argv=None) -> int:
