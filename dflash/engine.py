@@ -288,8 +288,8 @@ class Engine:
         """Draft, verify the first `length` proposals (default: all B-1; 0: no draft forward), commit."""
         verified = self.block_size if length is None else length + 1
         # a matched row's draft reads the noise of every block position; otherwise only the verified ones are drawn
-        self._cycle_draws = self._draws(self.block_size, noise=self.block_size if "match" in self.accept_rules
-                                        else verified)
+        drafts_read_noise = length != 0 and "match" in self.accept_rules
+        self._cycle_draws = self._draws(self.block_size, noise=self.block_size if drafts_read_noise else verified)
         if length == 0:
             self.last_draft = Draft(self.target.ids([[a] for a in anchors]))
             self._verify_ids = self.last_draft.ids

@@ -267,7 +267,7 @@ def _resume(path: Path, cfg: PretrainConfig, model, opt, generator) -> dict | No
     """The interrupted run's state, loaded into model / opt / generator, if it was made with this config."""
     if not path.is_file():
         return None
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path, weights_only=True)
     if saved["config"] != json.loads(json.dumps(asdict(cfg))):
         return None
     model.load_state_dict(saved["model"])
