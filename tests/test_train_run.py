@@ -82,9 +82,14 @@ def test_sigkill_mid_run_then_resume_gives_identical_weights(tiny_target_dir, da
     steps, every = 30, 4
     # uninterrupted reference, in-process
     ref = tmp_path / "ref"
-    train(TrainConfig(target=str(tiny_target_dir), data=str(data_file), out=str(ref), num_layers=2, block_size=4,
-                      num_anchors=8, lr=3e-3, progress=False, plot=False, seed=1, batch_size=2, max_steps=steps,
-                      save_every=every, quiet=True, device="cpu"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the subprocess's OMP_NUM_THREADS: the same reduction order, whatever ran before
+    try:
+        train(TrainConfig(target=str(tiny_target_dir), data=str(data_file), out=str(ref), num_layers=2, block_size=4,
+                          num_anchors=8, lr=3e-3, progress=False, plot=False, seed=1, batch_size=2, max_steps=steps,
+                          save_every=every, quiet=True, device="cpu"))
+    finally:
+        torch.set_num_threads(threads)
     # the same run as a CLI subprocess, killed with SIGKILL right after its second checkpoint, then rerun
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "dflash.train"] + base_args(tiny_target_dir, data_file, out, batch_size=2,
