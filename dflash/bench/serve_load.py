@@ -1,11 +1,14 @@
 """python -m dflash.bench serve: load on `python -m dflash.serve` at several concurrencies, DFlash against the same
 server with --no-draft (the autoregressive baseline, same server code).
 
-For each mode a server process is started on a free 127.0.0.1 port; at each concurrency C, C client threads send
---requests streamed completions in total (greedy, --max-tokens each, prompts cycled from --prompts). Per request:
+Every mode's server process is started on a free 127.0.0.1 port; at each concurrency C, mode after mode, C client
+threads send --requests streamed completions in total (greedy, --max-tokens each, prompts cycled from --prompts).
+Per request:
 time to first token (request sent -> first text chunk), inter-token latency ((last chunk - first chunk) /
-(tokens - 1)) and the server's tau; per level: output tokens per second over the level's wall time. Writes
-serve.json, serve.md and serve.png into --out.
+(tokens - 1)), the longest gap between two of its chunks (a stall: a joining request's prefill shows here) and the
+server's tau; per level: output tokens per second over the level's wall time, and the speedup of each mode over
+no-draft at the same concurrency. Writes serve.json, serve.md (one row per concurrency, the modes side by side) and
+serve.png (speedup against concurrency, then throughput, TTFT and ITL) into --out.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from ..io import atomic_write_text
 from .prompts import prompt_rows
 from .report import machine_info
 
-MODES = {"dflash": [], "no-draft": ["--no-draft"]}
+# dflash: the server's defaults (--verify auto); the fixed verify modes for comparison, on request
+MODES = {"dflash": [], "no-draft": ["--no-draft"], "chain": ["--verify", "chain"], "tree": ["--verify", "tree"]}
 
 
 def parse_args(argv=None):
@@ -33,11 +37,12 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="target for the server (default: the bundled pair)")
     p.add_argument("--draft", help="drafter for the server (default: registry / bundled)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--prompts", default="reference", help="reference, humaneval or a JSONL file with 'prompt'")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=["dflash", "no-draft"], choices=list(MODES),
+                   help="servers to load, side by side (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server (default: %(default)s)")
     p.add_argument("--server-arg", action="append", default=[], help="extra dflash.serve flag (repeatable)")
     p.add_argument("--out", default="docs/serve_bench", help="output directory (default: %(default)s)")
@@ -58,7 +63,7 @@ def start_server(args, mode: str, log_path: Path):
            "--max-queue", str(max(args.requests, 1)), *MODES[mode], *args.server_arg]
     if args.model:
         cmd += ["--model", args.model]
-    if args.draft and mode == "dflash":
+    if args.draft and mode != "no-draft":
         cmd += ["--draft", args.draft]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), env=env)
@@ -84,6 +89,7 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
+    gap = 0.0
     usage, stats = {}, {}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
@@ -93,11 +99,12 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("choices") and chunk["choices"][0].get("text"):
-                last = time.perf_counter()
-                first = first or last
+                now = time.perf_counter()
+                gap = max(gap, now - last) if last is not None else gap
+                last, first = now, first or now
             usage, stats = chunk.get("usage") or usage, chunk.get("dflash") or stats
     tokens = usage.get("completion_tokens", 0)
-    return {"ttft": (first or time.perf_counter()) - t0, "tokens": tokens, "tau": stats.get("tau"),
+    return {"ttft": (first or time.perf_counter()) - t0, "tokens": tokens, "tau": stats.get("tau"), "gap": gap,
             "itl": (last - first) / (tokens - 1) if first and last and tokens > 1 else None}
 
 
@@ -120,25 +127,48 @@ def run_level(url: str, prompts: list[str], concurrency: int, n: int, max_tokens
             "output_tokens": tokens, "tokens_per_second": tokens / wall if wall > 0 else 0.0,
             "ttft_p50": _pct([r["ttft"] for r in ok], 0.5), "ttft_p99": _pct([r["ttft"] for r in ok], 0.99),
             "itl_p50": _pct([r["itl"] for r in ok], 0.5), "itl_p99": _pct([r["itl"] for r in ok], 0.99),
-            "tau": sum(taus) / len(taus) if taus else None}
+            "gap_p99": _pct([r["gap"] for r in ok], 0.99), "tau": sum(taus) / len(taus) if taus else None}
+
+
+def speedups(report: dict, base: str = "no-draft") -> dict[str, dict[int, float]]:
+    """Per mode and concurrency: its throughput over the baseline's at the same concurrency (levels both ran)."""
+    modes = report["modes"]
+    if base not in modes:
+        return {}
+    base_tps = {lv["concurrency"]: lv["tokens_per_second"] for lv in modes[base]}
+    return {mode: {lv["concurrency"]: lv["tokens_per_second"] / base_tps[lv["concurrency"]]
+                   for lv in levels if base_tps.get(lv["concurrency"])}
+            for mode, levels in modes.items() if mode != base}
 
 
 def markdown(report: dict) -> str:
+    modes = list(report["modes"])
+    ratio = speedups(report)
     lines = ["# dflash.serve under load", "", f"`{report['command']}`", "",
              f"Machine: {report['machine']['cpu']} ({report['machine']['nproc']} CPUs), server threads "
-             f"{report['threads']}; {report['requests']} greedy requests of {report['max_tokens']} tokens per level.",
-             "", "| mode | concurrency | tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | tau "
-             "| failed |", "|---|---|---|---|---|---|---|---|---|"]
+             f"{report['threads']}; {report['requests']} greedy requests of {report['max_tokens']} tokens per level. "
+             "Speedup: output tokens per second over no-draft's at the same concurrency. ITL: per request, (last "
+             "chunk - first chunk) / (tokens - 1); stall: the longest gap between two chunks of one request.", ""]
 
     def ms(x):
         return "—" if x is None else f"{1000 * x:.1f}"
 
-    for mode, levels in report["modes"].items():
-        for lv in levels:
-            tau = "—" if lv["tau"] is None else f"{lv['tau']:.2f}"
-            lines.append(f"| {mode} | {lv['concurrency']} | {lv['tokens_per_second']:.1f} | {ms(lv['ttft_p50'])} | "
-                         f"{ms(lv['ttft_p99'])} | {ms(lv['itl_p50'])} | {ms(lv['itl_p99'])} | {tau} | "
-                         f"{lv['failed']} |")
+    def pair(levels, key, fmt):
+        return " / ".join(fmt(lv.get(key)) if lv else "—" for lv in levels)
+
+    header = ["concurrency", *(f"{m} speedup" for m in ratio), *(f"{m} tok/s" for m in modes), "tau",
+              "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "stall p99 (ms)", "failed"]
+    lines += [f"Cells with several values list the modes in the order {' / '.join(modes)}.", "",
+              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    by_level = {m: {lv["concurrency"]: lv for lv in report["modes"][m]} for m in modes}
+    for c in sorted({c for levels in by_level.values() for c in levels}):
+        levels = [by_level[m].get(c) for m in modes]
+        cells = [str(c), *(f"**{ratio[m][c]:.2f}x**" if c in ratio[m] else "—" for m in ratio),
+                 *("—" if lv is None else f"{lv['tokens_per_second']:.1f}" for lv in levels),
+                 pair(levels, "tau", lambda x: "—" if x is None else f"{x:.2f}"),
+                 pair(levels, "ttft_p50", ms), pair(levels, "ttft_p99", ms), pair(levels, "itl_p50", ms),
+                 pair(levels, "itl_p99", ms), pair(levels, "gap_p99", ms), pair(levels, "failed", str)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -148,18 +178,26 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
+    for mode, by_c in speedups(report).items():
+        axes[0].plot(list(by_c), list(by_c.values()), "o-", label=mode)
+    axes[0].axhline(1.0, color="grey", linestyle="--", linewidth=1, label="no-draft")
     for mode, levels in report["modes"].items():
         c = [lv["concurrency"] for lv in levels]
-        axes[0].plot(c, [lv["tokens_per_second"] for lv in levels], "o-", label=mode)
-        axes[1].plot(c, [1000 * (lv["ttft_p50"] or 0) for lv in levels], "o-", label=mode)
-        axes[2].plot(c, [1000 * (lv["itl_p50"] or 0) for lv in levels], "o-", label=mode)
-    for ax, title in zip(axes, ["output tokens / s", "time to first token p50 (ms)", "inter-token latency p50 (ms)"]):
+        axes[1].plot(c, [lv["tokens_per_second"] for lv in levels], "o-", label=mode)
+        axes[2].plot(c, [1000 * (lv["ttft_p50"] or 0) for lv in levels], "o-", label=mode)
+        axes[3].plot(c, [1000 * (lv["itl_p99"] or 0) for lv in levels], "o-", label=mode)
+    titles = ["speedup over no-draft (tok/s ratio)", "output tokens / s", "time to first token p50 (ms)",
+              "inter-token latency p99 (ms)"]
+    levels = sorted({lv["concurrency"] for lvs in report["modes"].values() for lv in lvs})
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("concurrent clients")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
         ax.grid(alpha=0.3)
     axes[0].legend()
+    axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -177,22 +215,25 @@ def main(argv=None) -> int:
     report = {"command": "python -m dflash.bench serve " + " ".join(argv if argv is not None else sys.argv[2:]),
               "machine": machine_info(), "threads": args.threads, "requests": args.requests,
               "max_tokens": args.max_tokens, "modes": {}}
-    for mode in args.modes:
-        proc, url = start_server(args, mode, out / f"server-{mode}.log")
-        try:
-            run_level(url, prompts, 1, 1, 8)  # warm-up
+    servers = {}
+    try:
+        for mode in args.modes:  # every mode's server is up at once: the levels interleave, drift hits all alike
+            servers[mode] = start_server(args, mode, out / f"server-{mode}.log")
+            run_level(servers[mode][1], prompts, 1, 1, 8)  # warm-up
             report["modes"][mode] = []
-            for c in args.concurrency:
+        for c in args.concurrency:
+            for mode, (_, url) in servers.items():
                 level = run_level(url, prompts, c, args.requests, args.max_tokens)
                 report["modes"][mode].append(level)
                 print(f"{mode} c={c}: {level['tokens_per_second']:.1f} tok/s, TTFT p50 "
                       f"{1000 * (level['ttft_p50'] or 0):.0f} ms, tau {level['tau'] or 0:.2f}", file=sys.stderr)
-        finally:
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(60)
-    atomic_write_text(out / "serve.json", json.dumps(report, indent=2) + "\n")
     atomic_write_text(out / "serve.md", markdown(report))
     plot(report, out / "serve.png")
-    print(json.dumps({"out": str(out), "modes": {m: [round(lv["tokens_per_second"], 1) for lv in v]
-                                                   for m, v in report["modes"].items()}}))
+    report["speedup"] = {m: {str(c): round(x, 3) for c, x in by_c.items()} for m, by_c in speedups(report).items()}
+    atomic_write_text(out / "serve.json", json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"out": str(out), "speedup": report["speedup"]}))
     return 0

@@ -1,0 +1,31 @@
+"""The serve benchmark's report: speedup per concurrency over no-draft, the side-by-side table and the plot."""
+
+from dflash.bench import serve_load
+
+
+def level(c, tps, tau):
+    return {"concurrency": c, "requests": 4, "failed": 0, "wall_seconds": 1.0, "output_tokens": int(tps),
+            "tokens_per_second": tps, "ttft_p50": 0.01, "ttft_p99": 0.02, "itl_p50": 0.003, "itl_p99": 0.009,
+            "gap_p99": 0.02, "tau": tau}
+
+
+def report():
+    return {"command": "python -m dflash.bench serve --concurrency 1 2", "threads": 1, "requests": 4,
+            "max_tokens": 8, "machine": {"cpu": "test", "nproc": 2},
+            "modes": {"dflash": [level(1, 300.0, 4.0), level(2, 500.0, 3.9)],
+                      "no-draft": [level(1, 100.0, 1.0), level(2, 400.0, 1.0)]}}
+
+
+def test_speedup_per_concurrency_and_table(tmp_path):
+    r = report()
+    assert serve_load.speedups(r) == {"dflash": {1: 3.0, 2: 1.25}}
+    md = serve_load.markdown(r)
+    assert "| 1 | **3.00x** | 300.0 | 100.0 | 4.00 / 1.00 |" in md
+    assert "| 2 | **1.25x** |" in md
+    serve_load.plot(r, tmp_path / "serve.png")
+    assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_defaults_sweep_to_32():
+    args = serve_load.parse_args([])
+    assert args.concurrency == [1, 2, 4, 8, 16, 32] and args.modes == ["dflash", "no-draft"]
