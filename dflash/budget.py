@@ -12,41 +12,69 @@ drafting; the copied branch still runs in those cycles, since it costs no draft 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates, to_tree
 
 VERIFY_MODES = ("chain", "tree", "auto")
-STRETCH, RETRY_AFTER = 2, 128  # auto: cycles per stretch of one path; cycles before the slower path is re-tried
+PROBE_FIRST, PROBE_LAST = 16, 1024  # auto: cycles before the path not in use runs once (doubling while it loses)
+CLOSE = 0.1  # auto: paths whose estimates are this close are probed again soon
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
 PLAIN_EVERY = 32  # ChainBudget: drafted cycles in a row before a plain step is timed again
 
 
+def interpolate(points: Sequence[tuple[int, float]], x: float) -> float:
+    """Linear between measured (x, seconds) points, flat below the first, extrapolated from the last two beyond the
+    last (never decreasing)."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, t0), (x1, t1) in zip(points, points[1:]):
+        if x <= x1:
+            return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
+    (x0, t0), (x1, t1) = points[-2:] if len(points) > 1 else (points[0], (points[0][0] + 1, points[0][1]))
+    return t1 + max(t1 - t0, 0.0) * (x - x1) / (x1 - x0)
+
+
 @dataclass
 class Costs:
-    """Seconds on this device: one draft forward (one row), and one target forward of n tokens after a short
-    context, measured at a few n and interpolated linearly (extrapolated from the last two beyond them)."""
+    """Seconds on this device: one draft forward and one target forward of n tokens after a short context, for one
+    row (`draft`, `verify`) and, where the backend batches, for r rows of n tokens each (`batch`: r -> points,
+    `draft_batch`: r -> seconds), measured at a few r and n. Without batch points, r rows of n tokens cost what one
+    row of r * n tokens does and r drafts cost r single ones (a CPU pays for every token; a GPU below its compute
+    knee does not, which only the batch points show)."""
 
     draft: float
     verify: list[tuple[int, float]]  # (tokens, seconds), increasing tokens
+    batch: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # rows -> (tokens per row, seconds)
+    draft_batch: dict[int, float] = field(default_factory=dict)  # rows -> seconds of one draft forward
 
-    def verify_seconds(self, tokens: int) -> float:
-        pts = self.verify
-        if tokens <= pts[0][0]:
-            return pts[0][1]
-        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
-            if tokens <= n1:
-                return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
-        (n0, t0), (n1, t1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
-        return t1 + max(t1 - t0, 0.0) * (tokens - n1) / (n1 - n0)
+    def verify_seconds(self, tokens: int, rows: int = 1) -> float:
+        if rows == 1 or not self.batch:
+            return interpolate(self.verify, rows * tokens)
+        widest = min(points[-1][0] for points in self.batch.values())
+        curves = [(1, self.verify), *sorted(self.batch.items())]
+        seconds = interpolate([(r, interpolate(points, min(tokens, widest))) for r, points in curves], rows)
+        if tokens > widest:  # past the batch points: extra tokens cost what they add to one row's longer forward
+            seconds += interpolate(self.verify, rows * tokens) - interpolate(self.verify, rows * widest)
+        return seconds
+
+    def draft_seconds(self, rows: int = 1) -> float:
+        if rows == 1 or not self.draft_batch:
+            return self.draft * rows
+        return interpolate([(1, self.draft), *sorted(self.draft_batch.items())], rows)
 
     def to_json(self) -> dict:
-        return {"draft_seconds": self.draft, "verify_seconds": [list(p) for p in self.verify]}
+        return {"draft_seconds": self.draft, "verify_seconds": [list(p) for p in self.verify],
+                "batch_verify_seconds": {str(r): [list(p) for p in pts] for r, pts in self.batch.items()},
+                "batch_draft_seconds": {str(r): t for r, t in self.draft_batch.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "Costs":
-        return cls(float(d["draft_seconds"]), [(int(n), float(t)) for n, t in d["verify_seconds"]])
+        points = lambda pts: [(int(n), float(t)) for n, t in pts]  # noqa: E731
+        return cls(float(d["draft_seconds"]), points(d["verify_seconds"]),
+                   {int(r): points(pts) for r, pts in d.get("batch_verify_seconds", {}).items()},
+                   {int(r): float(t) for r, t in d.get("batch_draft_seconds", {}).items()})
 
 
 @dataclass
@@ -54,6 +82,70 @@ class Plan:
     trees: list[Tree]
     qs: list[list[float]]  # per row and node: the surrogate probability (0 for copied-only nodes)
     drafted: bool
+    # per row: which nodes are the drafter's rank-1 chain (the root counts as one), and the calibrated value of
+    # that chain's node at every depth 1..B-1, verified or not
+    on_chain: list[list[bool]] = field(default_factory=list)
+    chain_values: list[list[float]] = field(default_factory=list)
+
+    def chain_tokens(self, row: int, path: Sequence[int]) -> float:
+        """What the chain's path would have committed for `row` in this cycle: the accepted path's leading rank-1
+        nodes and the bonus token, plus the chain's expected continuation where the tree stopped verifying it."""
+        on_chain, values = self.on_chain[row], self.chain_values[row]
+        k = 0
+        while k < len(path) and on_chain[path[k]]:
+            k += 1
+        tokens, reached = 1.0 + k, values[k - 1] if k else 1.0
+        if k == sum(on_chain) - 1 and k < len(values) and reached > 0:  # the tree verified no more of the chain
+            tokens += sum(values[k:]) / reached
+        return tokens
+
+
+class PathChoice:
+    """auto: each cycle runs on the chain's own path (draft and verify with no host read between them, so on a
+    lazy backend the draft overlaps the verify's graph building) or on a tree's. Not a race between measured
+    speeds, which swing with the text far more than between the paths: each path's seconds are smoothed from its
+    own cycles as a multiple of what the cost model predicts for a chain cycle of that many rows (so they carry
+    over as the batch changes), and what a tree commits against the chain is measured on tree cycles, where the
+    chain's outcome is known too (Plan.chain_tokens). The path not in use runs one cycle after 16 cycles, then after
+    32, 64 .. 1024 while it loses by more than 10%; the first cycle of each path only warms up."""
+
+    def __init__(self, warmup: int = 3, smoothing: float = 0.2):
+        self.warmup, self.smoothing = warmup, smoothing
+        self.factor: dict[str, float | None] = {"chain": None, "tree": None}  # seconds / the model's chain cycle
+        self.cycles = {"chain": 0, "tree": 0}
+        self.tokens = [0.0, 0.0]  # decaying sums over tree cycles: committed, and what the chain would have
+        self.best, self.since, self.wait = "tree", 0, PROBE_FIRST
+
+    def ratio(self) -> float:
+        """Estimated tree speed over chain speed."""
+        tree, chain = self.tokens
+        gain = tree / chain if chain > 0 else 1.0
+        return gain * self.factor["chain"] / self.factor["tree"]
+
+    def choose(self) -> str:
+        for kind in ("tree", "chain"):
+            if self.cycles[kind] < self.warmup or self.factor[kind] is None:
+                return kind
+        ratio = self.ratio()
+        best = "tree" if ratio > 1.0 else "chain"
+        if best != self.best:
+            self.best, self.since, self.wait = best, 0, PROBE_FIRST
+        self.since += 1
+        if self.since < self.wait:
+            return best
+        self.since = 0  # the other path's estimate is stale: one cycle on it
+        self.wait = PROBE_FIRST if abs(ratio - 1.0) < CLOSE else min(2 * self.wait, PROBE_LAST)
+        return "chain" if best == "tree" else "tree"
+
+    def observe(self, kind: str, seconds: float, model_seconds: float) -> None:
+        self.cycles[kind] += 1
+        if self.cycles[kind] == 1:
+            return  # (allocation, kernel selection)
+        x, old = seconds / max(model_seconds, 1e-9), self.factor[kind]
+        self.factor[kind] = x if old is None else old + self.smoothing * (x - old)
+
+    def observe_tokens(self, tree: float, chain: float, decay: float = 0.9) -> None:
+        self.tokens = [decay * self.tokens[0] + tree, decay * self.tokens[1] + chain]
 
 
 class TreePlanner:
@@ -67,40 +159,24 @@ class TreePlanner:
         self.calibration = Calibration(block_size - 1)
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
-        # auto: measured tokens/s of the chain's own path (no host read between draft and verify, so on a lazy
-        # backend the draft overlaps the verify's graph building) against tree cycles; the loser is re-tried now
-        # and then, a few cycles at a time
-        self.measured: dict[str, float | None] = {"chain": None, "tree": None}
-        self.since = {"chain": 0, "tree": 0}
-        self.run: tuple[str, int] = ("tree", 0)  # the current stretch: which path, cycles left
+        self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
+        self.last_drafted = True
         # seconds a cycle takes beyond its forwards (host work: the heap, the walk, sampling), learnt online
         self.overhead = {True: 0.0, False: 0.0}
 
     def path(self) -> str:
-        """auto: "chain" or "tree" for this cycle (tree: always)."""
-        if self.mode != "auto":
+        """auto: "chain" or "tree" for this cycle (tree: always). A pause in drafting runs on the tree path (the
+        chain's always drafts)."""
+        if self.mode != "auto" or self.skip > 0:
             return "tree"
-        kind, left = self.run
-        if left <= 0:
-            chain, tree = self.measured["chain"], self.measured["tree"]
-            if tree is None or chain is None:
-                kind = "tree" if tree is None or self.since["chain"] < 8 else "chain"
-            else:
-                kind = "chain" if chain > tree else "tree"
-                loser = "tree" if kind == "chain" else "chain"
-                if self.since[loser] >= RETRY_AFTER:
-                    kind = loser
-            left = STRETCH
-        self.run = (kind, left - 1)
-        return kind
+        return self.choice.choose()
 
-    def observe_speed(self, kind: str, tokens: int, seconds: float) -> None:
-        """One cycle's committed tokens (per row) in `seconds` on the chain's path or a tree's."""
-        rate = tokens / max(seconds, 1e-9)
-        old = self.measured[kind]
-        self.measured[kind] = rate if old is None else old + 0.2 * (rate - old)
-        for k in self.since:
-            self.since[k] = 0 if k == kind else self.since[k] + 1
+    def observe_speed(self, kind: str, tokens: float, seconds: float, rows: int = 1) -> None:
+        """One cycle of `rows` rows on the chain's path or a tree's took `seconds` (tokens: committed per row)."""
+        if self.costs is None or (kind == "tree" and not self.last_drafted):
+            return  # (a cycle without a draft forward says nothing about either path's drafted cycles)
+        model = self.costs.draft_seconds(rows) + self.costs.verify_seconds(self.block_size, rows)
+        self.choice.observe(kind, seconds, model)
 
     def drafts_this_cycle(self) -> bool:
         if self.skip > 0:
@@ -126,22 +202,39 @@ class TreePlanner:
                 self._update_pause(copies, rate)
         trees = [to_tree(a, c[:n]) for a, c, n in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:n]] for c, n in zip(candidates, counts)]
-        return Plan(trees, qs, drafted)
+        rank1 = lambda c: bool(c.ranks) and not any(c.ranks)  # noqa: E731  (the drafter's argmax at every depth)
+        on_chain = [[True] + [rank1(x) for x in c[:n]] for c, n in zip(candidates, counts)]
+        chain_values = [self._chain_values(top_probs[r]) if drafted else [] for r in range(rows)]
+        return Plan(trees, qs, drafted, on_chain, chain_values)
+
+    def _chain_values(self, top_probs) -> list[float]:
+        """The calibrated value of the drafter's rank-1 chain at every depth, as merge_candidates values nodes."""
+        values, q = [], 1.0
+        for depth, probs in enumerate(top_probs[: self.block_size - 1], 1):
+            q *= probs[0]
+            values.append(min(q * self.calibration.scale(depth), values[-1] if values else 1.0))
+        return values
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
         for tree, qs, path in zip(plan.trees, plan.qs, paths):
             self.calibration.observe(tree, qs, list(path))
+        self.last_drafted = plan.drafted
+        if plan.drafted and plan.on_chain:
+            self.choice.observe_tokens(sum(len(p) + 1.0 for p in paths),
+                                       sum(plan.chain_tokens(r, p) for r, p in enumerate(paths)))
         if seconds is not None and self.costs is not None:
             rows, width = len(plan.trees), max(len(t.tokens) for t in plan.trees)
-            forwards = self.costs.verify_seconds(rows * width) + (self.costs.draft * rows if plan.drafted else 0.0)
+            forwards = self.costs.verify_seconds(width, rows) + (self.costs.draft_seconds(rows) if plan.drafted
+                                                                  else 0.0)
             extra = max(seconds - forwards, 0.0)
             self.overhead[plan.drafted] += 0.1 * (extra - self.overhead[plan.drafted])
 
     # ---- auto ------------------------------------------------------------------------------------------------------
     def _counts(self, candidates, drafted: bool) -> tuple[list[int], float]:
         values = [[c.value for c in cs] for cs in candidates]
-        fixed = (self.costs.draft * len(candidates) if drafted else 0.0) + self.overhead[drafted]
+        rows = len(candidates)
+        fixed = (self.costs.draft_seconds(rows) if drafted else 0.0) + self.overhead[drafted]
         return choose_counts(values, self.costs.verify_seconds, fixed, self.budget)
 
     def _update_pause(self, copies, drafted_rate: float) -> None:
@@ -184,21 +277,21 @@ class ChainBudget:
             tokens += reach
         return tokens
 
-    def seconds(self, length: int) -> float:
+    def seconds(self, length: int, rows: int = 1) -> float:
         drafted = length > 0
-        forwards = self.costs.verify_seconds(length + 1) + (self.costs.draft if drafted else 0.0)
+        forwards = self.costs.verify_seconds(length + 1, rows) + (self.costs.draft_seconds(rows) if drafted else 0.0)
         return max(forwards + self.overhead[drafted], 0.1 * forwards)
 
-    def length(self, can_pause: bool) -> int:
-        """Proposals to verify this cycle (0: no draft forward; only when `can_pause`). The cycle after a pause
-        drafts (a probe), so the acceptance estimates stay current."""
-        best = max(range(1, len(self.rates) + 1), key=lambda n: self.expected(n) / self.seconds(n))
+    def length(self, can_pause: bool = True, rows: int = 1) -> int:
+        """Proposals every one of `rows` rows verifies this cycle (0: no draft forward; only when `can_pause`). The
+        cycle after a pause drafts (a probe), so the acceptance estimates stay current."""
+        best = max(range(1, len(self.rates) + 1), key=lambda n: self.expected(n) / self.seconds(n, rows))
         if not can_pause:
             return best
         if self.skip > 0 or self.since_plain >= PLAIN_EVERY:  # (a plain step now and then keeps its time known)
             self.skip = max(self.skip - 1, 0)
             return 0
-        plain_wins = self.expected(0) / self.seconds(0) > self.expected(best) / self.seconds(best)
+        plain_wins = self.expected(0) / self.seconds(0, rows) > self.expected(best) / self.seconds(best, rows)
         if plain_wins and not self.probing:
             self.backoff = min(max(1, 2 * self.backoff), 16)
             self.skip, self.probing = self.backoff - 1, True
@@ -217,5 +310,5 @@ class ChainBudget:
         drafted = length > 0
         self.since_plain = self.since_plain + 1 if drafted else 0
         rows = max(len(accepted), 1)
-        forwards = self.costs.verify_seconds(rows * (length + 1)) + (self.costs.draft * rows if drafted else 0.0)
+        forwards = self.costs.verify_seconds(length + 1, rows) + (self.costs.draft_seconds(rows) if drafted else 0.0)
         self.overhead[drafted] += s * (seconds - forwards - self.overhead[drafted])

@@ -1,9 +1,11 @@
 """What a draft and a verify cost on this device, measured once per model shape + device + dtype and cached.
 
-`--verify auto` needs T_draft and T_verify(n) in seconds: on an H200 a verify is nearly flat up to hundreds of
-tokens, on a 2-core CPU it grows with every token, and the budget rule (dflash/budget.py) has to know which. The
-profile runs the engine's own primitives (the tree forward, the draft) after a short context, so it measures exactly
-what the cycles will run; it takes about a second for a small model and is then read from
+`--verify auto` needs T_draft(rows) and T_verify(rows, n) in seconds: on an H200 a verify is nearly flat up to
+hundreds of tokens, on a 2-core CPU it grows with every token, and a batch of rows costs a GPU little more than one
+row below its compute knee and a CPU every row's tokens; the budget rule (dflash/budget.py) has to know which. The
+profile runs the engine's own primitives (the tree forward, the draft) after a short context, one row at up to 512
+tokens, then batches of 4 and 16 rows at up to a block's tokens each, so it measures exactly what the cycles will
+run; it takes about a second for a small model and is then read from
 $DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
 """
 
@@ -17,10 +19,13 @@ import time
 from pathlib import Path
 
 from .budget import MAX_TOP_K, Costs
+from .errors import DFlashError
 from .io import cache_root
 from .tree import TreeInputs, chain_tree
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+BATCH_ROWS = (4, 16)  # batches measured too (where the backend batches): rows ...
+BATCH_TOKENS = (1, 2, 4, 8, 16)  # ... times tokens per row (at most the block, and what the single-row grid reached)
 CONTEXT = 64  # positions before the measured forwards
 NOTICE_SECONDS = 1.0  # a profile that takes longer says so in one line
 
@@ -32,7 +37,7 @@ def cache_dir() -> Path:
 def cost_key(engine) -> str:
     """Costs depend on shapes, backend, device, dtype and threads, not on the weights' values."""
     info, spec = engine.info, getattr(engine.drafter, "spec", None)
-    parts = [engine.name, info.model_type, info.hidden_size, info.num_hidden_layers, info.vocab_size,
+    parts = ["batch", engine.name, info.model_type, info.hidden_size, info.num_hidden_layers, info.vocab_size,
              engine.block_size, engine.target.device_key()]
     if spec is not None:
         parts += [spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_context_layers]
@@ -67,9 +72,10 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True) -> Cos
 def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
     """Seconds of one draft forward and of a target forward of n tokens (a chain-shaped tree: the tree path's own
     mask and positions) for n on GRID up to max_tokens, stopping once n tokens cost 4 single-token steps and n
-    covers a block (beyond that no tree pays on this device). Each is the fastest of up to `repeats` timings: the
-    cost without interference (other load shows in the planner's online overhead instead); forwards slower than
-    20 ms are timed fewer times, so a large model on a CPU profiles in seconds, not minutes."""
+    covers a block (beyond that no tree pays on this device); then the same for batches of BATCH_ROWS rows. Each
+    is the fastest of up to `repeats` timings: the cost without interference (other load shows in the planner's
+    online overhead instead); forwards slower than 20 ms are timed fewer times, so a large model on a CPU profiles
+    in seconds, not minutes."""
     target, drafter = engine.target, engine.drafter
     engine.reset()
     vocab = engine.info.vocab_size
@@ -77,35 +83,54 @@ def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
     engine.prefill([prompt])
     anchor = prompt[-1]
 
-    def verify_once(n: int) -> float:
-        inputs = TreeInputs.of([chain_tree(anchor, [anchor] * (n - 1))])
+    def verify_once(n: int, rows: int = 1) -> float:
+        inputs = TreeInputs.of([chain_tree(anchor, [anchor] * (n - 1))] * rows)
         ids = target.ids(inputs.ids.tolist())
         start = time.perf_counter()
         logits, _ = target.forward(ids, last_only=False, tree=inputs)
         target.to_host(target.sample(logits, engine.rows, ids))
         seconds = time.perf_counter() - start
-        target.trim(n)
+        target.keep([0] * rows, n)
         return seconds
+
+    def draft_once(rows: int = 1) -> float:
+        start = time.perf_counter()
+        out = drafter.propose(target.ids([[anchor]] * rows), None, engine.block_size, MAX_TOP_K)
+        target.to_host(out.top_ids)
+        return time.perf_counter() - start
 
     def times(first: float) -> int:
         return repeats if first < 0.02 else max(1, min(repeats, 2 if first < 0.2 else 1))
 
+    def fastest(fn, *args) -> float:
+        first = fn(*args)  # also the warm-up (allocation, kernel selection)
+        return min(fn(*args) for _ in range(times(first)))
+
     verify = []
     for n in (g for g in GRID if g <= max_tokens):
-        first = verify_once(n)  # also the warm-up (allocation, kernel selection)
-        seconds = min(verify_once(n) for _ in range(times(first)))
+        seconds = fastest(verify_once, n)
         verify.append((n, max(seconds, verify[-1][1] if verify else 0.0)))  # more tokens never cost less
         if seconds > 4 * verify[0][1] and n >= engine.block_size:
             break
-    draft = 0.0
-    if drafter is not None:
-        def draft_once() -> float:
-            start = time.perf_counter()
-            out = drafter.propose(target.ids([[anchor]]), None, engine.block_size, MAX_TOP_K)
-            target.to_host(out.top_ids)
-            return time.perf_counter() - start
-
-        first = draft_once()
-        draft = min(draft_once() for _ in range(times(first)))
+    draft = fastest(draft_once) if drafter is not None else 0.0
+    batch, draft_batch = {}, {}
+    if batchable(target):
+        widest = min(engine.block_size, verify[-1][0])
+        for rows in BATCH_ROWS:
+            engine.prefill([prompt] * rows)
+            points = []
+            for n in (t for t in BATCH_TOKENS if t <= widest):
+                points.append((n, max(fastest(verify_once, n, rows), points[-1][1] if points else 0.0)))
+            batch[rows] = points
+            if drafter is not None:
+                draft_batch[rows] = fastest(draft_once, rows)
     engine.reset()
-    return Costs(draft, verify)
+    return Costs(draft, verify, batch, draft_batch)
+
+
+def batchable(target) -> bool:
+    try:
+        target.check_batchable()
+    except DFlashError:  # (a backend or target that runs one row: no batch points)
+        return False
+    return True

@@ -271,7 +271,7 @@ class Engine:
         if self.chain_budget is not None and any(not r.greedy for r in self.row_sampling):
             # sampled rows verify chains: auto chooses their length, or a plain step
             start = time.perf_counter()
-            length = self.chain_budget.length(can_pause=len(self.rows) == 1)
+            length = self.chain_budget.length(rows=len(self.rows))
             steps = self._chain_step(anchors, top_k=0, length=length)
             self.chain_budget.observe(length, [s.accepted for s in steps], time.perf_counter() - start)
             return steps
@@ -280,7 +280,7 @@ class Engine:
             path = self.planner.path() if "rejection" not in self.accept_rules else "chain"
             steps = self._tree_step(list(anchors)) if path == "tree" else self._chain_step(anchors, top_k=0)
             tokens = sum(len(s.tokens) for s in steps) / len(steps)
-            self.planner.observe_speed(path, tokens, time.perf_counter() - start)
+            self.planner.observe_speed(path, tokens, time.perf_counter() - start, len(steps))
             return steps
         return self._chain_step(anchors, self.top_k)
 
@@ -291,6 +291,7 @@ class Engine:
         drafts_read_noise = length != 0 and "match" in self.accept_rules
         self._cycle_draws = self._draws(self.block_size, noise=self.block_size if drafts_read_noise else verified)
         if length == 0:
+            self._absorb_pending()
             self.last_draft = Draft(self.target.ids([[a] for a in anchors]))
             self._verify_ids = self.last_draft.ids
         else:
@@ -315,9 +316,10 @@ class Engine:
         for index, row, anchor in zip(self._copies, self.rows, anchors):
             index.update(row + [anchor])
             copies.append(index.continuation(b - 1))
-        # a pause in drafting (auto) is single-row: the pending features then simply wait for the next draft
-        drafted = planner.drafts_this_cycle() or len(self.rows) > 1
+        drafted = planner.drafts_this_cycle()
         draws = self._draws(b)
+        if not drafted:
+            self._absorb_pending()
         if drafted:
             draft = self.drafter.propose(target.ids([[a] for a in anchors]), self._take_pending(), b,
                                          planner.top_k, draws)
@@ -349,11 +351,7 @@ class Engine:
             row.extend([anchor] + step.drafted)
         if features is None:
             return steps  # (a drafter that reads no target features)
-        kept = target.gather(features, slots)
-        if self.pending is None:  # (taken by the draft; after a pause in drafting it still waits)
-            self.pending = Pending(kept, [len(s) for s in slots])
-        else:
-            self._add_pending(kept, len(slots[0]))
+        self.pending = Pending(target.gather(features, slots), [len(s) for s in slots])
         return steps
 
     def draft(self, anchors: Sequence[int], top_k: int | None = None) -> None:
@@ -383,11 +381,7 @@ class Engine:
             row.extend(verified[:k])
         if self.drafter is None:
             return
-        kept = self.target.head(self._features, max(keeps))
-        if self.pending is None:
-            self.pending = Pending(kept, keeps)
-        else:  # a cycle without a draft forward (one row): the features wait for the next draft
-            self._add_pending(kept, keeps[0])
+        self.pending = Pending(self.target.head(self._features, max(keeps)), keeps)
 
     def retire(self, rows: Sequence[int]) -> None:
         """Drop finished rows (indices into the current rows) from every cache."""
@@ -486,6 +480,12 @@ class Engine:
         tops = [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)]
         self._logprobs = (chosen, tops)
         return tokens
+
+    def _absorb_pending(self) -> None:
+        """A cycle without a draft forward: the drafter takes the pending features into its context now (context
+        K/V needs no block), so every cycle starts with nothing pending, whatever each row committed."""
+        if self.drafter is not None:
+            self.drafter.extend(self._take_pending())
 
     def _take_pending(self) -> Pending | None:
         pending, self.pending = self.pending, None

@@ -219,24 +219,24 @@ def chain_tree(anchor: int, proposals: Sequence[int]) -> Tree:
     return Tree([anchor, *proposals], list(range(-1, n)), list(range(n + 1)), [1.0] * (n + 1), [False] * (n + 1))
 
 
-def choose_counts(values: Sequence[Sequence[float]], verify_seconds: Callable[[int], float],
+def choose_counts(values: Sequence[Sequence[float]], verify_seconds: Callable[[int, int], float],
                   draft_seconds: float, cap: int) -> tuple[list[int], float]:
     """How many of each row's sorted candidates to verify: the global prefix (by value across rows, each row
     keeping a prefix of its own) that maximises expected committed tokens per second. One forward verifies every
-    row's root + nodes, padded to the widest row: verify_seconds(rows * (width + 1)). Returns the per-row counts
-    and the predicted tokens per second."""
+    row's root + nodes, padded to the widest row: verify_seconds(width + 1, rows). Returns the per-row counts and
+    the predicted tokens per second."""
     rows = len(values)
     pool = sorted(((v, r, i) for r, vs in enumerate(values) for i, v in enumerate(vs[:cap])),
                   key=lambda x: (-x[0], x[2]))
     counts, width, expected = [0] * rows, 0, float(rows)
-    best = (list(counts), expected / (draft_seconds + verify_seconds(rows)))
+    best = (list(counts), expected / (draft_seconds + verify_seconds(1, rows)))
     for v, r, i in pool:
         if i != counts[r]:
             continue  # each row keeps a prefix of its own order
         counts[r] += 1
         width = max(width, counts[r])
         expected += v
-        rate = expected / (draft_seconds + verify_seconds(rows * (width + 1)))
+        rate = expected / (draft_seconds + verify_seconds(width + 1, rows))
         if rate > best[1]:
             best = (list(counts), rate)
     return best

@@ -20,6 +20,8 @@ def test_measured_once_then_read_from_the_cache(tiny_target_dir, random_draft_di
     ns = [n for n, _ in first.verify]
     assert ns[0] == 1 and ns == sorted(ns) and first.draft > 0
     assert all(a[1] <= b[1] for a, b in zip(first.verify, first.verify[1:]))  # monotone
+    assert sorted(first.batch) == list(costs.BATCH_ROWS) and sorted(first.draft_batch) == list(costs.BATCH_ROWS)
+    assert [n for n, _ in first.batch[4]] == [1, 2, 4, 8]  # tokens per row up to the block
     assert backend.rows == [] and backend.pending is None  # the engine is left empty
     (path,) = (tmp_path / "costs").glob("*.json")
     assert "torch" in json.loads(path.read_text())["device"]

@@ -112,21 +112,34 @@ def test_calibration_learns_an_overconfident_drafter():
 
 
 def test_choose_counts_trades_tokens_for_seconds():
-    flat = lambda n: 1.0  # noqa: E731  (a GPU: verifying more costs nothing)
-    steep = lambda n: float(n)  # noqa: E731  (every token costs a step)
+    flat = lambda n, rows: 1.0  # noqa: E731  (a GPU: verifying more costs nothing)
+    steep = lambda n, rows: float(n * rows)  # noqa: E731  (every token costs a step)
     values = [[0.9, 0.8, 0.3, 0.1]]
     assert choose_counts(values, flat, 0.1, 4)[0] == [4]
     assert choose_counts(values, steep, 0.1, 4)[0] == [0]
-    assert choose_counts(values, lambda n: 1.0 + 0.05 * n, 0.1, 2)[0] == [2]  # the cap
+    assert choose_counts(values, lambda n, rows: 1.0 + 0.05 * n * rows, 0.1, 2)[0] == [2]  # the cap
     # rows share one forward padded to the widest tree: a weak row fills a padding slot that costs nothing more,
     # but does not widen the forward
-    counts, _ = choose_counts([[0.9], [0.05, 0.04]], lambda n: 1.0 + 0.1 * n, 0.1, 4)
+    counts, _ = choose_counts([[0.9], [0.05, 0.04]], lambda n, rows: 1.0 + 0.1 * n * rows, 0.1, 4)
     assert counts == [1, 1]
 
 
 def test_costs_interpolate_and_extrapolate():
     c = Costs(0.1, [(1, 1.0), (3, 2.0), (5, 4.0)])
     assert c.verify_seconds(2) == 1.5 and c.verify_seconds(7) == 6.0 and c.verify_seconds(0) == 1.0
+    assert Costs.from_json(c.to_json()) == c
+    assert c.verify_seconds(2, rows=3) == c.verify_seconds(6) and c.draft_seconds(3) == pytest.approx(0.3)
+
+
+def test_batch_costs_interpolate_over_rows_and_tokens():
+    """Measured batches replace 'r rows of n tokens cost one row of r * n': a GPU-like device pays little per row."""
+    c = Costs(0.1, [(1, 1.0), (16, 1.1), (64, 1.4)], batch={4: [(1, 1.05), (16, 1.3)], 16: [(1, 1.2), (16, 2.0)]},
+              draft_batch={4: 0.12, 16: 0.2})
+    assert c.verify_seconds(16, rows=1) == 1.1
+    assert c.verify_seconds(16, rows=4) == 1.3 < c.verify_seconds(64)  # not one row of 64 tokens
+    assert c.verify_seconds(16, rows=10) == pytest.approx(1.3 + 0.7 * 6 / 12)  # linear between measured rows
+    assert c.verify_seconds(16, rows=32) == pytest.approx(2.0 + 0.7 * 16 / 12)  # and beyond the last two
+    assert c.draft_seconds(2) == pytest.approx(0.1 + 0.02 / 3) and c.draft_seconds(16) == 0.2
     assert Costs.from_json(c.to_json()) == c
 
 
@@ -144,17 +157,40 @@ def test_auto_pauses_drafting_when_no_draft_wins():
     assert plan.trees[0].nodes == 3 and planner.drafts_this_cycle()
 
 
-def test_auto_keeps_the_faster_path_and_retries_the_other():
-    from dflash import budget
+def test_auto_keeps_the_faster_path_and_probes_the_other_rarely():
+    from dflash.budget import PROBE_FIRST, PROBE_LAST
 
-    planner = TreePlanner("auto", 4, 8, Costs(draft=1.0, verify=[(1, 1.0), (16, 1.2)]))
+    costs = Costs(draft=1.0, verify=[(1, 1.0), (16, 1.2)])
+    planner = TreePlanner("auto", 4, 8, costs)
+    model = costs.draft_seconds(1) + costs.verify_seconds(4)
     seen = []
-    for _ in range(400):  # chain cycles commit 4 tokens in 1 s, tree cycles 2: the chain wins, trees are re-tried
+    for _ in range(3000):  # tree cycles take twice the chain's seconds and commit a third more: the chain wins
         path = planner.path()
         seen.append(path)
-        planner.observe_speed(path, 4 if path == "chain" else 2, 1.0)
-    assert seen[:8] == ["tree"] * 8 and "chain" in seen[8:12]  # trees first, then the chain is measured
+        if path == "tree":
+            planner.choice.observe_tokens(4.0, 3.0)
+        planner.observe_speed(path, 0.0, 2 * model if path == "tree" else model)
+    assert seen[:3] == ["tree"] * 3 and seen[3:6] == ["chain"] * 3  # each path's first cycles, then estimates
     late = seen[100:]
-    assert late.count("chain") > 0.9 * len(late) and "tree" in late  # the loser comes back now and then
-    assert budget.STRETCH <= late.count("tree") <= 3 * budget.STRETCH * len(late) // budget.RETRY_AFTER + 2
+    assert 0 < late.count("tree") <= 8  # probes after 16, 32, 64 .. 1024 cycles while the chain wins clearly
+    assert planner.choice.wait == PROBE_LAST
     assert TreePlanner("tree", 4, 8).path() == "tree"
+
+
+def test_the_chain_path_is_known_on_tree_cycles():
+    """A tree cycle says what the chain would have committed: the accepted path's leading rank-1 nodes, plus the
+    chain's expected continuation where the tree stopped verifying it."""
+    planner = TreePlanner("auto", 4, 8, Costs(draft=0.0, verify=[(1, 1.0), (512, 1.0)]), copy_branch=False)
+    top = [[[5, 6]] * 3], [[[0.6, 0.4]] * 3]
+    plan = planner.plan([0], *top)
+    tree = plan.trees[0]
+    rank1 = [i for i in range(1, len(tree.tokens)) if plan.on_chain[0][i]]
+    assert [tree.tokens[i] for i in rank1] == [5, 5, 5]
+    off = next(i for i in range(1, len(tree.tokens)) if tree.depths[i] == 1 and tree.tokens[i] == 6)
+    assert plan.chain_tokens(0, [off]) == 1.0  # the tree took the second choice: the chain stopped at once
+    assert plan.chain_tokens(0, rank1[:1]) == 2.0  # the chain's second node was verified and refused
+    assert plan.chain_tokens(0, rank1) == 4.0  # the whole chain accepted
+    short = TreePlanner("auto", 4, 1, planner.costs, copy_branch=False).plan([0], *top)
+    assert short.chain_tokens(0, [1]) == pytest.approx(2.0 + (0.36 + 0.216) / 0.6)  # beyond the tree: expected
+
+

@@ -22,22 +22,30 @@ from .sampling import inverse_cdf, warpers
 Q_CANDIDATES = 64  # rejection rows: q is the draft's warped distribution on its 64 most probable tokens, renormalised
 
 
-def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftContextCache) -> None:
-    """Append context K/V without drafting (prefill). Context K/V depends only on the features, not on the block
-    or on earlier layers' outputs, so a long prompt is absorbed chunk by chunk with projections alone."""
+def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftContextCache,
+                   counts: list[int] | None = None) -> None:
+    """Append context K/V without drafting (prefill, or a cycle without a draft forward); row i's first counts[i]
+    features are real (default: all). Context K/V depends only on the features, not on the block or on earlier
+    layers' outputs, so a long prompt is absorbed chunk by chunk with projections alone."""
     n = features.shape[1]
     if n == 0:
         return
     cache.reserve(n)
     ctx = model.project_context(features)
     b = ctx.shape[0]
-    cos, sin = model.rope_range(cache.position, n, ctx)
+    counts = [n] * b if counts is None else counts
+    lengths = cache.lengths
+    if len(set(lengths)) == 1:
+        cos, sin = model.rope_range(lengths[0], n, ctx)
+    else:  # rows at different lengths: each row's entries at its own positions
+        positions = torch.tensor(lengths, device=ctx.device)[:, None] + torch.arange(n, device=ctx.device)
+        cos, sin = model.rope(positions, ctx)
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         k = attn.k_norm(attn.k_proj(ctx).view(b, n, -1, attn.head_dim)).transpose(1, 2)
         v = attn.v_proj(ctx).view(b, n, -1, attn.head_dim).transpose(1, 2)
-        cache.write(i, rotate(k, cos, sin), v, [n] * b, 0)
-    cache.advance([n] * b)
+        cache.write(i, rotate(k, cos, sin), v, counts, 0)
+    cache.advance(counts)
 
 
 def draft_step(model: DFlashDrafter, block: torch.Tensor, features: torch.Tensor, counts: list[int],
@@ -157,7 +165,7 @@ class TorchDraft:
         if isinstance(self.cache, BlockOnlyContext):
             absorb_block_only(self.drafter, pending.features, pending.counts, self.cache)
         else:
-            extend_context(self.drafter, pending.features, self.cache)
+            extend_context(self.drafter, pending.features, self.cache, pending.counts)
 
     @torch.inference_mode()
     def propose(self, anchor_ids: torch.Tensor, pending: Pending | None, block_size: int, top_k: int = 0,

@@ -1,15 +1,17 @@
 """Measuring: the end-to-end benchmark against peers (benchmark, its prompts, worker processes, methods and
-report), the cost model of one cycle, what verify budgets buy, the GPU check, and load on dflash.serve.
-`python -m dflash.bench [run | cost-model | tree-curve | gpu-check | serve]`."""
+report), the cost model of one cycle, what verify budgets buy, the GPU check, load on dflash.serve, and what the
+batch-aware budget would choose on a roofline GPU.
+`python -m dflash.bench [run | cost-model | tree-curve | gpu-check | serve | load-sim]`."""
 
 from __future__ import annotations
 
 import sys
 
-from . import benchmark, costmodel, gpucheck, serve_load, treecurve
+from . import benchmark, costmodel, gpucheck, loadsim, serve_load, treecurve
 
 COMMANDS = {"run": benchmark.main, "cost-model": costmodel.main, "gpu-check": gpucheck.main,
-            "tree-curve": treecurve.main, "serve": serve_load.main}
+            "tree-curve": treecurve.main, "serve": serve_load.main,
+            "load-sim": loadsim.main}
 
 
 def main(argv=None) -> int:

@@ -57,6 +57,8 @@ METHODS = {m.name: m for m in (
            label="DFlash, block 16, verify auto: tree / chain / budget per cycle (PyTorch)"),
     Method("dflash_tree_nocopy", "dflash", "torch", block_size=16, verify="auto", copy_branch=False,
            label="DFlash, block 16, verify auto without the copied branch (PyTorch)"),
+    Method("dflash_fixed_tree", "dflash", "torch", block_size=16, verify="tree",
+           label="DFlash, block 16, a fixed tree of --tree-budget nodes (default 15) every cycle (PyTorch)"),
     Method("hf_no_draft", "hf", "torch", label="transformers generate(), autoregressive"),
     Method("prompt_lookup", "hf", "torch", lookup=True, label="transformers prompt lookup decoding"),
     Method("assisted", "hf", "torch", ar_draft=True, label="transformers assisted generation (AR draft)"),
