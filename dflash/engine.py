@@ -89,6 +89,22 @@ class Step:
         return len(self.tokens) - 1
 
 
+class Admission:
+    """A row being prefilled into caches of its own before it joins the batch (Engine.begin_admit)."""
+
+    def __init__(self, row: "Engine", prompt_ids: list[int]):
+        self.row, self.prompt_tokens = row, len(prompt_ids)
+        self.started = time.perf_counter()
+        self.first: int | None = None  # its first token, once the whole prompt is in
+        self._chunks = row._prefill_chunks(prompt_ids)
+
+    def advance(self) -> bool:
+        """Prefill the next chunk; True once the prompt is in."""
+        if self.first is None:
+            self.first = next(self._chunks)
+        return self.first is not None
+
+
 class Engine:
     """Speaks the batch protocol dflash.loop drives (prefill / draft / verify / commit / retire) for one row or many,
     plus the single-sequence operations a chat needs (crop, reset, cached_tokens)."""
@@ -221,25 +237,60 @@ class Engine:
                 self.set_sampling(sampling)
             self._adopt_prefix(prompt_ids)
             return self._prefill_single(prompt_ids)
+        admission = self.begin_admit(prompt_ids, sampling)
+        while not admission.advance():
+            pass
+        return self.end_admit(admission)
+
+    def begin_admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
+                    chunk: int | None = None) -> "Admission":
+        """admit() in steps, for a caller that interleaves a joining prompt with the batch's cycles: the prompt is
+        prefilled `chunk` tokens per Admission.advance() into caches of its own (nothing of the batch's is touched,
+        so a failure leaves the batch as it was), then end_admit merges it."""
+        prompt_ids = list(prompt_ids)
+        check_fits(prompt_ids, self.max_context)
         row = self.prefix_cache.take(prompt_ids) if self.prefix_cache is not None else None
         if row is None:
             row = Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None,
                          block_size=self.block_size, prefill_chunk=self.prefill_chunk)
+        row.prefill_chunk = chunk or self.prefill_chunk
         row.logprobs, row.verify_mode = self.logprobs, self.verify_mode
         row.set_sampling(sampling or self.sampling)
-        first = row._prefill_single(prompt_ids)
+        return Admission(row, prompt_ids)
+
+    def end_admit(self, admission: "Admission") -> int:
+        """Merge a prefilled row into the batch, target and drafter caches together or neither. Returns its first
+        token."""
+        row = admission.row
+        if admission.first is None:
+            raise DFlashError("end_admit: the row's prefill has not finished")
         self.first_logprobs, self.last_reused = row.first_logprobs, row.last_reused
+        if not self.rows:  # the batch emptied meanwhile: the row's caches become the engine's
+            self.target, self.drafter, self.pending, self._copies = row.target, row.drafter, row.pending, []
+            self.rows, self.row_sampling, self.shared = row.rows, row.row_sampling, False
+            return admission.first
+        before = len(self.rows)
+        self.shared = True  # (from here on the caches are in rows mode, even if the drafter's merge fails)
         self.target.merge(row.target)
-        self.shared = True
         if self.drafter is not None:
-            self.drafter.merge(row.drafter)
+            try:
+                self.drafter.merge(row.drafter)
+            except Exception:
+                self.target.select(list(range(before)))  # all or nothing: the target's new row goes again
+                raise
             if self.pending is not None:
                 self.pending = Pending(self.target.pad_rows(self.pending.features, 1), self.pending.counts + [0])
         self.rows.append(row.rows[0])
         self.row_sampling.append(row.row_sampling[0])
-        return first
+        return admission.first
 
     def _prefill_single(self, prompt_ids: list[int]) -> int:
+        for first in self._prefill_chunks(prompt_ids):
+            pass
+        return first
+
+    def _prefill_chunks(self, prompt_ids: list[int]):
+        """Prefill chunk by chunk: yields None after every chunk but the last, then the first token."""
         self._copies = []
         self.crop(common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
         if not self.rows:  # (a fresh engine, or the crop had to start over)
@@ -258,11 +309,12 @@ class Engine:
                 self.drafter.extend(self._take_pending())
             if at + self.prefill_chunk < len(prompt_ids):
                 self.target.settle(self.drafter)  # bound the lazy graph (and its memory) chunk by chunk
+                yield None
         first = self._sample(logits[:, -1:], [self.tokens], None, draws=self._draws(1, offset=0))
         self.target.settle(self.drafter, first)
         if self.logprobs is not None:
             self.first_logprobs = (self._logprobs[0][0][0], self._logprobs[1][0][0])
-        return self.target.to_host(first)[0][0]
+        yield self.target.to_host(first)[0][0]
 
     # ---- the cycle -------------------------------------------------------------------------------------------------
     def step(self, anchors: Sequence[int]) -> list[Step]:

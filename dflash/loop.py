@@ -158,12 +158,22 @@ class Batch:
     def generations(self) -> list["Generation"]:
         return [r.gen for r in self.rows]
 
-    def join(self, gen: "Generation") -> Increment:
-        """Prefill `gen` and add it to the batch; returns its first Increment (it may already be finished)."""
+    def begin(self, gen: "Generation", chunk: int):
+        """Start `gen`'s prefill beside the running rows, `chunk` prompt tokens per `.advance()` of the returned
+        admission, for a caller that interleaves it with cycles (a joining prompt then never stalls the running
+        streams for its whole prefill); join(gen, admission) adds the row once advance() says the prompt is in."""
+        self._want_logprobs(extra=gen)
+        return self.engine.begin_admit(gen.prompt_ids, gen.sampling, chunk)
+
+    def join(self, gen: "Generation", admission=None) -> Increment:
+        """Prefill `gen` (or take its finished admission from begin()) and add it to the batch; returns its first
+        Increment (it may already be finished)."""
         engine = self.engine
         self._want_logprobs(extra=gen)
-        t0 = time.perf_counter()
-        if self.rows:
+        t0 = admission.started if admission is not None else time.perf_counter()
+        if admission is not None:
+            first = engine.end_admit(admission)
+        elif self.rows:
             first = engine.admit(gen.prompt_ids, gen.sampling)
         else:  # a lone sequence: the engine reuses the longest cached prefix of the previous one
             engine.set_sampling(gen.sampling)

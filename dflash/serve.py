@@ -25,6 +25,9 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=16, help="rows decoded together (default: %(default)s; MLX: 1)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a row before 503 (default: %(default)s)")
+    p.add_argument("--prefill-step", type=int, default=256,
+                   help="prompt tokens a joining request prefills between two cycles of the running ones (chunked "
+                   "prefill; default: %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="(default: %(default)s)")
     p.add_argument("--prefix-cache-mb", type=float, default=1024,
                    help="finished sequences' caches kept for prompts sharing their prefix (default: %(default)s; "
@@ -50,7 +53,8 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     for flag, value, low in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
-                             ("--max-queue", args.max_queue, 0), ("--max-request-bytes", args.max_request_bytes, 1)):
+                             ("--max-queue", args.max_queue, 0), ("--max-request-bytes", args.max_request_bytes, 1),
+                             ("--prefill-step", args.prefill_step, 1)):
         if value < low:
             raise DFlashError(f"{flag}: got {value}, expected >= {low}")
     if args.prefix_cache_mb < 0:
@@ -90,7 +94,7 @@ def main(argv=None) -> int:
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                     drain_timeout=args.drain_timeout, prefix_cache_mb=args.prefix_cache_mb, chat_template=template,
                     sampling_defaults=defaults, body_timeout=args.body_timeout, metrics_public=args.metrics_public,
-                    executor=executor)
+                    executor=executor, prefill_step=args.prefill_step)
     logging.getLogger("dflash.serve").info("serving %s on http://%s:%d (backend %s, max batch %d, default sampling "
                                            "%s)", name, args.host, args.port, pipe.backend_name,
                                            server.scheduler.max_batch, defaults or "OpenAI's")

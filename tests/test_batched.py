@@ -10,7 +10,7 @@ from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.backends.torch.target_runner import TorchTarget
 from dflash.errors import DFlashError
-from dflash.loop import generate, generate_batch
+from dflash.loop import Batch, Generation, generate, generate_batch
 from dflash.sampling import SamplingParams, accepted_length
 
 
@@ -236,3 +236,47 @@ def test_logprobs_are_the_targets_own(pair, mixed_prompts, verify, sampling):
         assert torch.allclose(torch.tensor([[v for _, v in t] for t in tops]), top_values, atol=2e-4)
         if sampling.greedy:
             assert [t[0][0] for t in tops] == out  # greedy: the emitted token is the top one
+
+
+def test_a_joining_prompt_is_prefilled_between_cycles(pair, mixed_prompts):
+    """Chunked admission: a joining row's prompt goes in 4 tokens per cycle of the running row, into caches of its
+    own, then merges; both rows' greedy tokens are their batch-1 tokens."""
+    target, drafter = pair
+    solo = single(target, drafter)
+    prompts = [mixed_prompts[2], mixed_prompts[7]]  # 10 and 25 tokens
+    want = [generate(solo, p, max_new_tokens=64).tokens for p in prompts]
+    batch = Batch(batched(target, drafter))
+    gens = [Generation(batch.engine, p, max_new_tokens=64) for p in prompts]
+    batch.join(gens[0])
+    admission, cycles = batch.begin(gens[1], chunk=4), 0
+    while not admission.advance():
+        batch.step()
+        cycles += 1
+    assert cycles == 6 and len(batch) == 1  # 7 chunks: the running row decoded between them
+    batch.join(gens[1], admission)
+    while batch:
+        batch.step()
+    assert [g.result.tokens for g in gens] == want
+
+
+def test_a_failed_merge_leaves_the_batch_as_it_was(pair, mixed_prompts, monkeypatch):
+    """Admission is all or nothing: when the drafter's caches cannot take the new row, the target's give it back,
+    and the running row goes on to its batch-1 tokens."""
+    target, drafter = pair
+    want = generate(single(target, drafter), mixed_prompts[3], max_new_tokens=48).tokens
+    batch = Batch(batched(target, drafter))
+    gen = Generation(batch.engine, mixed_prompts[3], max_new_tokens=48)
+    batch.join(gen)
+    batch.step()
+
+    def refuse(other):
+        raise DFlashError("the drafter's caches refuse the row")
+
+    monkeypatch.setattr(batch.engine.drafter, "merge", refuse)
+    with pytest.raises(DFlashError):
+        batch.join(Generation(batch.engine, mixed_prompts[4], max_new_tokens=8))
+    monkeypatch.undo()
+    assert len(batch.engine.rows) == 1 and len(batch) == 1
+    while batch:
+        batch.step()
+    assert gen.result.tokens == want

@@ -149,6 +149,10 @@ def test_auto_with_an_untrained_drafter_mostly_skips_the_draft(tiny_target_dir, 
         skipped += r.cycles_without_draft
         cycles += len(r.acceptance_lengths)
     assert skipped > cycles / 2, f"{skipped} of {cycles} cycles skipped the draft"
+    # a batch pauses drafting too (the drafter absorbs each row's new features in the cycles without a draft)
+    batch = generate_batch(backend, prompts[:3], max_new_tokens=32)
+    assert [r.tokens for r in batch] == [generate(ar, p, max_new_tokens=32).tokens for p in prompts[:3]]
+    assert all(r.cycles_without_draft > len(r.acceptance_lengths) / 2 for r in batch)
 
 
 # ---- sampling ------------------------------------------------------------------------------------------------------

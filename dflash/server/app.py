@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import DFlashError
 from . import render
-from .intake import Intake, parse_body
+from .intake import Intake, RequestState, parse_body
 from .metrics import Metrics
 from .middleware import AccessLog
 from .parsing import Delta
@@ -33,7 +33,7 @@ class Server:
     def __init__(self, pipe, *, model_name: str, aliases=(), max_batch: int = 16, max_queue: int = 64,
                  api_key: str | None = None, max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0,
                  prefix_cache_mb: float = 0, chat_template: str | None = None, sampling_defaults: dict | None = None,
-                 body_timeout: float = 30.0, metrics_public: bool = False, executor=None):
+                 body_timeout: float = 30.0, metrics_public: bool = False, executor=None, prefill_step: int = 256):
         self.pipe, self.engine, self.tokenizer = pipe, pipe.backend, pipe.tokenizer
         if pipe.backend_name != "torch":
             max_batch = 1  # MLX runs one row: requests queue in FIFO order
@@ -49,7 +49,7 @@ class Server:
                             "last sequence is still reused when the next request runs alone", e)
         self.metrics = Metrics(self.engine.block_size)
         self.scheduler = Scheduler(self.engine, self.metrics, max_batch=max_batch, max_queue=max_queue,
-                                   executor=executor)
+                                   executor=executor, prefill_step=prefill_step)
         self.started = time.time()
 
     # ---- the app ---------------------------------------------------------------------------------------------------
@@ -129,16 +129,16 @@ class Server:
         except QueueFull as e:
             raise ApiError(503, f"server busy: {e}; retry later", None, "server_busy", "server_error",
                            headers={"Retry-After": "1"}) from None
-        request.state.access = ctx["access"]
+        request.state.access = ctx.access
         if req.stream:
             return StreamingResponse(self.stream(job, ctx, req.include_usage()), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self.complete(job, ctx, request)
 
     # ---- responses -------------------------------------------------------------------------------------------------
-    async def complete(self, job: Job, ctx: dict, request: Request):
+    async def complete(self, job: Job, ctx: RequestState, request: Request):
         watcher = asyncio.create_task(_until_disconnect(request))
-        total, texts, lp = Delta(), [], render.Logprobs(self.tokenizer, ctx["chat"])
+        total, texts, lp = Delta(), [], render.Logprobs(self.tokenizer, ctx.chat)
         entries = []
         try:
             while True:
@@ -166,14 +166,14 @@ class Server:
             watcher.cancel()
         stats = self._finish(ctx, result, job.reused)
         logprobs = lp.render(entries) if job.gen.logprobs is not None else None
-        if ctx["chat"]:
-            body = render.chat_response(ctx["id"], self.model_name, total, result, logprobs, stats)
+        if ctx.chat:
+            body = render.chat_response(ctx.id, self.model_name, total, result, logprobs, stats)
         else:
-            body = render.completion_response(ctx["id"], self.model_name, "".join(texts), result, logprobs, stats)
+            body = render.completion_response(ctx.id, self.model_name, "".join(texts), result, logprobs, stats)
         return JSONResponse(body)
 
-    async def stream(self, job: Job, ctx: dict, include_usage: bool):
-        rid, model, chat = ctx["id"], self.model_name, ctx["chat"]
+    async def stream(self, job: Job, ctx: RequestState, include_usage: bool):
+        rid, model, chat = ctx.id, self.model_name, ctx.chat
         lp, finished = render.Logprobs(self.tokenizer, chat), False
         try:
             if chat:
@@ -184,7 +184,7 @@ class Server:
                     entries = lp.add(payload) if payload.logprobs is not None else None
                     logprobs = lp.render(entries) if entries else None
                     if chat:
-                        delta = render.chat_delta(ctx["parser"].feed(payload.text))
+                        delta = render.chat_delta(ctx.parser.feed(payload.text))
                         if delta or logprobs:
                             yield render.sse(render.chat_chunk(rid, model, delta, None, logprobs))
                     elif payload.text or logprobs:
@@ -200,8 +200,8 @@ class Server:
             result, finished = payload, True
             stats = self._finish(ctx, result, job.reused)
             if chat:
-                rest = ctx["parser"].feed("", final=True)
-                tools = bool(ctx["parser"].calls)
+                rest = ctx.parser.feed("", final=True)
+                tools = bool(ctx.parser.calls)
                 chunk = render.chat_chunk(rid, model, render.chat_delta(rest), render.finish_reason(result, tools))
             else:
                 chunk = render.completion_chunk(rid, model, "", result.finish_reason)
@@ -216,23 +216,23 @@ class Server:
                 self.scheduler.cancel(job)
                 self._outcome(ctx, "cancelled")
 
-    def _merge(self, total: Delta, ctx: dict, text: str, final: bool = False) -> None:
-        if not ctx["chat"]:
+    def _merge(self, total: Delta, ctx: RequestState, text: str, final: bool = False) -> None:
+        if not ctx.chat:
             return
-        d = ctx["parser"].feed(text, final=final)
+        d = ctx.parser.feed(text, final=final)
         total.reasoning += d.reasoning
         total.content += d.content
         total.tool_calls += d.tool_calls
 
-    def _finish(self, ctx: dict, result, reused: int) -> dict:
+    def _finish(self, ctx: RequestState, result, reused: int) -> dict:
         self._outcome(ctx, "ok")
-        ctx["access"].update(completion_tokens=result.generation_tokens, finish=result.finish_reason,
+        ctx.access.update(completion_tokens=result.generation_tokens, finish=result.finish_reason,
                              tau=round(result.mean_acceptance_length, 2), accept=result.accept_rule)
-        return render.dflash_stats(result, reused, ctx["max_tokens"], ctx["capped"])
+        return render.dflash_stats(result, reused, ctx.max_tokens, ctx.capped)
 
-    def _outcome(self, ctx: dict, outcome: str) -> None:
-        ctx["access"]["outcome"] = outcome
-        self.metrics.requests.labels(endpoint=ctx["endpoint"], outcome=outcome).inc()
+    def _outcome(self, ctx: RequestState, outcome: str) -> None:
+        ctx.access["outcome"] = outcome
+        self.metrics.requests.labels(endpoint=ctx.endpoint, outcome=outcome).inc()
 
 
 async def _until_disconnect(request: Request) -> None:

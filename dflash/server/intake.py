@@ -5,6 +5,7 @@ long prompt never stalls /health or the other streams."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -25,6 +26,22 @@ RESERVED_TEMPLATE_KWARGS = ("chat_template", "tokenize", "add_generation_prompt"
 # a rendered prompt longer than this many characters per context token cannot fit (tokens average ~4 characters)
 CHARS_PER_TOKEN_BOUND = 16
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class RequestState:
+    """One request's state besides its Generation, from intake to its last byte."""
+
+    chat: bool
+    id: str
+    parser: OutputParser  # the output's reasoning / content / tool-call split (chat)
+    max_tokens: int  # as served
+    capped: bool  # max_tokens was capped to what the context has left
+    access: dict  # the fields of its access log line
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
 
 
 def model_sampling_defaults(target_dir) -> dict:
@@ -104,7 +121,7 @@ class Intake:
         vocab = self.tokenizer.get_vocab()
         self.reasoning = THINK_OPEN in vocab and THINK_CLOSE in vocab
 
-    def prepare(self, req, chat: bool) -> tuple[Generation, dict]:
+    def prepare(self, req, chat: bool) -> tuple[Generation, "RequestState"]:
         if req.model is not None and req.model not in self.names:
             raise ApiError(404, f"model: {req.model!r} is not served here (serving {self.model_name!r})", "model",
                            "model_not_found")
@@ -140,8 +157,7 @@ class Intake:
                               tools=chat and bool(getattr(req, "tools", None)))
         rid = render.new_id("chatcmpl" if chat else "cmpl")
         access = {"id": rid, "prompt_tokens": len(ids), "max_tokens": limit}
-        return gen, {"chat": chat, "id": rid, "parser": parser, "max_tokens": limit, "capped": capped,
-                     "access": access, "endpoint": "/v1/chat/completions" if chat else "/v1/completions"}
+        return gen, RequestState(chat, rid, parser, limit, capped, access)
 
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], str]:
         tok = self.tokenizer

@@ -2,9 +2,11 @@
 through queues. It is a one-worker executor, so the model can be loaded on it too (MLX streams belong to the thread
 that created the arrays) and interpreter exit joins it (a daemon thread killed inside C++ aborts the process).
 
-Requests wait in a bounded FIFO; between cycles the thread admits waiting requests while the batch has free rows
-(their prefill runs then), drops cancelled rows, and runs one cycle for every live row. Each request's increments go
-back to its event loop with call_soon_threadsafe.
+Requests wait in a bounded FIFO; the thread takes waiting requests while the batch has free rows, drops cancelled
+rows, and runs one cycle for every live row. A request that joins running rows is prefilled into caches of its own,
+`prefill_step` prompt tokens between two cycles (chunked prefill: the running streams never wait for a whole long
+prompt), and merges into the batch once its prompt is in; a request that finds no running row is prefilled at
+once. Each request's increments go back to its event loop with call_soon_threadsafe.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ def engine_executor() -> ThreadPoolExecutor:
 
 class Scheduler:
     def __init__(self, engine, metrics: Metrics, max_batch: int = 16, max_queue: int = 64,
-                 executor: ThreadPoolExecutor | None = None):
+                 executor: ThreadPoolExecutor | None = None, prefill_step: int = 256):
         self.engine, self.metrics = engine, metrics
         self.batch = Batch(engine)
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.prefill_step = max_batch, max_queue, prefill_step
         self.waiting: collections.deque[Job] = collections.deque()
+        self.joining: collections.deque[tuple[Job, object]] = collections.deque()  # (job, its Admission)
         self.live: dict[int, Job] = {}
         self.accepted = 0  # submitted and not yet answered: running, about to run, or waiting
         self.wake = threading.Condition()
@@ -117,20 +120,21 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self.wake:
-                while not self.waiting and not self.live and not self.stopping:
+                while not self.waiting and not self.live and not self.joining and not self.stopping:
                     self.wake.wait()
-                if self.stopping and not self.waiting and not self.live:
+                if self.stopping and not self.waiting and not self.live and not self.joining:
                     return
                 if self.cutoff is not None and time.monotonic() >= self.cutoff:
                     self._cut()
                     return
-                joining = []
-                while self.waiting and len(self.live) + len(joining) < self.max_batch:
-                    joining.append(self.waiting.popleft())
+                taken = []
+                while self.waiting and len(self.live) + len(self.joining) + len(taken) < self.max_batch:
+                    taken.append(self.waiting.popleft())
                 self.metrics.queue_depth.set(len(self.waiting))
             try:
-                for job in joining:
-                    self._join(job)
+                for job in taken:
+                    self._begin(job)
+                self._prefill()
                 for job in list(self.live.values()):
                     if job.cancelled:
                         self.batch.cancel(job.gen)
@@ -152,11 +156,12 @@ class Scheduler:
         """The drain timeout passed: every unfinished request gets an error event now (streams end with it and
         [DONE]), and the rows are freed."""
         message = "server shutting down: the request did not finish within --drain-timeout"
-        for job in list(self.live.values()) + list(self.waiting):
+        for job in list(self.live.values()) + [job for job, _ in self.joining] + list(self.waiting):
             self._answer(job, "error", message)
         for gen in self.batch.generations:
             self.batch.cancel(gen)
         self.live.clear()
+        self.joining.clear()
         self.waiting.clear()
         self.metrics.batch_size.set(0)
 
@@ -166,20 +171,54 @@ class Scheduler:
             self.accepted -= 1
         job.send(kind, payload)
 
-    def _join(self, job: Job) -> None:
+    def _begin(self, job: Job) -> None:
+        """A request leaves the queue: prefilled at once when no row runs (nobody waits for it), else it joins
+        the admissions that _prefill advances between cycles."""
         if job.cancelled:
             self._answer(job, "done", None)
-            return
+        elif not self.batch and not self.joining:
+            self._join(job)
+        else:
+            try:
+                self.joining.append((job, self.batch.begin(job.gen, self.prefill_step)))
+            except Exception as e:  # noqa: BLE001  (its own failure: a prompt that cannot fit, say)
+                self._fail_prefill(job, e)
+
+    def _prefill(self) -> None:
+        """Joining prompts, oldest first, chunk by chunk up to prefill_step prompt tokens per cycle of the running
+        rows (all of them while no row runs: nobody waits); a finished one joins the batch. Cancelled admissions
+        are dropped, a failing one fails alone: its caches were its own, so the running rows go on as they were."""
+        spent = 0
+        while self.joining and (spent < self.prefill_step or not self.batch):
+            job, admission = self.joining[0]
+            if job.cancelled:
+                self.joining.popleft()
+                self._answer(job, "done", None)
+                continue
+            try:
+                done = admission.advance()
+            except Exception as e:  # noqa: BLE001
+                self.joining.popleft()
+                self._fail_prefill(job, e)
+                continue
+            spent += min(self.prefill_step, admission.prompt_tokens)
+            if done:
+                self.joining.popleft()
+                self._join(job, admission)
+
+    def _fail_prefill(self, job: Job, e: Exception) -> None:
+        if not isinstance(e, DFlashError):
+            log.exception("prefill failure")
+        self._answer(job, "error", str(e) if isinstance(e, DFlashError) else f"prefill failure: {type(e).__name__}")
+
+    def _join(self, job: Job, admission=None) -> None:
         prompt = job.gen.prompt_ids
         try:
-            inc = self.batch.join(job.gen)
+            inc = self.batch.join(job.gen, admission)
         except Exception as e:  # this request's prefill failed: it alone fails, the running rows go on
-            if not isinstance(e, DFlashError):
-                log.exception("prefill failure")
             if not self.batch:
                 self.engine.reset()  # a lone prefill may have left its caches half-written
-            self._answer(job, "error", str(e) if isinstance(e, DFlashError) else
-                         f"prefill failure: {type(e).__name__}")
+            self._fail_prefill(job, e)
             return
         job.reused = self.engine.last_reused
         cache = getattr(self.engine, "prefix_cache", None)
