@@ -4,6 +4,9 @@
                     python -m dflash.data regenerate --model T --input prompts.jsonl --output answers.jsonl
                   or through any OpenAI-compatible server (python -m dflash.serve, vLLM, ...):
                     python -m dflash.data regenerate --endpoint http://127.0.0.1:8000 --input ... --output ...
+  self-prompts    prompts the target writes itself (Magpie): sample its chat template's user-turn prefix:
+                    python -m dflash.data self-prompts --model T --num-prompts 2000 --output prompts.jsonl \
+                        --exclude dflash/bench/prompts/chat.jsonl
   cache-features  precompute the target's hidden states for offline training (sharded safetensors):
                     python -m dflash.data cache-features --model T --data answers.jsonl --out feats/ --num-layers 5
 
@@ -56,6 +59,20 @@ def parse_args(argv=None):
     r.add_argument("--seed", type=int, default=0)
     _common(r)
 
+    m = sub.add_parser("self-prompts", help="prompts the target writes itself (Magpie; resumable)")
+    m.add_argument("--model", required=True, help="an aligned chat target: local HF directory or hub id")
+    m.add_argument("--output", required=True, help="prompt JSONL to append to (rerun the same command to resume)")
+    m.add_argument("--num-prompts", type=int, required=True, help="distinct prompts to end with")
+    m.add_argument("--exclude", nargs="*", default=[], help="prompt files none may copy (the benchmark split)")
+    m.add_argument("--system", help="a system turn steering the prompts' domain (default: the template's own)")
+    m.add_argument("--id-prefix", default="self", help="row ids are PREFIX/N (default: %(default)s)")
+    m.add_argument("--batch-size", type=int, default=32)
+    m.add_argument("--max-tokens", type=int, default=96, help="a question longer than this is dropped")
+    m.add_argument("--temperature", type=float, default=1.0)
+    m.add_argument("--top-p", type=float, default=0.95)
+    m.add_argument("--seed", type=int, default=0)
+    _common(m)
+
     c = sub.add_parser("cache-features", help="precompute target features for offline training")
     c.add_argument("--model", required=True, help="target: local HF directory or hub id")
     c.add_argument("--data", required=True, help="training JSONL (chat or tokenised rows) or datasets directory")
@@ -87,6 +104,18 @@ def main(argv=None) -> int:
     if args.command == "regenerate" and not args.model:
         raise DFlashError("--model: required (or --endpoint URL to answer through a server)")
     require("torch", f"python -m dflash.data {args.command}")  # both run the target through transformers on torch
+    if args.command == "self-prompts":
+        from dflash.backends.torch import write_self_prompts
+
+        stats = write_self_prompts(hub.resolve(args.model, "--model"), args.output, num_prompts=args.num_prompts,
+                                   batch_size=args.batch_size, max_tokens=args.max_tokens,
+                                   temperature=args.temperature, top_p=args.top_p, exclude=args.exclude,
+                                   system=args.system, id_prefix=args.id_prefix, seed=args.seed,
+                                   device=args.device, dtype=args.dtype,
+                                   trust_remote_code=args.trust_remote_code, progress=not args.no_progress,
+                                   log=lambda m: print(m, file=sys.stderr))
+        print(json.dumps(stats))
+        return 0
     if args.command == "regenerate":
         from dflash.backends.torch import regenerate
 

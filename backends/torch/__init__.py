@@ -12,7 +12,7 @@ _PUBLIC = {
     "TorchBackend": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
     "target_info": "target", "DTYPES": "target", "quiet_loading": "target", "DFlashDrafter": "drafter",
     "load_drafter": "drafter",
-    "save_drafter": "drafter", "regenerate": "regeneration", "write_feature_cache": "features",
+    "save_drafter": "drafter", "regenerate": "regeneration", "write_self_prompts": "self_prompts", "write_feature_cache": "features",
     "TrainConfig": "training", "train": "training", "dflash_loss": "training",
 }
 
