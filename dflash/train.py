@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import typing
 from pathlib import Path
@@ -205,6 +206,73 @@ def config_from_args(args):
     return TrainConfig(**values)
 
 
+def run_training(cfg):
+    """A run as the command starts it: --out checked and the target resolved (a hub id or a directory) before
+    anything loads, the backend's run, then (on the main process) the curves and the hub upload."""
+    from dflash import hub
+    from dflash.backends.torch.training import train
+    from dflash.backends.torch.training.run import check_config
+    from dflash.io import check_output_dir
+
+    check_output_dir(cfg.out, "--out")  # created only once the inputs are validated: a refused run leaves nothing
+    check_config(cfg)
+    check_pushable(cfg)
+    result = train(cfg, hub.resolve(cfg.target, "--model"))
+    if int(os.environ.get("RANK", "0")) == 0:
+        if cfg.plot:
+            plot_curves(Path(cfg.out) / "train_log.jsonl", Path(cfg.out) / "curves.png")
+        if cfg.push_to_hub:
+            push_to_hub(result.draft_dir, cfg.push_to_hub)
+    return result
+
+
+def check_pushable(cfg) -> None:
+    """--push-to-hub with a drafter the public format cannot hold (an ablation mode) fails before the run."""
+    if not cfg.push_to_hub:
+        return
+    if cfg.init_from:
+        from .spec import DraftSpec
+
+        DraftSpec.load(cfg.init_from).check_public("--push-to-hub")
+    elif cfg.context_mode != "kv":
+        raise DFlashError(f"--push-to-hub: --context-mode {cfg.context_mode} is an ablation mode of the torch backend "
+                          "only; the public DFlash format (vLLM, SGLang) has K/V injection (context_mode kv) only")
+
+
+def plot_curves(log_path: Path, png: Path) -> None:
+    """curves.png: the training loss and the acceptance length of every evaluation, against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    train_rows = [r for r in rows if "loss" in r]
+    eval_rows = [r for r in rows if "tau" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows])
+    axes[0].set(xlabel="step", ylabel="loss", title="training loss")
+    axes[1].plot([r["step"] for r in eval_rows], [r["tau"] for r in eval_rows], marker="o")
+    axes[1].set(xlabel="step", ylabel="tau", title="acceptance length (speculative loop, greedy)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def push_to_hub(draft_dir: Path, repo: str) -> None:
+    from .spec import DraftSpec
+
+    DraftSpec.load(draft_dir).check_public("--push-to-hub")  # the hub is where vLLM and SGLang load drafters from
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(folder_path=str(draft_dir), repo_id=repo)
+    except Exception as e:  # network, auth: the local export is already done
+        raise DFlashError(f"--push-to-hub {repo}: upload failed ({type(e).__name__}: {e})") from None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)  # before any framework import: --help and flag errors answer at once
     if args.backend != "torch":
@@ -214,16 +282,14 @@ def main(argv=None) -> int:
         import torch  # noqa: F401
     except ImportError:
         raise DFlashError("torch is not installed; training needs it: pip install 'dflash[torch,train]'") from None
-    from dflash.backends.torch.training import train
-
     try:
-        result = train(cfg)
+        result = run_training(cfg)
     finally:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    if not cfg.quiet and int(__import__("os").environ.get("RANK", "0")) == 0:
+    if not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"draft": str(result.draft_dir), "steps": result.steps,
                           "final_loss": result.losses[-1] if result.losses else None, "tau": result.tau,
                           "seconds": round(result.seconds, 1)}))

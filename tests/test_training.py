@@ -202,7 +202,8 @@ def test_overfitting_one_sample_reaches_nearly_full_blocks(sharp_target, tmp_pat
     on the target's own greedy continuation of one prompt, the drafter must get nearly every block accepted when
     the target regenerates that continuation. Any silent off-by-one keeps tau near 1."""
     from dflash.backends.torch.tiny_pair import greedy_samples
-    from dflash.backends.torch.training import TrainConfig, train
+    from dflash.backends.torch.training import TrainConfig
+    from dflash.train import run_training
 
     target_dir, model = sharp_target
     sample = greedy_samples(model, 1, seed=5, prompt_len=8, answer_len=64)[0]
@@ -210,7 +211,7 @@ def test_overfitting_one_sample_reaches_nearly_full_blocks(sharp_target, tmp_pat
                       out=str(tmp_path / "run"), num_layers=1, block_size=8, num_anchors=64, max_steps=120,
                       lr=1e-2, warmup_ratio=0.05, save_every=0, eval_every=60, eval_at_start=True,
                       eval_max_new_tokens=64, progress=False, plot=True, quiet=True, device="cpu")
-    result = train(cfg)
+    result = run_training(cfg)  # the command's run: curves.png too
     assert result.losses[-1] < 0.2 * result.losses[0]
     assert [e["step"] for e in result.evals] == [0, 60, 120]
     assert result.evals[0]["tau"] < 2  # untrained

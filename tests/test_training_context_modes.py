@@ -106,7 +106,7 @@ def test_spec_refusals():
 
 
 def test_exports_and_other_backends_refuse_ablation_drafters(tmp_path):
-    from dflash.backends.torch.training.checkpoint import push_to_hub
+    from dflash.train import push_to_hub
 
     save_drafter(random_drafter("input"), tmp_path / "d")
     with pytest.raises(DFlashError, match=r"^--push-to-hub: .*context_mode is 'input'"):

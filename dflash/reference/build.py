@@ -236,8 +236,9 @@ def build_samples(data: Path) -> list[dict]:
 def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildConfig, fresh: bool = False):
     """`python -m dflash.train`, in process, on the target's answers (loss on the answer tokens only). A run of the
     same samples, target and recipe in `out` resumes from its last checkpoint; any other is started over."""
-    from dflash.backends.torch import TrainConfig, train
     from dflash.io import atomic_write_text
+    from dflash.train import run_training
+    from dflash.train_config import TrainConfig
 
     recipe = dict(dtype="float32", save_every=100) | cfg.drafter
     inputs = {"samples": _sha256(json.dumps([[list(x["input_ids"]), list(x["loss_mask"])] for x in samples]).encode()),
@@ -250,7 +251,7 @@ def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildCo
     atomic_write_text(inputs_path, json.dumps(inputs) + "\n")
     tc = TrainConfig(target=str(target_dir), samples=samples, out=str(out), seed=cfg.seed, device="cpu", plot=True,
                      progress=True, resume=True, **recipe)
-    return train(tc)
+    return run_training(tc)
 
 
 def export_target(src: Path, dst: Path) -> None:

@@ -5,9 +5,12 @@
   attention.py   the packed forward's attention rule (one predicate, as inference runs it) as Flex / dense / split
   data.py        samples, held-out prompts, the deterministic batch and anchor order
   model.py       the drafter's shape and initialisation, DDP / FSDP2 wrapping
+  run.py         what a run needs before its first step (target, data, drafter, optimiser), built once
   checkpoint.py  atomic checkpoints, resume, export
-  evaluate.py    tau with the real speculative loop, curves
-  loop.py        train(): set up, train_step until done, export
+  evaluate.py    tau with the real speculative loop
+  log.py         console lines, progress bar, train_log.jsonl
+  loop.py        train(): prepare, train_step until done, export
+Hub ids, the output folder check, curves.png and the hub upload belong to the command (dflash/train.py).
 """
 
 from .attention import (LayerRule, SplitMask, attention_fn, build_masks, dense_mask, draft_attends, flex_mask,

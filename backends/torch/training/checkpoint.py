@@ -69,6 +69,12 @@ def checkpoint_dirs(out: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name.split("_")[1]))
 
 
+def saved_at(out: Path, step: int) -> bool:
+    """Whether the newest complete checkpoint is the one of `step`."""
+    done = checkpoint_dirs(out)
+    return bool(done) and done[-1].name == f"step_{step:08d}"
+
+
 def save_checkpoint(out: Path, step: int, module, optimizer, fsdp: bool, d: Dist, keep: int) -> None:
     """Complete and atomic: every rank writes its RNG state into a temporary directory, rank 0 writes the weights,
     optimiser and trainer state, then renames the directory into place (a multi-node run needs a shared `out`)."""
@@ -155,17 +161,3 @@ def export_drafter(module, drafter: DFlashDrafter, fsdp: bool, d, draft_dir: Pat
         final = DFlashDrafter(drafter.spec)
         final.load_state_dict({k: v.cpu() for k, v in state.items()})
         save_drafter(final, draft_dir)
-
-
-def push_to_hub(draft_dir: Path, repo: str) -> None:
-    from dflash.spec import DraftSpec
-
-    DraftSpec.load(draft_dir).check_public("--push-to-hub")  # the hub is where vLLM and SGLang load drafters from
-    try:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        api.create_repo(repo, exist_ok=True)
-        api.upload_folder(folder_path=str(draft_dir), repo_id=repo)
-    except Exception as e:  # network, auth: the local export is already done
-        raise DFlashError(f"--push-to-hub {repo}: upload failed ({type(e).__name__}: {e})") from None

@@ -3,12 +3,10 @@ per-position acceptance and the acceptance histogram. Token accuracy during trai
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from ..drafter import DFlashDrafter
+from .checkpoint import full_model_state
 
 
 @torch.no_grad()
@@ -42,20 +40,23 @@ def evaluate(target_model, drafter: DFlashDrafter, prompts: list[list[int]], max
             "per_position": per_position_acceptance(lengths, b), "histogram": acceptance_histogram(lengths, b)}
 
 
-def plot_curves(log_path: Path, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-    train_rows = [r for r in rows if "loss" in r]
-    eval_rows = [r for r in rows if "tau" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    axes[0].plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows])
-    axes[0].set(xlabel="step", ylabel="loss", title="training loss")
-    axes[1].plot([r["step"] for r in eval_rows], [r["tau"] for r in eval_rows], marker="o")
-    axes[1].set(xlabel="step", ylabel="tau", title="acceptance length (speculative loop, greedy)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+def evaluate_run(run, log, at: int) -> None:
+    """Measure the drafter of step `at` on the run's held-out prompts (on the main rank) and log it. Every rank
+    calls it: the full weights are a collective under FSDP."""
+    if not run.eval_prompts:
+        return
+    cfg, d = run.cfg, run.d
+    state = full_model_state(run.module, run.drafter, run.fsdp)
+    if d.main:
+        probe = DFlashDrafter(run.drafter.spec)
+        probe.load_state_dict(state)
+        show = cfg.progress and not cfg.quiet
+        if not show:  # a bar says it itself; without one, a line, so a long evaluation does not look like a hang
+            log.say(f"eval step {at}: generating on {len(run.eval_prompts)} held-out prompts "
+                    f"({cfg.eval_max_new_tokens} tokens each)")
+        r = evaluate(run.target, probe.to(run.device), run.eval_prompts, cfg.eval_max_new_tokens, run.eos,
+                     cfg.draft_window, progress=f"eval step {at}" if show else None)
+        if hasattr(run.features, "capture"):  # the loop's target forwards went through the feature hooks too
+            run.features.capture.outputs.clear()
+        log.evaluation({"step": at, **r})
+    d.barrier()

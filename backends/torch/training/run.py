@@ -1,0 +1,134 @@
+"""Everything a run needs before its first step, built once: the frozen target and its features, the data, the
+drafter (possibly DDP / FSDP-wrapped), the optimiser, the autocast context and the held-out prompts."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash.errors import DFlashError
+from dflash.spec import ABLATION_CONTEXT_MODES
+
+from ..drafter import DFlashDrafter
+from .attention import layer_rules
+from .config import TrainConfig
+from .data import load_samples, split_eval_prompts
+from .distributed import Dist, init_distributed
+from .model import build_drafter, checkpoint_layers, wrap_for_parallel
+from .objective import default_gamma
+
+
+@dataclass
+class Run:
+    """What every step (and every evaluation) needs."""
+
+    cfg: TrainConfig
+    d: Dist
+    device: str
+    target: nn.Module  # frozen; its embedding and LM head are the drafter's too
+    samples: list[dict]
+    eval_prompts: list[list[int]]
+    eos: set[int]
+    drafter: DFlashDrafter
+    module: nn.Module  # PackedDrafter(drafter), possibly DDP / FSDP-wrapped: what the step calls
+    fsdp: bool
+    optimizer: torch.optim.Optimizer
+    features: object  # OnlineFeatures | FeatureCache
+    rules: tuple  # one LayerRule per draft layer
+    gamma: float
+    total: int  # optimiser steps of the whole run
+    autocast: object
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.cfg.grad_accum * self.d.world
+
+    @property
+    def embed(self) -> nn.Module:
+        return self.target.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.target.get_output_embeddings()
+
+    def close(self) -> None:
+        if hasattr(self.features, "close"):
+            self.features.close()
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """The flag combinations no run can use, refused before anything loads."""
+    if not cfg.target:
+        raise DFlashError("--model: the target model is required")
+    if cfg.draft_window is not None and cfg.draft_window < 1:
+        raise DFlashError(f"--draft-window: got {cfg.draft_window}, expected >= 1 (context positions)")
+    if not 0 <= cfg.kl_weight <= 1:
+        raise DFlashError(f"--kl-weight: got {cfg.kl_weight}, expected 0..1")
+    if cfg.context_mode not in ("kv",) + ABLATION_CONTEXT_MODES:
+        raise DFlashError(f"--context-mode: got {cfg.context_mode!r}, expected kv, {' or '.join(ABLATION_CONTEXT_MODES)}")
+    if cfg.kl_weight > 0 and cfg.features:
+        raise DFlashError("--kl-weight: needs online target features (a feature cache holds no target logits); "
+                          "drop --features or pass --kl-weight 0")
+
+
+def too_few_samples(loaded: int, held: int, global_batch: int) -> str:
+    """The error for a run left with fewer training samples than one global batch, naming the flag to change."""
+    if held and loaded >= global_batch:
+        return (f"--eval-holdout: holding out {held} of the {loaded} samples leaves {loaded - held} to train on, "
+                f"fewer than the global batch of {global_batch}; hold out at most {loaded - global_batch} or pass "
+                "held-out prompts with --eval-data FILE")
+    return (f"--batch-size: global batch {global_batch} (batch x grad-accum x world) is larger than the {loaded} "
+            "training samples")
+
+
+def prepare(cfg: TrainConfig, target_dir: Path) -> Run:
+    """The run of `cfg` for the target model in `target_dir` (a local directory: the application resolves hub ids)."""
+    from dflash.tokenizer import eos_token_ids, load_tokenizer
+
+    from ..features import FeatureCache, OnlineFeatures
+    from ..target import load_target, resolve_device, resolve_dtype
+
+    check_config(cfg)
+    device = resolve_device(cfg.device)
+    d = init_distributed(device)
+    if device == "cuda":
+        device = f"cuda:{d.local_rank}"
+        torch.cuda.set_device(device)
+
+    # target (frozen), tokenizer, data
+    target = load_target(target_dir, resolve_dtype(cfg.dtype, device), device, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = None
+    with contextlib.suppress(DFlashError):
+        tokenizer = load_tokenizer(target_dir, cfg.trust_remote_code)
+    cache = FeatureCache(cfg.features, device=device) if cfg.samples is None and cfg.features else None
+    loaded = load_samples(cfg, tokenizer, cache)
+    samples, eval_prompts = split_eval_prompts(cfg, loaded, tokenizer)
+    global_batch = cfg.batch_size * cfg.grad_accum * d.world
+    if len(samples) < global_batch:
+        raise DFlashError(too_few_samples(len(loaded), len(loaded) - len(samples), global_batch))
+
+    # drafter, parallel wrapping, optimiser, feature source
+    drafter = build_drafter(cfg, target, tokenizer)
+    spec = drafter.spec
+    if cache is not None and cache.target_layer_ids != spec.target_layer_ids:
+        raise DFlashError(f"--features: cached layers {cache.target_layer_ids} differ from the drafter's "
+                          f"target_layer_ids {spec.target_layer_ids}")
+    drafter.to(device).float().requires_grad_(True)
+    if cfg.activation_checkpointing:
+        checkpoint_layers(drafter)
+    module, fsdp = wrap_for_parallel(drafter, cfg.parallel, d, device)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                  weight_decay=cfg.weight_decay)
+    features = OnlineFeatures(target, spec.target_layer_ids) if cache is None else cache
+    # bf16 autocast: the default on CUDA; on CPU when asked (--dtype bfloat16: fast on CPUs with AMX / AVX512-BF16)
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.startswith("cuda"))
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    return Run(cfg, d, device, target, samples, eval_prompts,
+               eos_token_ids(target_dir, tokenizer) if tokenizer is not None else set(), drafter, module, fsdp,
+               optimizer, features, layer_rules(spec, cfg.draft_window), cfg.gamma or default_gamma(spec.block_size),
+               cfg.max_steps or max(1, math.ceil(cfg.epochs * (len(samples) // global_batch))), autocast)
