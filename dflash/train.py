@@ -30,6 +30,15 @@ HELP = {
     "out": "run directory: checkpoints, log, plots, exported drafter",
     "enable_thinking": "render chats with enable_thinking (default: each row's 'thinking' field)",
     "max_length": "truncate sequences to this many tokens",
+    "arch": "dflash or dflash2 (DFlash2: two-tap dynamic convolutions and a candidate selector; docs/dflash2.md). "
+            "Default: dflash for a new drafter, the drafter's own with --init-from; --arch dflash2 --init-from a "
+            "DFlash drafter starts from its weights (identity convolutions, a new selector)",
+    "conv_kernel_size": "DFlash2: convolution taps",
+    "conv_group_size": "DFlash2: channels sharing one dynamic kernel coefficient (divides the hidden size)",
+    "selector_rank": "DFlash2: rank of the selector's codebooks",
+    "selector_top_k": "DFlash2: candidates the selector chooses among per position",
+    "selector_loss_weight": "DFlash2: weight of the selector's loss (a top-k cross-entropy, the gold token kept "
+                            "among the candidates, teacher-forced predecessors) added to each slot's loss",
     "init_from": "start from an existing drafter directory instead of --init-from-target",
     "num_layers": "draft decoder layers (new drafter)",
     "block_size": "block size B trained for (new drafter)",

@@ -18,6 +18,7 @@ class TrainConfig:
     enable_thinking: bool | None = None
     max_length: int = 3072
     # drafter
+    arch: str | None = None  # dflash | dflash2 (None: dflash for a new drafter, the drafter's own with --init-from)
     init_from: str | None = None  # an existing drafter directory; otherwise a new one shaped from the target
     num_layers: int = 5
     block_size: int = 16
@@ -25,6 +26,11 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None
     context_mode: str = "kv"  # kv: DFlash; none / input: the ablation drafters of dflash.spec (torch only)
     init_layers: str = "target-first"  # copy the target's first decoder layers ("target": its last; "random": HF init)
+    # DFlash2: the two-tap dynamic convolutions and the candidate selector (new drafter)
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
     # attention as inference will run it: the draft context window (--draft-window) and the config's sliding
     # layers (layer_types + sliding_window; is_causal)
     draft_window: int | None = None
@@ -36,6 +42,7 @@ class TrainConfig:
     gamma: float | None = None
     kl_weight: float = 0.0  # blend each slot's CE with CE against the target's full distribution (0: the paper)
     kl_top_k: int = 64  # soft label = the target's top-k tokens, renormalised (0: the whole vocabulary)
+    selector_loss_weight: float = 1.0  # DFlash2: weight of the selector's teacher-forced top-k cross-entropy
     # optimisation
     lr: float = 6e-4
     min_lr_ratio: float = 0.0

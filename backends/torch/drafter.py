@@ -77,7 +77,7 @@ class DraftLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_kv, attend):
+    def forward(self, x, ctx, rope_q, rope_kv, attend, block: int | None = None):
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -94,9 +94,13 @@ class DynamicConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden))
         self.kernel_projection = nn.Linear(hidden, 2 * taps * self.groups, bias=False)
 
-    def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
-        """x (rows, T, H), delta (rows, T, taps, groups) -> (rows, T, H)."""
+    def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int, block: int | None = None) -> torch.Tensor:
+        """x (rows, T, H), delta (rows, T, taps, groups) -> (rows, T, H). `block`: the block length when x packs
+        several blocks along T (training); the taps stay inside each."""
         b, t, h = x.shape
+        if block is not None and t != block:
+            blocks = self.convolve(x.reshape(-1, block, h), delta.reshape(-1, block, *delta.shape[2:]), side)
+            return blocks.reshape(b, t, h)
         grouped = x.view(b, t, self.groups, -1)
         out = torch.zeros_like(grouped)
         for j in range(self.taps):
@@ -105,10 +109,10 @@ class DynamicConv(nn.Module):
             out = out + coefficient * shifted
         return out.reshape(b, t, h)
 
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The convolved sublayer input and the deltas of side 1, for `convolve(sublayer output, delta, 1)`."""
         delta = self.kernel_projection(x).view(*x.shape[:2], 2, self.taps, self.groups)
-        return self.convolve(x, delta[:, :, 0], 0), delta[:, :, 1]
+        return self.convolve(x, delta[:, :, 0], 0, block), delta[:, :, 1]
 
 
 class DFlash2Layer(DraftLayer):
@@ -119,11 +123,11 @@ class DFlash2Layer(DraftLayer):
         self.attention_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
         self.mlp_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
 
-    def forward(self, x, ctx, rope_q, rope_kv, attend):
-        inner, delta = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.convolve(self.self_attn(inner, ctx, rope_q, rope_kv, attend), delta, 1)
-        inner, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.convolve(self.mlp(inner), delta, 1)
+    def forward(self, x, ctx, rope_q, rope_kv, attend, block: int | None = None):
+        inner, delta = self.attention_conv.prepare(self.input_layernorm(x), block)
+        x = x + self.attention_conv.convolve(self.self_attn(inner, ctx, rope_q, rope_kv, attend), delta, 1, block)
+        inner, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), block)
+        return x + self.mlp_conv.convolve(self.mlp(inner), delta, 1, block)
 
 
 class CandidateSelector(nn.Module):
@@ -146,6 +150,14 @@ class CandidateSelector(nn.Module):
         query = self.predecessor_codebook[predecessors].float() * self.hidden_projection(hidden).float()[:, :, None]
         keys = self.successor_codebook[candidates].float()
         return candidates, unary[:, :, None, :] + query @ keys.transpose(-1, -2)
+
+    def score(self, logits: torch.Tensor, hidden: torch.Tensor, predecessors: torch.Tensor,
+              candidates: torch.Tensor) -> torch.Tensor:
+        """S(a, b) for given candidates only (training: one predecessor per row): logits (rows, V), hidden
+        (rows, H), predecessors (rows,), candidates (rows, k) -> (rows, k); the entries of `pair_scores`."""
+        query = self.predecessor_codebook[predecessors].float() * self.hidden_projection(hidden).float()
+        pair = (self.successor_codebook[candidates].float() @ query[:, :, None])[..., 0]
+        return logits.float().gather(-1, candidates) + pair
 
 
 def select_walk(candidates: torch.Tensor, scores: torch.Tensor, temperature: float = 0.0, generator=None):
@@ -219,14 +231,15 @@ class DFlashDrafter(nn.Module):
         return feature.repeat_interleave(block, dim=1)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q, rope_kv, attend,
-                fused: torch.Tensor | None = None) -> torch.Tensor:
+                fused: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
         """x: embedded block (b, T, H); ctx: projected context (b, S, H), empty for the ablation modes; fused
-        (b, T, H): input fusion's projected feature per slot, added to the embeddings. Returns final-normed block
-        states."""
+        (b, T, H): input fusion's projected feature per slot, added to the embeddings; block: the block length
+        when x packs T / block blocks (training; DFlash2's convolutions stay inside each). Returns final-normed
+        block states."""
         if fused is not None:
             x = x + fused.to(x.dtype)
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_kv, attend)
+            x = layer(x, ctx, rope_q, rope_kv, attend, block=block)
         return self.norm(x)
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dflash.errors import DFlashError
-from dflash.spec import DraftSpec, default_target_layer_ids
+from dflash.spec import DFLASH2, DraftSpec, default_target_layer_ids
 
 from ..drafter import DFlashDrafter, load_drafter
 from .objective import packed_states
@@ -50,6 +50,8 @@ def new_draft_spec(cfg, target_model, tokenizer) -> DraftSpec:
         "default" else None
     heads = tcfg.num_attention_heads
     sliding = sliding_layers(cfg)
+    if cfg.arch == "dflash2":
+        sliding.update(dflash2_fields(cfg))
     spec = DraftSpec(
         hidden_size=tcfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=heads,
         num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
@@ -59,9 +61,21 @@ def new_draft_spec(cfg, target_model, tokenizer) -> DraftSpec:
         rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6), rope_theta=float(info.rope_theta or 10000.0),
         rope_scaling=rope_scaling, max_position_embeddings=getattr(tcfg, "max_position_embeddings", 40960),
         attention_bias=bool(getattr(tcfg, "attention_bias", False)), context_mode=cfg.context_mode, **sliding)
-    spec.check("--num-layers/--block-size/--target-layer-ids/--context-mode")
+    spec.check("--num-layers/--block-size/--target-layer-ids/--context-mode" +
+               ("/--conv-group-size/--conv-kernel-size/--selector-top-k" if spec.is_dflash2 else ""))
     spec.validate_against(info, source="new drafter")
     return spec
+
+
+def dflash2_fields(cfg) -> dict:
+    """DraftSpec fields of a new DFlash2 drafter, laid out as the public ones are: the convolution and the
+    selector, and sliding layers (window 2048 unless --sliding-window says otherwise) that are not causal."""
+    fields = dict(architecture=DFLASH2, conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                  selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+    if cfg.sliding_window is None:
+        fields.update(sliding_window=2048, use_sliding_window=True,
+                      layer_types=["sliding_attention"] * cfg.num_layers, extra={"is_causal": False})
+    return fields
 
 
 def sliding_layers(cfg) -> dict:
@@ -75,7 +89,8 @@ def sliding_layers(cfg) -> dict:
     types = list(cfg.layer_types or ["sliding_attention"] * cfg.num_layers)
     if len(types) != cfg.num_layers or set(types) - {"sliding_attention", "full_attention"}:
         raise DFlashError(f"--layer-types: expected {cfg.num_layers} of sliding_attention/full_attention, got {types}")
-    extra = {} if cfg.is_causal is None else {"is_causal": bool(cfg.is_causal)}
+    causal = False if cfg.is_causal is None and cfg.arch == "dflash2" else cfg.is_causal  # DFlash2's: not causal
+    extra = {} if causal is None else {"is_causal": bool(causal)}
     return dict(sliding_window=int(cfg.sliding_window), use_sliding_window=True, layer_types=types, extra=extra)
 
 
@@ -109,11 +124,44 @@ def init_drafter(spec: DraftSpec, target_model, mode: str, seed: int) -> DFlashD
                 model.norm.weight.copy_(base.norm.weight)
     elif mode != "random":
         raise DFlashError(f"--init-layers: got {mode!r}, expected target, target-first or random")
+    if spec.is_dflash2:
+        start_dflash2(model, std)
     if spec.context_mode == "input":
         # input fusion adds the normed feature to the token embeddings: start it at their scale, or (RMS 1 against
         # ~0.05 on the reference target) it drowns the anchor token and every slot's input looks the same
         with torch.no_grad():
             model.hidden_norm.weight.fill_(target_model.get_input_embeddings().weight.float().pow(2).mean().sqrt())
+    return model
+
+
+def start_dflash2(model: DFlashDrafter, std: float) -> None:
+    """DFlash2's own parts at their start: every convolution the identity (tap 0 = 1, no dynamic part), so the
+    drafter begins as the DFlash drafter its layers make; the selector's codebooks small and random."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.zero_()
+                conv.base_kernel[:, 0] = 1.0
+                conv.kernel_projection.weight.zero_()
+        selector = model.candidate_selector
+        for p in (selector.predecessor_codebook, selector.successor_codebook, selector.hidden_projection.weight):
+            nn.init.normal_(p, std=std)
+
+
+def as_dflash2(drafter: DFlashDrafter, cfg, std: float) -> DFlashDrafter:
+    """A DFlash2 drafter that starts as the DFlash `drafter`: its weights, identity convolutions, a new selector."""
+    import dataclasses
+
+    torch.manual_seed(cfg.seed)
+    fields = dflash2_fields(dataclasses.replace(cfg, num_layers=drafter.spec.num_hidden_layers,
+                                                sliding_window=drafter.spec.sliding_window))
+    fields["extra"] = {**drafter.spec.extra, **fields.get("extra", {})}  # keys other tools wrote stay
+    spec = dataclasses.replace(drafter.spec, **fields)
+    spec.check("--arch dflash2 --init-from")
+    model = DFlashDrafter(spec)
+    start_dflash2(model, std)
+    missing, unexpected = model.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all("conv" in k or k.startswith("candidate_selector.") for k in missing), missing
     return model
 
 
@@ -124,6 +172,12 @@ def build_drafter(cfg, target_model, tokenizer) -> DFlashDrafter:
 
         drafter = load_drafter(cfg.init_from, dtype=torch.float32, device="cpu")
         drafter.spec.validate_against(target_info(target_model), source=str(cfg.init_from))
+        if cfg.arch == "dflash" and drafter.spec.is_dflash2:
+            raise DFlashError(f"--arch dflash: {cfg.init_from} is a DFlash2 drafter; drop --arch or start a new "
+                              "drafter without --init-from")
+        if cfg.arch == "dflash2" and not drafter.spec.is_dflash2:
+            std = getattr(target_model.config.get_text_config(), "initializer_range", 0.02)
+            drafter = as_dflash2(drafter, cfg, std)
         return drafter.train()
     spec = new_draft_spec(cfg, target_model, tokenizer)
     return init_drafter(spec, target_model, cfg.init_layers, cfg.seed)

@@ -87,12 +87,12 @@ def packed_states(drafter: DFlashDrafter, x, features, positions, mask):
         ctx = drafter.project_context(features)
         ctx_pos = torch.arange(s, device=features.device).expand(b, s)
         rope_kv = drafter.rope(torch.cat([ctx_pos, positions], 1), x)
-        return drafter(x, ctx, rope_q, rope_kv, attention_fn(mask))
+        return drafter(x, ctx, rope_q, rope_kv, attention_fn(mask), block=spec.block_size)
     fused = None
     if spec.context_mode == "input":
         anchors = positions[:, ::spec.block_size]
         fused = drafter.fused_input(drafter.project_context(features), anchors, spec.block_size)
-    return drafter(x, x[:, :0], rope_q, rope_q, attention_fn(mask), fused)
+    return drafter(x, x[:, :0], rope_q, rope_q, attention_fn(mask), fused, block=spec.block_size)
 
 
 def packed_forward(drafter: DFlashDrafter, embed, features, block_ids, positions, mask):
@@ -100,13 +100,29 @@ def packed_forward(drafter: DFlashDrafter, embed, features, block_ids, positions
     return packed_states(drafter, embed(block_ids).to(features.dtype), features, positions, mask)
 
 
+def selector_loss(selector, logits, hidden, predecessors, labels, top_k: int) -> torch.Tensor:
+    """DFlash2's candidate selector, teacher-forced, per row: a top_k-way cross-entropy over the candidates
+    inference would score (the top-k of the draft logits), with the gold token put in place of the weakest one
+    where it is missing, so every row has a label; the predecessor is the gold token before the label (the anchor
+    at the block's first slot), the path the walk takes while its choices are right."""
+    candidates = logits.detach().topk(top_k, dim=-1).indices
+    hit = candidates == labels[:, None]
+    present = hit.any(-1)
+    candidates[:, -1] = torch.where(present, candidates[:, -1], labels)
+    gold = torch.where(present, hit.int().argmax(-1), top_k - 1)
+    return F.cross_entropy(selector.score(logits, hidden, predecessors, candidates), gold, reduction="none")
+
+
 def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_weight: float = 0.0,
-                       target_top=None, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                       target_top=None, chunk: int = 4096, selector=None, predecessors=None, selector_top_k: int = 16,
+                       selector_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """sum(w * slot loss) and sum(w * correct) over rows with w > 0. Past LOGITS_BUDGET the LM head is applied chunk
     by chunk under activation checkpointing, so full-vocabulary logits never exist for all rows at once (nor are
     kept for backward). The soft label of kl_weight > 0 is either the full LM-head distribution of `target_hidden`
     (b, N*B, H: the target's final-normed state that predicts each slot's label), recomputed in backward, or
-    `target_top` = (probabilities, token ids), each (b, N*B, k): the target's top-k, renormalised."""
+    `target_top` = (probabilities, token ids), each (b, N*B, k): the target's top-k, renormalised. With a DFlash2
+    `selector` each slot's loss adds selector_weight x selector_loss (`predecessors` (b, N*B): the gold token before
+    each label)."""
     h = hidden.flatten(0, 1)
     y, w = labels.flatten(), weights.flatten()
     keep = w > 0
@@ -116,8 +132,9 @@ def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_
         q_all, idx_all = (x.flatten(0, 1)[keep] for x in target_top)
     elif soft:
         q_all, idx_all = target_hidden.flatten(0, 1)[keep], None
+    p_all = predecessors.flatten()[keep] if selector is not None else None
 
-    def piece(h_, y_, w_, q_, i_):
+    def piece(h_, y_, w_, q_, i_, p_):
         logits = lm_head(h_).float()
         loss = F.cross_entropy(logits, y_, reduction="none")
         if soft:
@@ -127,6 +144,8 @@ def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_
             logp = torch.log_softmax(logits, -1)
             soft_ce = -(q_ * (logp if i_ is None else logp.gather(-1, i_))).sum(-1)
             loss = (1 - kl_weight) * loss + kl_weight * soft_ce
+        if selector is not None:
+            loss = loss + selector_weight * selector_loss(selector, logits, h_, p_, y_, selector_top_k)
         return (loss * w_).sum(), ((logits.argmax(-1) == y_).float() * w_).sum()
 
     # small logits (a small vocabulary, few rows) in one piece and kept for backward; large ones chunk by chunk,
@@ -139,7 +158,7 @@ def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_
         part = slice(i, i + chunk)
         q = q_all[part] if soft else None
         idx = idx_all[part] if soft and idx_all is not None else None
-        args = (h[part], y[part], w[part], q, idx)
+        args = (h[part], y[part], w[part], q, idx, p_all[part] if selector is not None else None)
         recompute = torch.is_grad_enabled() and not whole
         l, c = checkpoint(piece, *args, use_reentrant=False) if recompute else piece(*args)
         loss, correct = loss + l, correct + c
@@ -156,14 +175,15 @@ def target_top_k(lm_head, target_final: torch.Tensor, k: int) -> tuple[torch.Ten
 
 def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, loss_mask, anchors, valid, *,
                    block_size: int, mask_token_id: int, gamma: float | None = None, use_flex: bool | None = None,
-                   forward=None, rules=None, target_final=None, kl_weight: float = 0.0,
-                   kl_top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   forward=None, rules=None, target_final=None, kl_weight: float = 0.0, kl_top_k: int = 0,
+                   selector_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unnormalised pieces of the loss for given anchors: (sum w*loss, sum w*correct, sum w). The trainer divides by
     the weight sum of the whole global batch, so the loss does not depend on how the batch is split across ranks
     and micro-batches. `forward(x, features, positions, mask)` replaces packed_forward (a DDP/FSDP wrapper).
     `rules`: one LayerRule per draft layer (default: full attention, the whole context). `target_final` (b, S, H):
     the target's final-normed hidden states, needed when kl_weight > 0 (soft label: its top `kl_top_k` tokens, or
-    the whole distribution with kl_top_k 0)."""
+    the whole distribution with kl_top_k 0). A DFlash2 drafter's selector is trained alongside, with weight
+    `selector_weight` (0: not at all)."""
     gamma = gamma or default_gamma(block_size)
     ids, pos, labels, weights = build_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, gamma)
     s = input_ids.shape[1]
@@ -183,7 +203,15 @@ def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, 
             target_top = tuple(at(x) for x in target_top_k(lm_head, target_final, kl_top_k))
         else:
             target_hidden = at(target_final)
-    loss_sum, correct = chunked_block_loss(hidden, lm_head, labels, weights, target_hidden, kl_weight, target_top)
+    selector = predecessors = None
+    if drafter.spec.is_dflash2 and selector_weight > 0:
+        selector = drafter.candidate_selector
+        per_block = labels.view(labels.shape[0], -1, block_size)  # slot 0's label is the anchor token itself
+        predecessors = torch.cat([per_block[..., :1], per_block[..., :-1]], -1).flatten(1)
+    loss_sum, correct = chunked_block_loss(hidden, lm_head, labels, weights, target_hidden, kl_weight, target_top,
+                                           selector=selector, predecessors=predecessors,
+                                           selector_top_k=drafter.spec.selector_top_k or 0,
+                                           selector_weight=selector_weight)
     return loss_sum, correct, weights.sum()
 
 

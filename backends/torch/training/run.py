@@ -71,6 +71,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise DFlashError(f"--kl-weight: got {cfg.kl_weight}, expected 0..1")
     if cfg.context_mode not in ("kv",) + ABLATION_CONTEXT_MODES:
         raise DFlashError(f"--context-mode: got {cfg.context_mode!r}, expected kv, {' or '.join(ABLATION_CONTEXT_MODES)}")
+    if cfg.arch not in (None, "dflash", "dflash2"):
+        raise DFlashError(f"--arch: got {cfg.arch!r}, expected dflash or dflash2")
+    if cfg.arch == "dflash2" and cfg.context_mode != "kv":
+        raise DFlashError(f"--arch dflash2: reads the target as K/V context only; drop --context-mode "
+                          f"{cfg.context_mode}")
     if cfg.kl_weight > 0 and cfg.features:
         raise DFlashError("--kl-weight: needs online target features (a feature cache holds no target logits); "
                           "drop --features or pass --kl-weight 0")
