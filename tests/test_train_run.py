@@ -76,6 +76,19 @@ def test_two_process_loss_curve_matches_one_process(parallel, tiny_target_dir, d
     assert (out / "draft" / "model.safetensors").is_file()
 
 
+def test_dflash2_two_process_fsdp_curve_matches_one_process(tiny_target_dir, data_file, tmp_path):
+    """The selector's codebooks are used by the loss after the wrapped forward: FSDP2 (and DDP) still reduce their
+    gradients, so the curve is the one process's."""
+    dflash2 = dict(arch="dflash2", selector_rank=16, selector_top_k=8, num_layers=2, block_size=4, num_anchors=8,
+                   lr=3e-3, seed=1, max_steps=3, save_every=0, init_layers="target")
+    one = train(TrainConfig(target=str(tiny_target_dir), data=str(data_file), out=str(tmp_path / "one"),
+                            batch_size=1, grad_accum=2, progress=False, plot=False, quiet=True, device="cpu",
+                            **dflash2)).losses
+    out = tmp_path / "fsdp"
+    torchrun(base_args(tiny_target_dir, data_file, out, batch_size=1, parallel="fsdp", **dflash2))
+    assert losses(out) == pytest.approx(one, rel=1e-4, abs=1e-5)
+
+
 def test_sigkill_mid_run_then_resume_gives_identical_weights(tiny_target_dir, data_file, tmp_path):
     from safetensors.torch import load_file
 
