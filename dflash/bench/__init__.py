@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import sys
 
-from . import benchmark, costmodel, gpucheck, loadsim, serve_load, treecurve
+from . import benchmark, costmodel, gpucheck, loadsim, longcontext, serve_load, treecurve
 
 COMMANDS = {"run": benchmark.main, "cost-model": costmodel.main, "gpu-check": gpucheck.main,
             "tree-curve": treecurve.main, "serve": serve_load.main,
-            "load-sim": loadsim.main}
+            "load-sim": loadsim.main, "long-context": longcontext.main}
 
 
 def main(argv=None) -> int:
