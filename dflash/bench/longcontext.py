@@ -159,12 +159,15 @@ def plot(report: dict, path: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for w in report["draft_windows"]:
+    styles = ("o-", "s--", "^:", "D-.", "v-")  # distinct, so that equal curves (a window past the context) still show
+    for w, style in zip(report["draft_windows"], styles * len(report["draft_windows"])):
         rows = [r for r in report["rows"] if r["draft_window"] == w]
         if rows:
             x = [sum(r["prompt_tokens"]) / len(r["prompt_tokens"]) for r in rows]
-            ax.plot(x, [r["tau"] for r in rows], "o-", label=window_label(w))
+            ax.plot(x, [r["tau"] for r in rows], style, label=window_label(w), markerfacecolor="none")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(report["lengths"], [str(n) for n in report["lengths"]])
+    ax.minorticks_off()
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("tokens committed per cycle (tau)")
     ax.set_title(f"{report['model']}, block {report['block_size']}, greedy", fontsize=10)
