@@ -7,7 +7,10 @@ the calibrated acceptance estimates of dflash.tree, seconds from the costs measu
 short chain, a wide tree or the root alone (an autoregressive step) are all answers it can give. When even the best
 drafted cycle is predicted to lose to a cycle without a draft forward, it stops drafting for a while (1, 2, 4 .. 16
 cycles, then a drafted cycle probes again), so a drafter that is almost always wrong costs little more than not
-drafting; the copied branch still runs in those cycles, since it costs no draft forward.
+drafting; the copied branch still runs in those cycles, since it costs no draft forward. For a batch the rule is
+the same over all rows at once: costs of r rows of n tokens each (measured at load), one global budget across rows
+(a row whose drafts are rarely accepted gets no nodes), and a pause skips the whole batch's draft forward. Whether
+a cycle runs on the chain's own path or a tree's is dflash/path_choice.py's estimate.
 """
 
 from __future__ import annotations
@@ -15,11 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .path_choice import PathChoice
 from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates, to_tree
 
 VERIFY_MODES = ("chain", "tree", "auto")
-PROBE_FIRST, PROBE_LAST = 16, 1024  # auto: cycles before the path not in use runs once (doubling while it loses)
-CLOSE = 0.1  # auto: paths whose estimates are this close are probed again soon
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
 PLAIN_EVERY = 32  # ChainBudget: drafted cycles in a row before a plain step is timed again
 
@@ -82,70 +84,7 @@ class Plan:
     trees: list[Tree]
     qs: list[list[float]]  # per row and node: the surrogate probability (0 for copied-only nodes)
     drafted: bool
-    # per row: which nodes are the drafter's rank-1 chain (the root counts as one), and the calibrated value of
-    # that chain's node at every depth 1..B-1, verified or not
-    on_chain: list[list[bool]] = field(default_factory=list)
-    chain_values: list[list[float]] = field(default_factory=list)
-
-    def chain_tokens(self, row: int, path: Sequence[int]) -> float:
-        """What the chain's path would have committed for `row` in this cycle: the accepted path's leading rank-1
-        nodes and the bonus token, plus the chain's expected continuation where the tree stopped verifying it."""
-        on_chain, values = self.on_chain[row], self.chain_values[row]
-        k = 0
-        while k < len(path) and on_chain[path[k]]:
-            k += 1
-        tokens, reached = 1.0 + k, values[k - 1] if k else 1.0
-        if k == sum(on_chain) - 1 and k < len(values) and reached > 0:  # the tree verified no more of the chain
-            tokens += sum(values[k:]) / reached
-        return tokens
-
-
-class PathChoice:
-    """auto: each cycle runs on the chain's own path (draft and verify with no host read between them, so on a
-    lazy backend the draft overlaps the verify's graph building) or on a tree's. Not a race between measured
-    speeds, which swing with the text far more than between the paths: each path's seconds are smoothed from its
-    own cycles as a multiple of what the cost model predicts for a chain cycle of that many rows (so they carry
-    over as the batch changes), and what a tree commits against the chain is measured on tree cycles, where the
-    chain's outcome is known too (Plan.chain_tokens). The path not in use runs one cycle after 16 cycles, then after
-    32, 64 .. 1024 while it loses by more than 10%; the first cycle of each path only warms up."""
-
-    def __init__(self, warmup: int = 3, smoothing: float = 0.2):
-        self.warmup, self.smoothing = warmup, smoothing
-        self.factor: dict[str, float | None] = {"chain": None, "tree": None}  # seconds / the model's chain cycle
-        self.cycles = {"chain": 0, "tree": 0}
-        self.tokens = [0.0, 0.0]  # decaying sums over tree cycles: committed, and what the chain would have
-        self.best, self.since, self.wait = "tree", 0, PROBE_FIRST
-
-    def ratio(self) -> float:
-        """Estimated tree speed over chain speed."""
-        tree, chain = self.tokens
-        gain = tree / chain if chain > 0 else 1.0
-        return gain * self.factor["chain"] / self.factor["tree"]
-
-    def choose(self) -> str:
-        for kind in ("tree", "chain"):
-            if self.cycles[kind] < self.warmup or self.factor[kind] is None:
-                return kind
-        ratio = self.ratio()
-        best = "tree" if ratio > 1.0 else "chain"
-        if best != self.best:
-            self.best, self.since, self.wait = best, 0, PROBE_FIRST
-        self.since += 1
-        if self.since < self.wait:
-            return best
-        self.since = 0  # the other path's estimate is stale: one cycle on it
-        self.wait = PROBE_FIRST if abs(ratio - 1.0) < CLOSE else min(2 * self.wait, PROBE_LAST)
-        return "chain" if best == "tree" else "tree"
-
-    def observe(self, kind: str, seconds: float, model_seconds: float) -> None:
-        self.cycles[kind] += 1
-        if self.cycles[kind] == 1:
-            return  # (allocation, kernel selection)
-        x, old = seconds / max(model_seconds, 1e-9), self.factor[kind]
-        self.factor[kind] = x if old is None else old + self.smoothing * (x - old)
-
-    def observe_tokens(self, tree: float, chain: float, decay: float = 0.9) -> None:
-        self.tokens = [decay * self.tokens[0] + tree, decay * self.tokens[1] + chain]
+    on_chain: list[list[bool]] = field(default_factory=list)  # per row and node: the drafter's rank-1 chain
 
 
 class TreePlanner:
@@ -159,22 +98,25 @@ class TreePlanner:
         self.calibration = Calibration(block_size - 1)
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
-        self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
+        self.choice = PathChoice(block_size)  # auto: the chain's path or a tree's, cycle by cycle
         self.last_drafted = True
         # seconds a cycle takes beyond its forwards (host work: the heap, the walk, sampling), learnt online
         self.overhead = {True: 0.0, False: 0.0}
 
     def path(self) -> str:
-        """auto: "chain" or "tree" for this cycle (tree: always). A pause in drafting runs on the tree path (the
-        chain's always drafts)."""
-        if self.mode != "auto" or self.skip > 0:
+        """auto: "chain" or "tree" for this cycle (tree: always). While cycles without a draft forward win (a pause,
+        and its probes) the tree path runs: only it can pause, and only its plans tell when drafting pays again."""
+        if self.mode != "auto" or self.skip > 0 or self.backoff > 0:
             return "tree"
         return self.choice.choose()
 
-    def observe_speed(self, kind: str, tokens: float, seconds: float, rows: int = 1) -> None:
-        """One cycle of `rows` rows on the chain's path or a tree's took `seconds` (tokens: committed per row)."""
+    def observe_speed(self, kind: str, accepted: Sequence[int], seconds: float) -> None:
+        """One cycle on the chain's path or a tree's took `seconds`; row r accepted accepted[r] draft tokens."""
+        if kind == "chain":
+            self.choice.observe_chain(accepted, self.block_size - 1)
         if self.costs is None or (kind == "tree" and not self.last_drafted):
             return  # (a cycle without a draft forward says nothing about either path's drafted cycles)
+        rows = len(accepted)
         model = self.costs.draft_seconds(rows) + self.costs.verify_seconds(self.block_size, rows)
         self.choice.observe(kind, seconds, model)
 
@@ -204,16 +146,7 @@ class TreePlanner:
         qs = [[1.0] + [x.q for x in c[:n]] for c, n in zip(candidates, counts)]
         rank1 = lambda c: bool(c.ranks) and not any(c.ranks)  # noqa: E731  (the drafter's argmax at every depth)
         on_chain = [[True] + [rank1(x) for x in c[:n]] for c, n in zip(candidates, counts)]
-        chain_values = [self._chain_values(top_probs[r]) if drafted else [] for r in range(rows)]
-        return Plan(trees, qs, drafted, on_chain, chain_values)
-
-    def _chain_values(self, top_probs) -> list[float]:
-        """The calibrated value of the drafter's rank-1 chain at every depth, as merge_candidates values nodes."""
-        values, q = [], 1.0
-        for depth, probs in enumerate(top_probs[: self.block_size - 1], 1):
-            q *= probs[0]
-            values.append(min(q * self.calibration.scale(depth), values[-1] if values else 1.0))
-        return values
+        return Plan(trees, qs, drafted, on_chain)
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
@@ -221,8 +154,7 @@ class TreePlanner:
             self.calibration.observe(tree, qs, list(path))
         self.last_drafted = plan.drafted
         if plan.drafted and plan.on_chain:
-            self.choice.observe_tokens(sum(len(p) + 1.0 for p in paths),
-                                       sum(plan.chain_tokens(r, p) for r, p in enumerate(paths)))
+            self.choice.observe_tree(plan.on_chain, paths)
         if seconds is not None and self.costs is not None:
             rows, width = len(plan.trees), max(len(t.tokens) for t in plan.trees)
             forwards = self.costs.verify_seconds(width, rows) + (self.costs.draft_seconds(rows) if plan.drafted

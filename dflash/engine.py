@@ -258,14 +258,17 @@ class Engine:
         row.set_sampling(sampling or self.sampling)
         return Admission(row, prompt_ids)
 
-    def end_admit(self, admission: "Admission") -> int:
-        """Merge a prefilled row into the batch, target and drafter caches together or neither. Returns its first
-        token."""
+    def end_admit(self, admission: "Admission", alone: bool = False) -> int:
+        """Merge a prefilled row into the batch, target and drafter caches together or neither; `alone`: the batch
+        emptied meanwhile (a finished lone sequence may still be cached), so the row's caches become the engine's.
+        Returns its first token."""
         row = admission.row
         if admission.first is None:
             raise DFlashError("end_admit: the row's prefill has not finished")
         self.first_logprobs, self.last_reused = row.first_logprobs, row.last_reused
-        if not self.rows:  # the batch emptied meanwhile: the row's caches become the engine's
+        if alone or not self.rows:
+            if self.rows and not self.shared and self.prefix_cache is not None:
+                self._keep_prefix(0)  # (the finished sequence, for later prompts)
             self.target, self.drafter, self.pending, self._copies = row.target, row.drafter, row.pending, []
             self.rows, self.row_sampling, self.shared = row.rows, row.row_sampling, False
             return admission.first
@@ -331,8 +334,7 @@ class Engine:
             start = time.perf_counter()
             path = self.planner.path() if "rejection" not in self.accept_rules else "chain"
             steps = self._tree_step(list(anchors)) if path == "tree" else self._chain_step(anchors, top_k=0)
-            tokens = sum(len(s.tokens) for s in steps) / len(steps)
-            self.planner.observe_speed(path, tokens, time.perf_counter() - start, len(steps))
+            self.planner.observe_speed(path, [s.accepted for s in steps], time.perf_counter() - start)
             return steps
         return self._chain_step(anchors, self.top_k)
 

@@ -172,7 +172,7 @@ class Batch:
         self._want_logprobs(extra=gen)
         t0 = admission.started if admission is not None else time.perf_counter()
         if admission is not None:
-            first = engine.end_admit(admission)
+            first = engine.end_admit(admission, alone=not self.rows)
         elif self.rows:
             first = engine.admit(gen.prompt_ids, gen.sampling)
         else:  # a lone sequence: the engine reuses the longest cached prefix of the previous one

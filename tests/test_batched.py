@@ -280,3 +280,23 @@ def test_a_failed_merge_leaves_the_batch_as_it_was(pair, mixed_prompts, monkeypa
     while batch:
         batch.step()
     assert gen.result.tokens == want
+
+
+def test_a_row_admitted_after_the_batch_emptied_runs_alone(pair, mixed_prompts):
+    """The running row finishes while another's prompt goes in: the admitted row takes the engine's caches (the
+    finished sequence's are not merged with it) and decodes its batch-1 tokens."""
+    target, drafter = pair
+    solo = single(target, drafter)
+    want = generate(solo, mixed_prompts[7], max_new_tokens=32).tokens
+    batch = Batch(batched(target, drafter))
+    short = Generation(batch.engine, mixed_prompts[1], max_new_tokens=2)
+    batch.join(short)
+    gen = Generation(batch.engine, mixed_prompts[7], max_new_tokens=32)
+    admission = batch.begin(gen, chunk=4)
+    while not admission.advance():
+        batch.step()
+    assert short.result is not None and not batch
+    batch.join(gen, admission)
+    while batch:
+        batch.step()
+    assert gen.result.tokens == want and len(batch.engine.rows) == 1
