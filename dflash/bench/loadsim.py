@@ -96,7 +96,7 @@ def choose(rows: int, costs: Costs, block_size: int = 16, budget: int = 256) -> 
 
 def chain(rows: int, costs: Costs, block_size: int = 16) -> float:
     """The fixed chain's speedup over a plain batched step at `rows` rows (for comparison)."""
-    ids, probs = synthetic_draft(block_size)
+    _, probs = synthetic_draft(block_size)
     tau = 1.0 + sum(probs[0][0] ** d for d in range(1, block_size))
     seconds = costs.draft_seconds(rows) + costs.verify_seconds(block_size, rows)
     return tau * costs.verify_seconds(1, rows) / seconds
