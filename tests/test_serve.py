@@ -57,7 +57,7 @@ def metrics(server) -> dict:
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["dflash-bundled"]
     health = httpx.get(server.url + "/health").json()
-    assert health["status"] == "ok" and health["max_batch"] == 16
+    assert health["status"] == "ok" and health["max_batch"] == 16 and health["prefilling"] == 0
 
 
 def test_completion_equals_batch1_and_stream_equals_whole(client, solo):

@@ -87,8 +87,9 @@ class Server:
         @app.get("/health")
         async def health():
             s = self.scheduler
-            return {"status": "ok", "model": self.model_name, "running": s.running, "waiting": len(s.waiting),
-                    "max_batch": s.max_batch, "max_queue": s.max_queue, "backend": self.pipe.backend_name}
+            return {"status": "ok", "model": self.model_name, "running": s.running, "prefilling": len(s.joining),
+                    "waiting": len(s.waiting), "max_batch": s.max_batch, "max_queue": s.max_queue,
+                    "backend": self.pipe.backend_name}
 
         @app.get("/metrics")
         async def metrics():
