@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 import platform
 
-from dflash.deps import install_hint, installed
-from dflash.errors import DFlashError
+from dflash.core.deps import install_hint, installed
+from dflash.core.errors import DFlashError
 
 BACKENDS = ("torch", "mlx")
 _LIBRARIES = {"torch": ("torch",), "mlx": ("mlx", "mlx_lm")}  # what each backend runs on

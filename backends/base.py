@@ -1,4 +1,4 @@
-"""The array primitives a backend gives the engine (dflash/engine.py). Policy (what to commit, when to stop, prefix
+"""The array primitives a backend gives the engine (dflash/core/engine.py). Policy (what to commit, when to stop, prefix
 reuse, per-row bookkeeping) lives in the core; a backend owns models, caches and arrays, nothing else.
 
 A backend package exposes `load(target_dir, draft_dir, **options) -> Engine`, an Engine built over a Target and,
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from dflash.engine import Draft, Pending
-from dflash.sampling import RowDraw, SamplingParams
-from dflash.spec import TargetInfo
-from dflash.tree import TreeInputs
+from dflash.core.contract import Draft, Pending
+from dflash.core.sampling import RowDraw, SamplingParams
+from dflash.core.spec import TargetInfo
+from dflash.core.tree import TreeInputs
 
 
 class Target(Protocol):
@@ -45,9 +45,9 @@ class Target(Protocol):
     def reset(self) -> None: ...
     def close(self) -> None: ...
 
-    # trees (dflash/tree.py): a forward with `tree` puts slot j at position + depth under an ancestor mask
+    # trees (dflash/core/tree.py): a forward with `tree` puts slot j at position + depth under an ancestor mask
     def tree_refusal(self) -> str | None: ...                              # why this target cannot (None: it can)
-    def device_key(self) -> str: ...                                       # device, dtype, threads (dflash/costs.py)
+    def device_key(self) -> str: ...                                       # device, dtype, threads (dflash/core/costs.py)
     def keep_slots(self, slots: list[list[int]], width: int) -> None: ...  # row i keeps slots[i] of the last forward
     def gather(self, features, slots: list[list[int]]): ...                # row i's features at slots[i], packed
 

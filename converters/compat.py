@@ -6,9 +6,9 @@ import json
 import os
 from pathlib import Path
 
-from dflash.checkpoint import INDEX_NAME, read_header, validate_weights
-from dflash.errors import DFlashError
-from dflash.spec import DraftSpec, TargetInfo
+from dflash.core.checkpoint import INDEX_NAME, read_header, validate_weights
+from dflash.core.errors import DFlashError
+from dflash.core.spec import DraftSpec, TargetInfo
 
 
 

@@ -1,6 +1,6 @@
 """Rewriting a drafter checkpoint into the canonical format: change its dtype, or strip a trainer's key prefix.
 
-Every output is built in a temporary directory and swapped into place only when complete (dflash.io), and is
+Every output is built in a temporary directory and swapped into place only when complete (dflash.core.io), and is
 validated against its config before the swap: a failed conversion leaves nothing behind.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflash.checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, common_prefix, weight_files
-from dflash.errors import DFlashError
-from dflash.io import atomic_directory, check_output_dir
-from dflash.spec import WEIGHTS_NAME, DraftSpec
+from dflash.core.checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, common_prefix, weight_files
+from dflash.core.errors import DFlashError
+from dflash.core.io import atomic_directory, check_output_dir
+from dflash.core.spec import WEIGHTS_NAME, DraftSpec
 
 from .tensors import DTYPE_NAMES, convert, read_tensors, write_tensors
 

@@ -12,10 +12,10 @@ import copy
 import os
 from pathlib import Path
 
-from dflash.checkpoint import check_target_dir
-from dflash.deps import require
-from dflash.errors import DFlashError
-from dflash.io import atomic_directory
+from dflash.core.checkpoint import check_target_dir
+from dflash.core.deps import require
+from dflash.core.errors import DFlashError
+from dflash.core.io import atomic_directory
 
 from .draft import check_out
 

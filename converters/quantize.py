@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflash.checkpoint import validate_weights
-from dflash.deps import install_hint
-from dflash.errors import DFlashError
-from dflash.spec import WEIGHTS_NAME, DraftSpec
+from dflash.core.checkpoint import validate_weights
+from dflash.core.deps import install_hint
+from dflash.core.errors import DFlashError
+from dflash.core.spec import WEIGHTS_NAME, DraftSpec
 
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -35,7 +35,7 @@ def quantize_drafter(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, b
         import mlx.core as mx
     except ImportError:
         raise DFlashError(f"quantize: needs the 'mlx' package ({install_hint('mlx')})") from None
-    from dflash.io import atomic_directory
+    from dflash.core.io import atomic_directory
 
     from .draft import check_out
 

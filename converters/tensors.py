@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.checkpoint import read_header
+from dflash.core.checkpoint import read_header
 
 _NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_, "U32": np.uint32,
@@ -21,7 +21,7 @@ DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 def read_tensors(path: str | os.PathLike) -> dict[str, tuple[str, np.ndarray]]:
     """{name: (safetensors dtype, array)}; the header is validated first (truncation, offsets)."""
-    from dflash.errors import DFlashError
+    from dflash.core.errors import DFlashError
 
     header = read_header(path)
     with open(path, "rb") as f:
@@ -39,7 +39,7 @@ def read_tensors(path: str | os.PathLike) -> dict[str, tuple[str, np.ndarray]]:
 
 def write_tensors(path: str | os.PathLike, tensors: dict[str, tuple[str, np.ndarray]],
                   metadata: dict[str, str] | None = None) -> None:
-    """Write safetensors (callers wrap this in dflash.io.atomic_path / atomic_directory)."""
+    """Write safetensors (callers wrap this in dflash.core.io.atomic_path / atomic_directory)."""
     header, chunks, offset = {}, [], 0
     for name in sorted(tensors):
         dtype, array = tensors[name]

@@ -1,8 +1,8 @@
 """DFlash: block-diffusion speculative decoding on PyTorch and MLX (one core loop, one checkpoint format)."""
 
-from .deps import quiet_transformers_without_torch
-from .errors import DFlashError
-from .sampling import SamplingParams
+from .core.deps import quiet_transformers_without_torch
+from .core.errors import DFlashError
+from .core.sampling import SamplingParams
 
 quiet_transformers_without_torch()
 

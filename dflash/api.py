@@ -12,15 +12,16 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from . import backends, blas, hub
-from .budget import VERIFY_MODES
-from .checkpoint import check_target_dir
-from .costs import measured_costs
-from .errors import DFlashError
-from .loop import Generation, GenerationResult, Increment, generate_batch
-from .sampling import SamplingParams
-from .spec import DraftSpec
-from .tokenizer import chat_ids, eos_token_ids, load_tokenizer
+from . import backends, hub
+from .core import blas
+from .core.budget import VERIFY_MODES
+from .core.checkpoint import check_target_dir
+from .core.costs import measured_costs
+from .core.errors import DFlashError
+from .core.loop import Generation, GenerationResult, Increment, generate_batch
+from .core.sampling import SamplingParams
+from .core.spec import DraftSpec
+from .core.tokenizer import chat_ids, eos_token_ids, load_tokenizer
 
 
 class Pipeline:
@@ -85,7 +86,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
          tree_budget: int | None = None, copy_branch: bool = True) -> Pipeline:
     """verify: chain (the drafter's B-1 proposals), tree (`tree_budget` nodes of the most probable prefixes each
     cycle) or auto (each cycle the node count that maximises tokens per second on this device, from costs measured
-    at load and cached; see dflash/budget.py)."""
+    at load and cached; see dflash/core/budget.py)."""
     name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load
     if verify not in VERIFY_MODES:
         raise DFlashError(f"--verify: got {verify!r}, expected one of {', '.join(VERIFY_MODES)}")

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 
 from . import cli, hub
-from .errors import DFlashError
-from .sampling import common_prefix
-from .stats import mean_acceptance_length, per_position_acceptance
+from .core.errors import DFlashError
+from .core.sampling import common_prefix
+from .core.stats import mean_acceptance_length, per_position_acceptance
 
 PROMPT = ">> "
 HELP = """commands:

@@ -7,10 +7,11 @@ import os
 import signal
 import sys
 
-from . import backends, blas
+from . import backends
 from .api import load
-from .errors import DFlashError
-from .sampling import SamplingParams
+from .core import blas
+from .core.errors import DFlashError
+from .core.sampling import SamplingParams
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +64,7 @@ def sampling_from(args) -> SamplingParams:
 
 
 def restart_if_mlx(args) -> None:
-    """An MLX run re-executes itself with OpenBLAS preloaded where it can (dflash.blas). LD_PRELOAD only acts at
+    """An MLX run re-executes itself with OpenBLAS preloaded where it can (dflash.core.blas). LD_PRELOAD only acts at
     process start, and the new process must find stdin unread: call this before any work and before reading stdin."""
     if backends.pick(args.backend) == "mlx":
         blas.restart_mlx_run_with_openblas()

@@ -21,13 +21,13 @@ import os
 import sys
 
 from . import cli, hub
-from .datasets import load_samples
-from .deps import require
-from .errors import DFlashError
-from .io import check_output_dir
+from .core.datasets import load_samples
+from .core.deps import require
+from .core.errors import DFlashError
+from .core.io import check_output_dir
+from .core.spec import default_target_layer_ids
+from .core.tokenizer import load_tokenizer
 from .remote_regeneration import regenerate_remote
-from .spec import default_target_layer_ids
-from .tokenizer import load_tokenizer
 
 
 def parse_args(argv=None):
@@ -119,12 +119,14 @@ def main(argv=None) -> int:
     if args.command == "regenerate":
         from dflash.backends.torch import regenerate
 
-        stats = regenerate(args.model, args.input, args.output, batch_size=args.batch_size,
+        stats = regenerate(hub.resolve(args.model, "--model"), args.input, args.output,
+                           batch_size=args.batch_size,
                            temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                            enable_thinking=args.enable_thinking, max_prompt_tokens=args.max_prompt_tokens,
                            device=args.device, dtype=args.dtype, seed=args.seed,
                            trust_remote_code=args.trust_remote_code, progress=not args.no_progress,
-                           draft=args.draft, log=lambda m: print(m, file=sys.stderr))
+                           draft=hub.resolve(args.draft, "--draft") if args.draft else None,
+                           log=lambda m: print(m, file=sys.stderr))
         print(json.dumps(stats))
         return 0 if stats["failed"] == 0 else 1
     return cache_features(args)

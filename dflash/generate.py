@@ -7,9 +7,9 @@ import json
 import sys
 
 from . import cli
-from .errors import DFlashError
-from .stats import summary_line
-from .tokenizer import chat_ids
+from .core.errors import DFlashError
+from .core.stats import summary_line
+from .core.tokenizer import chat_ids
 
 
 BUNDLED_PAIR_NOTE = ("dflash: the bundled pair is an 8.4M-parameter toy trained on Python source (for offline runs, "

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .converters.gguf import convert_gguf, require_packages
-from .errors import DFlashError
-from .io import cache_root
+from .core.errors import DFlashError
+from .core.io import cache_root
 from .reference import reference_dirs
 
 # What the loaders read and nothing more: config.json, generation_config.json and the safetensors index (*.json),

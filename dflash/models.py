@@ -13,7 +13,7 @@ import json
 import sys
 
 from . import cli, hub
-from .io import cache_root
+from .core.io import cache_root
 
 
 def parse_args(argv=None):

@@ -16,10 +16,10 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .answers import append_row, input_rows, recover_output, write_stats
-from .datasets import prompt_messages, row_messages
-from .errors import DFlashError
-from .io import check_output_dir
+from .core.answers import append_row, input_rows, recover_output, write_stats
+from .core.datasets import prompt_messages, row_messages
+from .core.errors import DFlashError
+from .core.io import check_output_dir
 
 
 class Endpoint:

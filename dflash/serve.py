@@ -9,8 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from . import backends, blas, cli
-from .errors import DFlashError
+from . import backends, cli
+from .core import blas
+from .core.errors import DFlashError
 
 BUNDLED_NAME = "dflash-bundled"
 

@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 
 from . import cli
-from .errors import DFlashError
+from .core.errors import DFlashError
 
 HELP = {
     "target": "target model: local HF directory or hub id",
@@ -100,7 +100,7 @@ RECIPES = {"default": {}, "paper": {"init_layers": "random", "kl_weight": 0.0}}
 
 
 def _field_types():
-    from .train_config import TrainConfig
+    from .core.train_config import TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
     return TrainConfig, [(f, hints[f.name]) for f in dataclasses.fields(TrainConfig)
@@ -221,7 +221,7 @@ def run_training(cfg):
     from dflash import hub
     from dflash.backends.torch.training import train
     from dflash.backends.torch.training.run import check_config
-    from dflash.io import check_output_dir
+    from dflash.core.io import check_output_dir
 
     check_output_dir(cfg.out, "--out")  # created only once the inputs are validated: a refused run leaves nothing
     check_config(cfg)
@@ -240,7 +240,7 @@ def check_pushable(cfg) -> None:
     if not cfg.push_to_hub:
         return
     if cfg.init_from:
-        from .spec import DraftSpec
+        from .core.spec import DraftSpec
 
         DraftSpec.load(cfg.init_from).check_public("--push-to-hub")
     elif cfg.context_mode != "kv":
@@ -269,7 +269,7 @@ def plot_curves(log_path: Path, png: Path) -> None:
 
 
 def push_to_hub(draft_dir: Path, repo: str) -> None:
-    from .spec import DraftSpec
+    from .core.spec import DraftSpec
 
     DraftSpec.load(draft_dir).check_public("--push-to-hub")  # the hub is where vLLM and SGLang load drafters from
     try:

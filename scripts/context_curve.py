@@ -29,9 +29,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     import dflash
+    from dflash.core.stats import mean_acceptance_length, per_position_acceptance
+    from dflash.core.tokenizer import load_tokenizer
     from dflash.reference.corpus import source_files, split
-    from dflash.stats import mean_acceptance_length, per_position_acceptance
-    from dflash.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.target)
     _, heldout = split(source_files())

@@ -1,7 +1,7 @@
 """Which verification rule accepts more when sampling with a DFlash2 drafter: sample-and-match against the greedy
-selector walk, or exact rejection sampling against the selector's distribution q_t (dflash.sampling).
+selector walk, or exact rejection sampling against the selector's distribution q_t (dflash.core.sampling).
 
-Tiny pair: the trained tiny target / drafter of backends/torch/tiny_pair.py, the drafter turned into a DFlash2 one
+Tiny pair: the trained tiny target / drafter of tests/tiny_pair.py, the drafter turned into a DFlash2 one
 (identity convolutions + noise 0.02, random rank-16 codebooks of scale 0.3, or scale 0: the selector reduced to the
 draft logits). 32 held-out prompts x 64 tokens per setting, seeds 0..31, block 16, PyTorch on the CPU. Then the
 16-token pair of tests/test_dflash2.py (a random target and a random DFlash2 drafter whose 16 candidates span the
@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from dflash import backends, tiny
+from dflash import backends
 from dflash.backends.torch.drafter import load_drafter, save_drafter
-from dflash.backends.torch.tiny_pair import build_trained_pair, dflash2_from
-from dflash.loop import generate
-from dflash.sampling import SamplingParams
+from dflash.core.loop import generate
+from dflash.core.sampling import SamplingParams
+from dflash.reference import tiny
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_pair import build_trained_pair, dflash2_from  # noqa: E402  (the tests' trained tiny pair)
 
 
 def main() -> None:

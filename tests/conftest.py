@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
-    from dflash import tiny
+    from dflash.reference import tiny
 
     d = tmp_path_factory.mktemp("tokenizer")
     tiny.train_tokenizer(tiny.stdlib_sources(300_000), 512, d)
@@ -43,7 +43,7 @@ def tiny_tokenizer_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, tiny_tokenizer_dir):
     """A random 4-layer Qwen3 target (hidden 64) with a real BPE tokenizer and ChatML template."""
-    from dflash import tiny
+    from dflash.reference import tiny
 
     d = tmp_path_factory.mktemp("target")
     tiny.build_target(d, tiny_tokenizer_dir, seed=0)
@@ -55,8 +55,8 @@ def random_draft_dir(tmp_path_factory, tiny_target_dir):
     """An untrained 2-layer drafter at block 16 for the tiny target (acceptance ~ 1)."""
     import torch
 
-    from dflash import tiny
     from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
+    from dflash.reference import tiny
 
     d = tmp_path_factory.mktemp("draft")
     torch.manual_seed(1)
@@ -71,7 +71,7 @@ def prompts(tiny_target_dir):
 
     from transformers import AutoTokenizer
 
-    from dflash import tiny
+    from dflash.reference import tiny
 
     tok = AutoTokenizer.from_pretrained(str(tiny_target_dir))
     rng = random.Random(0)
@@ -88,8 +88,8 @@ def prompts(tiny_target_dir):
 def trained_pair(tmp_path_factory):
     """(target_dir, draft_dir) of a tiny target and a drafter trained for it in ~40 s with the real trainer, whose
     mean acceptance length at block 16 on held-out prompts is >= 3 (asserted here; info in draft_dir/../../pair.json).
-    The target's greedy continuations follow learnable structure (see backends/torch/tiny_pair.py)."""
-    from dflash.backends.torch.tiny_pair import build_trained_pair
+    The target's greedy continuations follow learnable structure (see tests/tiny_pair.py)."""
+    from tiny_pair import build_trained_pair
 
     target_dir, draft_dir, info = build_trained_pair(tmp_path_factory.mktemp("trained_pair"))
     assert info["tau"] >= 3.0, f"trained_pair fixture: held-out tau {info['tau']:.2f} < 3"
@@ -100,9 +100,9 @@ def trained_pair(tmp_path_factory):
 def dflash2_pair(tmp_path_factory, trained_pair):
     """(target_dir, draft_dir): the trained pair's drafter as a DFlash2 drafter in the public layout (identity
     convolutions with a little noise, random codebooks of rank 16): long acceptances with partial ones among them."""
-    from dflash import tiny
     from dflash.backends.torch.drafter import load_drafter, save_drafter
-    from dflash.backends.torch.tiny_pair import dflash2_from
+    from dflash.reference import tiny
+    from tiny_pair import dflash2_from
 
     target_dir, draft_dir = trained_pair
     source = load_drafter(draft_dir)
@@ -117,9 +117,9 @@ def random_dflash2_dir(tmp_path_factory, tiny_target_dir):
     convolutions and selector are far from the identity."""
     import torch
 
-    from dflash import tiny
     from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
-    from dflash.backends.torch.tiny_pair import dflash2_from
+    from dflash.reference import tiny
+    from tiny_pair import dflash2_from
 
     torch.manual_seed(2)
     spec = tiny.draft_spec_for(tiny_target_dir, num_layers=2, block_size=8)

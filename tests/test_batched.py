@@ -1,4 +1,4 @@
-"""Batched speculative decoding (the engine with several rows on torch, through dflash.loop.generate_batch): every
+"""Batched speculative decoding (the engine with several rows on torch, through dflash.core.loop.generate_batch): every
 row's greedy output equals its batch-1 output, rows stop on their own, holes in the caches are compacted without
 changing a token."""
 
@@ -9,9 +9,9 @@ from dflash.backends.torch.backend import TorchBackend
 from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.backends.torch.target_runner import TorchTarget
-from dflash.errors import DFlashError
-from dflash.loop import Batch, Generation, generate, generate_batch
-from dflash.sampling import SamplingParams, accepted_length
+from dflash.core.errors import DFlashError
+from dflash.core.loop import Batch, Generation, generate, generate_batch
+from dflash.core.sampling import SamplingParams, accepted_length
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_pipeline_batch_and_errors(trained_pair):
 def test_rows_sample_with_their_own_settings(trained_pair):
     """Per-row sampling: a greedy row next to sampled rows keeps its batch-1 tokens, and a seeded sampled row
     draws what it draws alone (each row owns its sampler and generator)."""
-    from dflash.loop import Batch, Generation
+    from dflash.core.loop import Batch, Generation
 
     target, drafter = load_target(trained_pair[0], torch.float32, "cpu"), load_drafter(trained_pair[1])
     prompt = [5, 6, 7, 8, 9]
@@ -209,7 +209,7 @@ def test_batches_of_other_sizes_reuse_the_engine(pair, mixed_prompts):
 def test_logprobs_are_the_targets_own(pair, mixed_prompts, verify, sampling):
     """Generation(logprobs=k): each emitted token's log-probability and its top k, computed in the verify forward,
     equal a plain target forward over prompt + output (log_softmax of logits / temperature), rows in a batch."""
-    from dflash.loop import Batch, Generation
+    from dflash.core.loop import Batch, Generation
 
     target, drafter = pair
     be = batched(target, drafter)

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from dflash.bench import ar_draft
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 
 
 @pytest.fixture(scope="module")
 def target_and_answers(tmp_path_factory):
-    from dflash.backends.torch.tiny_pair import build_tiny_target
+    from tiny_pair import build_tiny_target
 
     root = tmp_path_factory.mktemp("ar_draft")
     build_tiny_target(root / "target", seed=0)  # sharp logits: greedy choices with wide margins
@@ -32,7 +32,7 @@ def test_cut_keeps_the_targets_bottom_layers_and_head(target_and_answers, tmp_pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.tokenizer import load_tokenizer
+    from dflash.core.tokenizer import load_tokenizer
 
     target, answers = target_and_answers
     threads = torch.get_num_threads()

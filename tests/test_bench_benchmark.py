@@ -13,7 +13,7 @@ from dflash.bench import benchmark
 from dflash.bench import prompts as prompt_sources
 from dflash.bench import report as reporting
 from dflash.bench.methods import METHODS, cycles_from_draft_flags, make_runner
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,9 @@ def sharp_models(tmp_path_factory):
     the 1-layer draft of dflash.reference.ar_draft (initialised from the target, untrained)."""
     import torch
 
-    from dflash import tiny
     from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
-    from dflash.backends.torch.tiny_pair import build_tiny_target
+    from dflash.reference import tiny
+    from tiny_pair import build_tiny_target
     from dflash.reference.ar_draft import make_draft
 
     root = tmp_path_factory.mktemp("bench_models")

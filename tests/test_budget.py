@@ -1,7 +1,7 @@
-"""dflash.budget.ChainBudget: the length of a rejection chain under --verify auto, from acceptance measured under the
+"""dflash.core.budget.ChainBudget: the length of a rejection chain under --verify auto, from acceptance measured under the
 rule in use and the device's costs."""
 
-from dflash.budget import ChainBudget, Costs
+from dflash.core.budget import ChainBudget, Costs
 
 # a CPU-like device: a verify of n tokens costs 1 + 0.25 (n - 1) target steps, a draft forward 0.5
 CPU = Costs(draft=0.5, verify=[(1, 1.0), (16, 4.75)])

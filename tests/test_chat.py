@@ -169,7 +169,7 @@ def test_hub_resolve_from_cache(hf_home):
     code = """
 import json
 from dflash import hub
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 out = {"target": str(hub.resolve("Qwen/Qwen3-8B")), "draft_id": hub.draft_for("Qwen/Qwen3-8B")}
 out["draft"] = str(hub.resolve(out["draft_id"], "--draft"))
 for name in ("org/partial", "org/absent"):

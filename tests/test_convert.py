@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash import cli
 from dflash.convert import main
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 
 
 def convert(*args):
@@ -167,7 +167,7 @@ def test_dflash2_check_dtype_and_quantize(tmp_path, tiny_target_dir, random_dfla
     from safetensors import safe_open
 
     from dflash import backends
-    from dflash.loop import generate
+    from dflash.core.loop import generate
 
     q4 = tmp_path / "q4"
     assert convert("quantize", "--draft", random_dflash2_dir, "--out", q4, "--bits", 4, "--group-size", 64) == 0

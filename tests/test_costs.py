@@ -1,13 +1,13 @@
-"""dflash/costs.py: the device profile of --verify auto, measured through the engine and cached per shape."""
+"""dflash/core/costs.py: the device profile of --verify auto, measured through the engine and cached per shape."""
 
 import json
 
 import torch
 
-from dflash import costs
 from dflash.backends.torch.backend import TorchBackend
 from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
+from dflash.core import costs
 
 
 def test_measured_once_then_read_from_the_cache(tiny_target_dir, random_draft_dir, tmp_path, monkeypatch, capsys):

@@ -1,7 +1,7 @@
 """The same target and draft directories, loaded by the torch and the MLX backend in float32 on the CPU,
 give the same greedy tokens and the same drafted tokens in every cycle, with a drafter that gets long acceptances.
 
-Both backends run the one loop (dflash/loop.py); what is compared is the arithmetic underneath: transformers vs
+Both backends run the one loop (dflash/core/loop.py); what is compared is the arithmetic underneath: transformers vs
 mlx-lm targets, the two drafter modules, layer capture, caches and cropping. Float32 differences between the
 libraries stay far below the trained pair's logit margins, so the comparison is exact, not approximate.
 """
@@ -13,7 +13,7 @@ pytest.importorskip("mlx_lm")
 torch = pytest.importorskip("torch")
 
 from dflash import backends  # noqa: E402
-from dflash.loop import generate  # noqa: E402
+from dflash.core.loop import generate  # noqa: E402
 
 
 def load_both(target_dir, draft_dir, **kw):
@@ -94,7 +94,7 @@ def test_draft_top_k_agrees_and_matches_the_proposals(trained_pair):
 def test_identical_trees_paths_and_tokens(trained_pair, mode, budget):
     """Tree verification: the same trees (tokens, parents), the same accepted paths and tokens on both backends,
     each backend's output equal to its target-only output."""
-    from dflash.budget import Costs
+    from dflash.core.budget import Costs
 
     target_dir, draft_dir = trained_pair
     tb, mb = load_both(target_dir, draft_dir, block_size=16)

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from dflash.datasets import load_samples, read_rows, row_messages, tokenize_conversation
-from dflash.errors import DFlashError
+from dflash.core.datasets import load_samples, read_rows, row_messages, tokenize_conversation
+from dflash.core.errors import DFlashError
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
 
@@ -189,9 +189,9 @@ def test_regenerated_rows_train(tiny_target_dir, tmp_path, tok):
 
 # ---- offline features ------------------------------------------------------------------------------------------------------
 def test_feature_cache_equals_online_features_and_trains_the_same(tiny_target_dir, tmp_path):
-    from dflash.backends.torch.features import FeatureCache, OnlineFeatures
     from dflash.backends.torch.target import load_target
     from dflash.backends.torch.training import TrainConfig, train
+    from dflash.backends.torch.training.features import FeatureCache, OnlineFeatures
     from dflash.data import main
 
     g = torch.Generator().manual_seed(0)

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 from dflash import backends  # noqa: E402
 from dflash.backends.torch.drafter import (CandidateSelector, DynamicConv, load_drafter, scale_logits,  # noqa: E402
                                            select_walk)
-from dflash.errors import DFlashError  # noqa: E402
-from dflash.loop import generate  # noqa: E402
+from dflash.core.errors import DFlashError  # noqa: E402
+from dflash.core.loop import generate  # noqa: E402
 
 from test_sampling_rules import lossless, sampled  # noqa: E402  (the same draws and bound as DFlash's rules)
 
@@ -260,9 +260,9 @@ V = 16
 def small_vocab_pair(tmp_path_factory):
     """A 16-token target (sharp enough to matter) and a random DFlash2 drafter whose 16 candidates are the whole
     vocabulary, so q is a full distribution that overlaps p only partly."""
-    from dflash import tiny
     from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
-    from dflash.backends.torch.tiny_pair import dflash2_from
+    from dflash.reference import tiny
+    from tiny_pair import dflash2_from
 
     d = tmp_path_factory.mktemp("v16")
     model = tiny.build_target(d, vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -321,7 +321,7 @@ def test_rejection_tokens_keep_the_draft_or_redraw_elsewhere():
 
 
 def test_batched_rows_equal_their_single_outputs(tiny_target_dir, random_dflash2_dir, prompts):
-    from dflash.loop import generate_batch
+    from dflash.core.loop import generate_batch
 
     run = backends.get("torch").load(tiny_target_dir, random_dflash2_dir, dtype="float32", device="cpu")
     batch = generate_batch(run, prompts[:3], max_new_tokens=24, trace=True)

@@ -1,9 +1,9 @@
-"""The framework-neutral draft-attention rule and the draft cache's slot layout (dflash/draft_context.py)."""
+"""The framework-neutral draft-attention rule and the draft cache's slot layout (dflash/core/draft_context.py)."""
 
 import numpy as np
 import pytest
 
-from dflash.draft_context import ContextLayout, LayerRule, draft_visible
+from dflash.core.draft_context import ContextLayout, LayerRule, draft_visible
 
 
 def reference_visible(q, k, anchor, block, window, sliding, causal):

@@ -1,13 +1,14 @@
-"""The engine (dflash/engine.py) against pure-numpy primitives: what the caches hold after prefill, commit, crop,
+"""The engine (dflash/core/engine.py) against pure-numpy primitives: what the caches hold after prefill, commit, crop,
 admit and retire, for one row and for many. The fake target's features are the token ids themselves, so the
 drafter's context can be checked against the committed tokens exactly."""
 
 import numpy as np
 import pytest
 
-from dflash.engine import Draft, Engine
-from dflash.errors import DFlashError
-from dflash.loop import generate, generate_batch
+from dflash.core.contract import Draft
+from dflash.core.engine import Engine
+from dflash.core.errors import DFlashError
+from dflash.core.loop import generate, generate_batch
 
 V = 64
 

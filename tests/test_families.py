@@ -3,7 +3,7 @@
 Families: qwen3, llama, qwen3_moe (attention, dense / MoE), qwen3_5 and qwen3_5_moe (hybrid: Gated DeltaNet linear
 attention in 3 of every 4 layers + full attention), gpt_oss (sliding-window attention with sinks alternating with full
 attention, MoE); and on torch gemma4 (sliding windows, per-layer inputs, layers sharing earlier K/V; mlx-lm 0.32
-does not read the config transformers 5 writes for it). Tiny random targets are built here (dflash.tiny's per-family
+does not read the config transformers 5 writes for it). Tiny random targets are built here (dflash.reference.tiny's per-family
 defaults, saved the way the public checkpoints are spelled).
 
 - Lossless greedy: speculative == target-only with an untrained drafter (mostly rejections) and with an oracle
@@ -26,14 +26,14 @@ import time
 import pytest
 import torch
 
-from dflash import tiny
 from dflash.backends.torch.backend import TorchBackend
 from dflash.backends.torch.draft_cache import DraftContextCache
-from dflash.draft_context import LayerRule
 from dflash.backends.torch.draft_runner import draft_step
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash.backends.torch.target import load_target
-from dflash.loop import generate
+from dflash.core.draft_context import LayerRule
+from dflash.core.loop import generate
+from dflash.reference import tiny
 
 FAMILIES = ["qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss"]
 HYBRID = ["qwen3_5", "qwen3_5_moe"]

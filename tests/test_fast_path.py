@@ -6,7 +6,7 @@ import torch
 from dflash.backends.torch.backend import TorchBackend
 from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
-from dflash.loop import generate
+from dflash.core.loop import generate
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -37,7 +37,7 @@ def test_static_cache_lossless(pair):
 
 
 def test_static_cache_overflow_is_one_line(pair):
-    from dflash.errors import DFlashError
+    from dflash.core.errors import DFlashError
 
     target_dir, draft_dir, prompts = pair
     be = TorchBackend(load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir), cache_len=24)
@@ -83,7 +83,7 @@ def test_cuda_graphs_bf16_lossless(pair):
 def test_flex_mask_equals_dense_on_cuda():
     from dflash.backends.torch import training as T
     from dflash.backends.torch.drafter import DFlashDrafter
-    from dflash.spec import DraftSpec
+    from dflash.core.spec import DraftSpec
 
     spec = DraftSpec(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                      intermediate_size=256, vocab_size=1000, num_target_layers=8, target_layer_ids=[1, 5],

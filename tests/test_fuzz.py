@@ -6,9 +6,9 @@ import struct
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash.checkpoint import read_header, validate_weights
-from dflash.errors import DFlashError
-from dflash.spec import DraftSpec
+from dflash.core.checkpoint import read_header, validate_weights
+from dflash.core.errors import DFlashError
+from dflash.core.spec import DraftSpec
 
 from test_spec import ZLAB
 

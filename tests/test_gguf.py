@@ -16,9 +16,10 @@ pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 torch = pytest.importorskip("torch")
 
-from dflash import deps, hub, models  # noqa: E402
+from dflash import hub, models# noqa: E402
 from dflash.converters.gguf import convert_gguf  # noqa: E402
-from dflash.errors import DFlashError  # noqa: E402
+from dflash.core import deps
+from dflash.core.errors import DFlashError  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-from dflash.io import atomic_directory, atomic_write_text
+from dflash.core.io import atomic_directory, atomic_write_text
 
 
 def mode(path) -> int:

@@ -1,22 +1,26 @@
-"""The file tree is the import tree: module-level imports point down the layers (applications -> API -> core ->
-leaves; backends under the core; converters beside them) and never form a circle; the core imports neither torch
-nor mlx at module level."""
+"""The file tree is the import tree. A module's layer is its folder: dflash/core/ (the core), backends/, converters/,
+and everything else in dflash/ (the API and the applications). Imports point down the layers, inside functions as
+well as at module level, and never form a circle; the core imports neither torch nor mlx at module level. Inside a
+function a module may import an optional package lazily (torch, mlx, fastapi, ...), never a project module that
+its layer may not see; imports under `if TYPE_CHECKING:` (annotations only) are not imports."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"dflash": ROOT / "dflash", "dflash.backends": ROOT / "backends", "dflash.converters": ROOT / "converters"}
-CORE = {"dflash.engine", "dflash.loop", "dflash.draft_context", "dflash.spec", "dflash.checkpoint", "dflash.sampling",
-        "dflash.stats", "dflash.text", "dflash.io", "dflash.errors", "dflash.tokenizer", "dflash.datasets",
-        "dflash.answers", "dflash.prefix_cache"}
-APPLICATIONS = ("dflash.api", "dflash.cli", "dflash.generate", "dflash.chat", "dflash.train", "dflash.data",
-                "dflash.serve", "dflash.server", "dflash.remote_regeneration",
-                "dflash.convert", "dflash.models", "dflash.bench", "dflash.reference")
+FRAMEWORKS = {"torch", "mlx", "mlx_lm", "transformers"}
+
+# what each layer may import from the project (besides its own folder)
+MAY_IMPORT = {"core": {"core"}, "backends": {"core", "backends"}, "converters": {"core", "converters"},
+              "applications": {"core", "backends", "converters", "applications"}}
 
 
-def is_application(module: str) -> bool:
-    return any(module == a or module.startswith(a + ".") for a in APPLICATIONS)
+def layer(module: str) -> str:
+    for folder in ("core", "backends", "converters"):
+        if module == f"dflash.{folder}" or module.startswith(f"dflash.{folder}."):
+            return folder
+    return "applications"
 
 
 def modules() -> dict[str, Path]:
@@ -30,13 +34,19 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def module_level_imports(name: str, path: Path, known: dict) -> set[str]:
-    """What `name` imports when it is imported (not inside functions), resolved to known modules."""
+def imports(name: str, path: Path, known: dict) -> list[tuple[str, bool]]:
+    """(what `name` imports, whether at module level) for every import statement in it, resolved to known modules or
+    to the top-level name of an outside package."""
     tree = ast.parse(path.read_text())
     is_pkg = path.name == "__init__.py"
     base = name.split(".") if is_pkg else name.split(".")[:-1]
-    found = set()
-    for node in tree.body:
+    top = {id(node) for node in tree.body}
+    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+                 for n in ast.walk(node)}  # annotations only: never executed
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -50,16 +60,18 @@ def module_level_imports(name: str, path: Path, known: dict) -> set[str]:
         for t in targets:
             while t and t not in known and "." in t:
                 t = t.rsplit(".", 1)[0]
-            if t in known and t != name:
-                found.add(t)
-            elif t.split(".")[0] in ("torch", "mlx", "mlx_lm", "transformers"):
-                found.add(t.split(".")[0])
+            if t in known:
+                if t != name:
+                    found.append((t, id(node) in top))
+            elif t.split(".")[0] != "dflash":
+                found.append((t.split(".")[0], id(node) in top))
     return found
 
 
-def graph():
+def graph(module_level_only: bool = False) -> dict[str, set[str]]:
     known = modules()
-    return {m: module_level_imports(m, p, known) for m, p in known.items()}
+    return {m: {t for t, at_top in imports(m, p, known) if at_top or not module_level_only}
+            for m, p in known.items()}
 
 
 def test_no_import_circle():
@@ -81,13 +93,26 @@ def test_no_import_circle():
 
 
 def test_layers_point_down():
-    g = graph()
-    for m, deps in g.items():
-        if m in CORE:
-            assert not deps & {"torch", "mlx", "mlx_lm", "transformers"}, f"{m} imports a framework at module level"
-            assert not any(is_application(d) or d.startswith("dflash.backends") for d in deps), (m, deps)
-        if m.startswith(("dflash.backends", "dflash.converters")):
-            bad = [d for d in deps if is_application(d)]
-            assert not bad, f"{m} imports the API / application layer: {bad}"
-        if m.startswith("dflash.converters"):
-            assert not any(d.startswith("dflash.backends") for d in deps), (m, deps)
+    known = modules()
+    for m, deps in graph().items():
+        project = {d for d in deps if d in known}
+        bad = sorted(d for d in project if layer(d) not in MAY_IMPORT[layer(m)])
+        assert not bad, f"{m} ({layer(m)}) imports {bad}"
+        if layer(m) == "converters":
+            assert not any(layer(d) == "backends" for d in project), (m, deps)
+        if m.startswith("dflash.backends."):
+            backend = m.split(".")[2]
+            others = sorted(d for d in project if d.startswith("dflash.backends.") and d.split(".")[2] != backend
+                            and d.split(".")[2] != "base")
+            assert not others, f"{m} imports another backend: {others}"
+
+
+def test_core_loads_no_framework():
+    for m, deps in graph(module_level_only=True).items():
+        if layer(m) == "core":
+            assert not deps & FRAMEWORKS, f"{m} imports {sorted(deps & FRAMEWORKS)} at module level"
+
+
+def test_layers_are_folders():
+    """Nothing outside the core may pass for it: the core's folder holds modules only (no subpackages to skip)."""
+    assert all(p.parent == ROOT / "dflash" / "core" for m, p in modules().items() if layer(m) == "core")

@@ -23,8 +23,8 @@ print(json.dumps({"n": n, "tokens": r.tokens, "base_mb": base / 1024,
 
 @pytest.fixture(scope="module")
 def long_pair(tmp_path_factory, tiny_tokenizer_dir):
-    from dflash import tiny
     from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
+    from dflash.reference import tiny
 
     d = tmp_path_factory.mktemp("long")
     tiny.build_target(d / "target", tiny_tokenizer_dir, max_position_embeddings=16384)
@@ -51,7 +51,7 @@ def test_chunked_prefill_is_exact_on_long_prompt(long_pair):
     from dflash.backends.torch.backend import TorchBackend
     from dflash.backends.torch.drafter import load_drafter
     from dflash.backends.torch.target import load_target
-    from dflash.loop import generate
+    from dflash.core.loop import generate
 
     target, draft = long_pair
     model = load_target(target, torch.float32, "cpu")

@@ -2,10 +2,10 @@
 
 import pytest
 
-from dflash.engine import Engine
-from dflash.errors import DFlashError
-from dflash.loop import Generation, generate
-from dflash.sampling import SamplingParams, accepted_length
+from dflash.core.engine import Engine
+from dflash.core.errors import DFlashError
+from dflash.core.loop import Generation, generate
+from dflash.core.sampling import SamplingParams, accepted_length
 
 V = 50
 
@@ -60,7 +60,7 @@ class FakeBackend:
     accept_rules: list = []  # greedy
     step, _chain_step = Engine.step, Engine._chain_step  # the engine's cycle over this fake's draft / verify / commit
 
-    def _draws(self, width, noise=None):
+    def _row_draws(self, width, noise=None):
         return None  # greedy: no noise
 
 

@@ -14,10 +14,10 @@ from dflash.backends.mlx import load  # noqa: E402
 from dflash.backends.mlx.backend import MLXBackend  # noqa: E402
 from dflash.backends.mlx.drafter import load_drafter  # noqa: E402
 from dflash.backends.mlx.target import _Tap, decoder_layers, embedding, load_target  # noqa: E402
-from dflash.engine import Engine  # noqa: E402
-from dflash.errors import DFlashError  # noqa: E402
-from dflash.loop import generate  # noqa: E402
-from dflash.sampling import SamplingParams  # noqa: E402
+from dflash.core.engine import Engine  # noqa: E402
+from dflash.core.errors import DFlashError  # noqa: E402
+from dflash.core.loop import generate  # noqa: E402
+from dflash.core.sampling import SamplingParams  # noqa: E402
 
 N = 48  # new tokens per prompt
 
@@ -41,8 +41,8 @@ def baseline(target, few):
 def save_random_drafter(directory, target_dir, seed=1, **spec):
     import torch
 
-    from dflash import tiny
     from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
+    from dflash.reference import tiny
 
     torch.manual_seed(seed)
     save_drafter(DFlashDrafter(tiny.draft_spec_for(target_dir, **spec)), directory)

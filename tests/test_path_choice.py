@@ -1,7 +1,7 @@
-"""dflash.path_choice: auto's chain-or-tree choice from estimates, with rare probes of the path not in use."""
+"""dflash.core.path_choice: auto's chain-or-tree choice from estimates, with rare probes of the path not in use."""
 
-from dflash.budget import Costs, TreePlanner
-from dflash.path_choice import PROBE_LAST, PathChoice
+from dflash.core.budget import Costs, TreePlanner
+from dflash.core.path_choice import PROBE_LAST, PathChoice
 
 
 def test_the_faster_path_is_kept_and_the_other_probed_ever_more_rarely():

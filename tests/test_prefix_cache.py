@@ -1,9 +1,9 @@
-"""dflash.prefix_cache: finished rows' caches kept in bytes-bounded LRU order and taken by prompts sharing their
+"""dflash.core.prefix_cache: finished rows' caches kept in bytes-bounded LRU order and taken by prompts sharing their
 prefix; a row rebuilt from a kept prefix decodes exactly like a fresh batch-1 prefill."""
 
 import pytest
 
-from dflash.prefix_cache import PrefixCache
+from dflash.core.prefix_cache import PrefixCache
 
 
 def test_lru_bound_longest_match_and_single_use():
@@ -36,7 +36,7 @@ def pair(trained_pair):
 
 def test_second_turn_from_a_kept_row_equals_a_fresh_prefill(pair, prompts):
     from dflash.backends.torch.backend import TorchBackend
-    from dflash.loop import Batch, Generation, generate
+    from dflash.core.loop import Batch, Generation, generate
 
     target, drafter = pair
     be = TorchBackend(target, drafter)

@@ -34,8 +34,8 @@ def train_texts():
 
 # ---- the assets ------------------------------------------------------------------------------------------------------
 def test_reference_dirs_are_bundled_and_small():
+    from dflash.core.spec import DraftSpec
     from dflash.reference import reference_dirs
-    from dflash.spec import DraftSpec
 
     target, draft = reference_dirs()
     total = sum(f.stat().st_size for d in (target, draft) for f in d.iterdir() if f.is_file())
@@ -49,7 +49,7 @@ def test_reference_dirs_are_bundled_and_small():
 
 def test_reference_dirs_missing_is_one_line(monkeypatch, tmp_path):
     import dflash.reference as ref
-    from dflash.errors import DFlashError
+    from dflash.core.errors import DFlashError
 
     monkeypatch.setattr(ref, "_NEEDED", {tmp_path / "target": ("config.json",)})
     with pytest.raises(DFlashError) as e:
@@ -193,7 +193,7 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
     import torch
     from safetensors.torch import load_file
 
-    from dflash import tiny
+    from dflash.reference import tiny
     from dflash.reference import pretrain as pt
     from dflash.reference.corpus import SourceFile
 

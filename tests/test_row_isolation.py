@@ -1,4 +1,4 @@
-"""A row whose step raises in the middle of a batch fails alone (dflash.loop.Batch._isolate): through the server's
+"""A row whose step raises in the middle of a batch fails alone (dflash.core.loop.Batch._isolate): through the server's
 engine thread, its request gets an error event while 8 greedy neighbours finish exactly as they do alone. Also the
 admission bound with --max-queue 0 (capacity = max batch)."""
 
@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("fastapi")
 
 from dflash.backends.torch.sampling import TorchSampler  # noqa: E402
-from dflash.loop import Generation  # noqa: E402
-from dflash.sampling import SamplingParams  # noqa: E402
+from dflash.core.loop import Generation  # noqa: E402
+from dflash.core.sampling import SamplingParams  # noqa: E402
 from dflash.server.metrics import Metrics  # noqa: E402
 from dflash.server.scheduler import Job, QueueFull, Scheduler  # noqa: E402
 

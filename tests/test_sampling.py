@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dflash import tiny
 from dflash.backends.torch.backend import TorchBackend
 from dflash.backends.torch.drafter import DFlashDrafter
-from dflash.errors import DFlashError
-from dflash.loop import generate
-from dflash.sampling import SamplingParams
+from dflash.core.errors import DFlashError
+from dflash.core.loop import generate
+from dflash.core.sampling import SamplingParams
+from dflash.reference import tiny
 
 V = 16
 PROMPT = [3, 1, 4, 1, 5]
@@ -130,7 +130,7 @@ def test_same_seed_same_tokens(small_vocab_target):
 
 
 def test_acceptance_rule():
-    from dflash.sampling import BLOCK_DEFAULT, DISTRIBUTION_DEFAULT, acceptance_rule
+    from dflash.core.sampling import BLOCK_DEFAULT, DISTRIBUTION_DEFAULT, acceptance_rule
 
     sampled = SamplingParams(temperature=0.8)
     assert acceptance_rule(SamplingParams(accept="rejection"), True) == "greedy"  # greedy never samples
@@ -145,7 +145,7 @@ def test_acceptance_rule():
 
 
 def test_noise_is_keyed_by_seed_stream_and_position():
-    from dflash.sampling import noise_key, uniforms
+    from dflash.core.sampling import noise_key, uniforms
 
     assert uniforms(7, "accept", [3, 4]) == uniforms(7, "accept", [3, 4])
     assert uniforms(7, "accept", [3])[0] != uniforms(7, "draft", [3])[0] != uniforms(8, "draft", [3])[0]

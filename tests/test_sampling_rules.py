@@ -9,15 +9,17 @@ partly, so both acceptance and rejection happen at every block position.
 import pytest
 import torch
 
-from dflash import backends, engine, tiny
+from dflash import backends
 from dflash.backends.torch import target_runner
 from dflash.backends.torch.backend import TorchBackend
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash.backends.torch.sampling import inverse_cdf
 from dflash.backends.torch.target import load_target
-from dflash.costs import measured_costs
-from dflash.loop import Batch, Generation, generate
-from dflash.sampling import SamplingParams
+from dflash.core import sampling as core_sampling
+from dflash.core.costs import measured_costs
+from dflash.core.loop import Batch, Generation, generate
+from dflash.core.sampling import SamplingParams
+from dflash.reference import tiny
 
 from test_sampling import chi_square_ok
 
@@ -99,8 +101,8 @@ def wrong_rejection(kind):
 def test_subtly_wrong_rejection_rules_fail(small_vocab_pair, monkeypatch, kind):
     """Power: the same bound rejects each wrong variant."""
     if kind == "shared noise":  # the acceptance test reads the draft's own uniforms
-        real = engine.uniforms
-        monkeypatch.setattr(engine, "uniforms", lambda seed, stream, positions: real(
+        real = core_sampling.uniforms
+        monkeypatch.setattr(core_sampling, "uniforms", lambda seed, stream, positions: real(
             seed, "draft" if stream == "accept" else stream, positions))
     else:
         monkeypatch.setattr(target_runner, "rejection_tokens", wrong_rejection(kind))

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash.backends.torch.self_prompts import excluded_prompts, user_turn_prefix, write_self_prompts
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 
 
 def test_user_turn_prefix_ends_where_the_user_speaks(tiny_target_dir):

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from dflash.engine import Step  # noqa: E402
+from dflash.core.contract import Step  # noqa: E402
 from dflash.server.app import Server  # noqa: E402
 
 ALPHABET = [chr(c) for c in range(32, 127)] + ["\n", "<think>", "</think>", "<tool_call>", "</tool_call>", "<eos>"]
@@ -51,7 +51,7 @@ class CharTokenizer:
 
 
 class ScriptedEngine:
-    """The engine protocol dflash.loop.Batch drives: every row writes the same script, three tokens a cycle."""
+    """The engine protocol dflash.core.loop.Batch drives: every row writes the same script, three tokens a cycle."""
 
     block_size, max_context, name = 4, 4096, "scripted"
     info = SimpleNamespace(vocab_size=len(ALPHABET))
@@ -139,8 +139,8 @@ def test_thinking_off_is_all_content():
 
 def test_sampling_defaults_come_from_generation_config(tmp_path):
     """--default-sampling model: the fields a request leaves out take generation_config.json's, then OpenAI's."""
-    from dflash.errors import DFlashError
-    from dflash.sampling import SamplingParams
+    from dflash.core.errors import DFlashError
+    from dflash.core.sampling import SamplingParams
     from dflash.server.intake import model_sampling_defaults
     from dflash.server.protocol import ChatRequest
 
@@ -158,8 +158,8 @@ def test_sampling_defaults_come_from_generation_config(tmp_path):
 
 
 def test_validate_normalises_like_vllm():
-    from dflash.errors import DFlashError
-    from dflash.sampling import SamplingParams
+    from dflash.core.errors import DFlashError
+    from dflash.core.sampling import SamplingParams
 
     assert SamplingParams(temperature=3e-38).validate().greedy
     assert SamplingParams(temperature=1e-5).validate().temperature == 1e-5

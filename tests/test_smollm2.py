@@ -20,7 +20,7 @@ pytest.importorskip("accelerate")
 torch = pytest.importorskip("torch")
 
 from dflash import generate, hub  # noqa: E402
-from dflash.errors import DFlashError  # noqa: E402
+from dflash.core.errors import DFlashError  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 

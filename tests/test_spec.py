@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from dflash.errors import DFlashError
-from dflash.spec import DraftSpec, TargetInfo, check_block_size, default_target_layer_ids
+from dflash.core.errors import DFlashError
+from dflash.core.spec import DraftSpec, TargetInfo, check_block_size, default_target_layer_ids
 
 # the shape of a public z-lab drafter config (Qwen3-8B-DFlash-b16), extra keys included
 ZLAB = {

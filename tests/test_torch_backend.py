@@ -10,8 +10,8 @@ from dflash.backends.torch import load
 from dflash.backends.torch.backend import TorchBackend
 from dflash.backends.torch.drafter import load_drafter, save_drafter
 from dflash.backends.torch.target import load_target
-from dflash.errors import DFlashError
-from dflash.loop import generate
+from dflash.core.errors import DFlashError
+from dflash.core.loop import generate
 
 
 @pytest.fixture(scope="module")

@@ -52,8 +52,8 @@ def test_flag_errors_come_before_torch(tmp_path):
 
 
 def test_paper_recipe_is_one_flag_away_and_flags_override_it():
+    from dflash.core.train_config import TrainConfig
     from dflash.train import config_from_args, parse_args
-    from dflash.train_config import TrainConfig
 
     default = config_from_args(parse_args(["--model", "m"]))
     assert (default.init_layers, default.kl_weight) == (TrainConfig().init_layers, TrainConfig().kl_weight)

@@ -178,8 +178,8 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_target_dir, da
 
 def test_mask_token_needs_a_free_embedding_row():
     from dflash.backends.torch.training import first_free_embedding_row, new_draft_spec
-    from dflash.errors import DFlashError
-    from dflash.tiny import target_config
+    from dflash.core.errors import DFlashError
+    from dflash.reference.tiny import target_config
     from transformers import AutoModelForCausalLM
 
     class Tok:
@@ -219,7 +219,7 @@ def tiny_run(target, data, out, **extra) -> TrainConfig:
 
 
 def test_eval_holdout_that_leaves_no_batch_names_eval_holdout(tiny_target_dir, data_file, tmp_path):
-    from dflash.errors import DFlashError
+    from dflash.core.errors import DFlashError
 
     with pytest.raises(DFlashError) as e:
         train(tiny_run(tiny_target_dir, data_file, tmp_path / "run", eval_holdout=16, quiet=True))

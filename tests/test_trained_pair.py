@@ -7,7 +7,7 @@ def test_trained_pair_long_acceptance(trained_pair):
     import json
 
     import dflash
-    from dflash.backends.torch.tiny_pair import PROMPT_LEN
+    from tiny_pair import PROMPT_LEN
 
     target_dir, draft_dir = trained_pair
     info = json.loads((draft_dir.parent.parent / "pair.json").read_text())

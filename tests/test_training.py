@@ -12,7 +12,7 @@ from dflash.backends.torch.draft_runner import draft_step, extend_context
 from dflash.backends.torch.drafter import DFlashDrafter
 from dflash.backends.torch.training import (SplitMask, block_loss_sum, build_blocks, cosine_lr, dense_mask, dflash_loss,
                                             flex_mask, packed_forward, sample_anchors)
-from dflash.spec import DraftSpec
+from dflash.core.spec import DraftSpec
 
 H, K, B, MASK = 32, 2, 4, 99
 
@@ -189,8 +189,8 @@ def test_dflash_loss_backward_and_cosine():
 # ---- end to end: one sample overfitted, measured with the real loop ------------------------------------------------
 @pytest.fixture(scope="module")
 def sharp_target(tmp_path_factory):
-    """A tiny target with sharp logits (see backends/torch/tiny_pair.py) and its greedy continuation of a prompt."""
-    from dflash.backends.torch.tiny_pair import build_tiny_target, greedy_samples
+    """A tiny target with sharp logits (see tests/tiny_pair.py) and its greedy continuation of a prompt."""
+    from tiny_pair import build_tiny_target, greedy_samples
 
     d = tmp_path_factory.mktemp("sharp_target")
     model = build_tiny_target(d / "target", seed=3)
@@ -201,7 +201,7 @@ def test_overfitting_one_sample_reaches_nearly_full_blocks(sharp_target, tmp_pat
     """The whole pipeline (anchors, packed forward, loss, optimiser, export, loader, TorchBackend, loop): trained
     on the target's own greedy continuation of one prompt, the drafter must get nearly every block accepted when
     the target regenerates that continuation. Any silent off-by-one keeps tau near 1."""
-    from dflash.backends.torch.tiny_pair import greedy_samples
+    from tiny_pair import greedy_samples
     from dflash.backends.torch.training import TrainConfig
     from dflash.train import run_training
 

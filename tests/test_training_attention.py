@@ -15,7 +15,7 @@ from dflash.backends.torch.draft_runner import draft_step, extend_context
 from dflash.backends.torch.drafter import DFlashDrafter
 from dflash.backends.torch.training import (LayerRule, build_blocks, build_masks, dense_mask, draft_attends,
                                             layer_rules, mask_rule, packed_forward)
-from dflash.spec import DraftSpec
+from dflash.core.spec import DraftSpec
 
 H, K, B, MASK = 32, 2, 4, 99
 RULES = [(sliding, causal, window) for sliding, causal, window in

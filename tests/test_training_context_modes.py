@@ -1,4 +1,4 @@
-"""The ablation drafters of dflash.spec `context_mode` (none: no target features; input: input fusion): the packed
+"""The ablation drafters of dflash.core.spec `context_mode` (none: no target features; input: input fusion): the packed
 training forward equals the inference draft step for every block, each sees exactly the target features it claims
 to, the checkpoint round-trips strictly, and everything that would leave the torch backend refuses them in one line."""
 
@@ -13,8 +13,8 @@ from dflash.backends.torch.draft_cache import BlockOnlyContext
 from dflash.backends.torch.draft_runner import TorchDraft, absorb_block_only, block_step
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash.backends.torch.training import SplitMask, build_blocks, dense_mask, packed_forward
-from dflash.errors import DFlashError
-from dflash.spec import DraftSpec
+from dflash.core.errors import DFlashError
+from dflash.core.spec import DraftSpec
 
 from test_training import B, H, K, MASK, make_spec  # the packed-forward test spec
 
@@ -126,7 +126,7 @@ def test_exports_and_other_backends_refuse_ablation_drafters(tmp_path):
 
 @pytest.fixture(scope="module")
 def sharp_target(tmp_path_factory):
-    from dflash.backends.torch.tiny_pair import build_tiny_target
+    from tiny_pair import build_tiny_target
 
     d = tmp_path_factory.mktemp("sharp_target") / "target"
     return d, build_tiny_target(d, seed=3)
@@ -137,7 +137,7 @@ def test_trained_ablation_drafter_runs_the_speculative_loop_losslessly(mode, sha
     """train() builds the variant, exports it and measures it with the real loop; loaded as users load it, the
     same drafter's output equals the target's greedy decoding token for token."""
     import dflash
-    from dflash.backends.torch.tiny_pair import greedy_samples
+    from tiny_pair import greedy_samples
     from dflash.backends.torch.training import TrainConfig, train
 
     target_dir, model = sharp_target

@@ -14,7 +14,7 @@ from dflash.backends.torch.draft_runner import draft_step
 from dflash.backends.torch.drafter import DFlashDrafter
 from dflash.backends.torch.training import SplitMask, build_blocks, packed_forward
 from dflash.backends.torch.training.objective import selector_loss
-from dflash.spec import DFLASH2, DraftSpec
+from dflash.core.spec import DFLASH2, DraftSpec
 
 H, K, B, V, MASK = 32, 2, 4, 100, 99
 
@@ -99,7 +99,7 @@ def test_a_dflash_drafter_starts_a_dflash2_one_unchanged(parts):
 @pytest.fixture(scope="module")
 def sharp_pair(tmp_path_factory):
     """A tiny target with sharp logits, 24 of its greedy continuations to train on and 2 prompts held out."""
-    from dflash.backends.torch.tiny_pair import build_tiny_target, greedy_samples
+    from tiny_pair import build_tiny_target, greedy_samples
 
     root = tmp_path_factory.mktemp("dflash2_train")
     model = build_tiny_target(root / "target", seed=3)
@@ -112,7 +112,7 @@ def sharp_pair(tmp_path_factory):
 
 def test_arch_dflash2_run_lowers_its_loss_and_exports_a_lossless_drafter(sharp_pair, tmp_path):
     import dflash
-    from dflash.spec import DraftSpec
+    from dflash.core.spec import DraftSpec
     from dflash.train import main
 
     target, data, trained, held = sharp_pair

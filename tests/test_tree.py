@@ -1,4 +1,4 @@
-"""dflash/tree.py and dflash/budget.py, pure: best-first order, masks, the walk, prompt lookup, the budget rule."""
+"""dflash/core/tree.py and dflash/core/budget.py, pure: best-first order, masks, the walk, prompt lookup, the budget rule."""
 
 import itertools
 import math
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from dflash.budget import Costs, TreePlanner
-from dflash.tree import (Calibration, CopyIndex, Tree, TreeInputs, best_first, chain_tree, choose_counts,
+from dflash.core.budget import Costs, TreePlanner
+from dflash.core.tree import (Calibration, CopyIndex, Tree, TreeInputs, best_first, chain_tree, choose_counts,
                          merge_candidates, to_tree)
 
 

@@ -7,13 +7,13 @@ import torch
 from dflash.backends.torch.backend import TorchBackend
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter
 from dflash.backends.torch.target import load_target
-from dflash.budget import Costs
-from dflash.engine import Draft
-from dflash.errors import DFlashError
-from dflash.loop import generate, generate_batch
-from dflash.sampling import SamplingParams
+from dflash.core.budget import Costs
+from dflash.core.contract import Draft
+from dflash.core.errors import DFlashError
+from dflash.core.loop import generate, generate_batch
+from dflash.core.sampling import SamplingParams
 
-from dflash import tiny
+from dflash.reference import tiny
 
 from test_sampling import PROMPT, V, chi_square_ok, exact_next, small_vocab_target  # noqa: F401  (fixture)
 
@@ -242,7 +242,7 @@ def test_tree_sampling_matches_the_target_distribution(small_vocab_target, param
 
 def test_a_wrong_walk_fails_the_same_test(small_vocab_target, monkeypatch):  # noqa: F811
     """Power: a walk that follows the drafter's first child whatever the target drew is rejected."""
-    from dflash import tree as tree_module
+    from dflash.core import tree as tree_module
 
     def follow_first_child(self, target):
         node, path = 0, []

@@ -22,7 +22,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
          target_config: dict | None = None):
     import mlx.core as mx
 
-    from dflash.spec import DraftSpec
+    from dflash.core.spec import DraftSpec
 
     from .backend import MLXBackend
     from .drafter import load_drafter

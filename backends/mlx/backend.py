@@ -1,4 +1,4 @@
-"""MLX backend: an mlx-lm target + a DFlash drafter as primitives of the one engine (dflash/engine.py).
+"""MLX backend: an mlx-lm target + a DFlash drafter as primitives of the one engine (dflash/core/engine.py).
 
 Everything stays lazy inside a cycle: the draft's proposals feed the verify forward as an array, and the only
 device -> host read is the `tolist()` of the B drafted + B target ids at the end of verify(). One row at a time:
@@ -13,11 +13,12 @@ import os
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from dflash.blas import openblas_preloaded
-from dflash.engine import Engine, drafter_block_size
-from dflash.errors import DFlashError
-from dflash.sampling import SamplingParams
-from dflash.tree import TreeInputs
+from dflash.core.blas import openblas_preloaded
+from dflash.core.engine import Engine
+from dflash.core.errors import DFlashError
+from dflash.core.sampling import SamplingParams
+from dflash.core.spec import drafter_block_size
+from dflash.core.tree import TreeInputs
 
 from .draft_runner import MLXDraft
 from .drafter import DFlashDrafter
@@ -121,9 +122,9 @@ class MLXTarget:
 
     # ---- trees -------------------------------------------------------------------------------------------------------
     def device_key(self) -> str:
-        """What the costs of a forward depend on besides shapes (dflash/costs.py)."""
+        """What the costs of a forward depend on besides shapes (dflash/core/costs.py)."""
         dtype = embedding(self.model).weight.dtype
-        blas = "openblas" if openblas_preloaded() else "own blas"  # 20-30x apart on a Linux CPU (dflash/blas.py)
+        blas = "openblas" if openblas_preloaded() else "own blas"  # 20-30x apart on a Linux CPU (dflash/core/blas.py)
         blas += f" {os.environ.get('OPENBLAS_NUM_THREADS') or os.environ.get('OMP_NUM_THREADS') or 'all'} threads"
         return f"mlx {mx.__version__} {mx.default_device()} {dtype} {blas}"
 

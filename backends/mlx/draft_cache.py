@@ -1,13 +1,13 @@
 """The drafter's context K/V on MLX: the position-indexed design of backends/torch/draft_cache.py, laid out by
-dflash.draft_context.ContextLayout, with per-layer buffers (rows, kv_heads, capacity, head_dim). One row: mlx-lm's
+dflash.core.draft_context.ContextLayout, with per-layer buffers (rows, kv_heads, capacity, head_dim). One row: mlx-lm's
 caches keep one offset per batch, so MLX decodes a single sequence at a time."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from dflash.draft_context import ContextCache, ContextLayout, draft_visible, layer_rules
-from dflash.errors import DFlashError
+from dflash.core.draft_context import ContextCache, ContextLayout, draft_visible, layer_rules
+from dflash.core.errors import DFlashError
 
 
 class DraftContextCache(ContextCache):

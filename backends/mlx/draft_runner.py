@@ -1,12 +1,12 @@
-"""The drafter's primitives for dflash.engine on MLX (one row; see backends/torch/draft_runner.py). Everything stays
+"""The drafter's primitives for dflash.core.engine on MLX (one row; see backends/torch/draft_runner.py). Everything stays
 lazy: the proposals feed the verify forward as an array."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from dflash.engine import Draft, Pending
-from dflash.sampling import RowDraw, noise_key
+from dflash.core.contract import Draft, Pending
+from dflash.core.sampling import RowDraw, noise_key
 
 from .draft_cache import DraftContextCache
 from .drafter import DFlashDrafter, scale_logits, select_walk, top_k_sorted

@@ -15,9 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from dflash.checkpoint import validate_weights
-from dflash.errors import DFlashError
-from dflash.spec import DraftSpec
+from dflash.core.checkpoint import validate_weights
+from dflash.core.errors import DFlashError
+from dflash.core.spec import DraftSpec
 
 
 class DraftAttention(nn.Module):

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 
 _LINEAR_ATTRS = ("in_proj_qkv", "in_proj_a", "in_proj_b", "conv1d", "A_log", "dt_bias", "conv_kernel_size",
                  "key_dim", "value_dim", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")

@@ -12,13 +12,13 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from dflash.sampling import SamplingParams
+from dflash.core.sampling import SamplingParams
 
 _WHOLE_HISTORY = 2**31 - 1  # slice bounds must fit int32
 
 
 class MLXSampler:
-    """One row's processors and filters. Its draws take their noise from the engine (dflash.sampling: noise tied to
+    """One row's processors and filters. Its draws take their noise from the engine (dflash.core.sampling: noise tied to
     positions): the target's token is argmax(filtered log-weights + Gumbel noise), an exact sample of them."""
 
     def __init__(self, params: SamplingParams):

@@ -9,9 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from dflash.checkpoint import check_target_dir
-from dflash.errors import DFlashError
-from dflash.spec import TargetInfo
+from dflash.core.checkpoint import check_target_dir
+from dflash.core.errors import DFlashError
+from dflash.core.spec import TargetInfo
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 # families whose Model.__call__ is exactly `lm_head(model(inputs, cache))`: we may run the trunk and apply the head

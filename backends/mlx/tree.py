@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from dflash.tree import TreeInputs
+from dflash.core.tree import TreeInputs
 
 
 class _RopeAt(nn.Module):

@@ -12,7 +12,7 @@ _PUBLIC = {
     "TorchBackend": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
     "target_info": "target", "DTYPES": "target", "quiet_loading": "target", "DFlashDrafter": "drafter",
     "load_drafter": "drafter",
-    "save_drafter": "drafter", "regenerate": "regeneration", "write_self_prompts": "self_prompts", "write_feature_cache": "features",
+    "save_drafter": "drafter", "regenerate": "regeneration", "write_self_prompts": "self_prompts", "write_feature_cache": "training.features",
     "TrainConfig": "training", "train": "training", "dflash_loss": "training",
 }
 
@@ -28,7 +28,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
          cache_len: int | None = None, compile: bool = False, spec=None, target_config: dict | None = None):
     """The engine over a target directory (+ drafter directory). `spec` / `target_config`: what the caller already
     read and checked (dflash.api.load does), so nothing is validated twice."""
-    from dflash.spec import DraftSpec
+    from dflash.core.spec import DraftSpec
 
     from .backend import TorchBackend
     from .drafter import load_drafter

@@ -1,9 +1,10 @@
-"""PyTorch backend: a transformers target + a DFlash drafter as primitives of the one engine (dflash/engine.py)."""
+"""PyTorch backend: a transformers target + a DFlash drafter as primitives of the one engine (dflash/core/engine.py)."""
 
 from __future__ import annotations
 
-from dflash.engine import Engine, drafter_block_size
-from dflash.errors import DFlashError
+from dflash.core.engine import Engine
+from dflash.core.errors import DFlashError
+from dflash.core.spec import drafter_block_size
 
 from .draft_runner import TorchDraft
 from .drafter import DFlashDrafter

@@ -1,4 +1,4 @@
-"""The drafter's context K/V on torch: position-indexed buffers laid out by dflash.draft_context.ContextLayout.
+"""The drafter's context K/V on torch: position-indexed buffers laid out by dflash.core.draft_context.ContextLayout.
 
 Buffers are (layers, rows, kv_heads, capacity, head_dim); slot s holds absolute position layout.offset + s. A draft
 forward writes each row's new context entries and its block at the row's own length, reads the span the layer
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash.draft_context import ContextCache, ContextLayout, draft_visible, layer_rules
-from dflash.errors import DFlashError
+from dflash.core.draft_context import ContextCache, ContextLayout, draft_visible, layer_rules
+from dflash.core.errors import DFlashError
 
 
 class DraftContextCache(ContextCache):
@@ -105,7 +105,7 @@ class DraftContextCache(ContextCache):
 class StaticDraftCache(DraftContextCache):
     """One fixed-capacity buffer (no window, no growth, one row) for the compiled fixed-shape draft forward: new
     context is padded to the block size and written at device-side offsets; attention spans the whole buffer under
-    the mask of dflash.draft_context, so slots past the valid context (an earlier block's K/V, padding) are unseen
+    the mask of dflash.core.draft_context, so slots past the valid context (an earlier block's K/V, padding) are unseen
     until overwritten."""
 
     def __init__(self, spec, dtype: torch.dtype, device, capacity: int):
@@ -129,7 +129,7 @@ class StaticDraftCache(DraftContextCache):
 
 
 class BlockOnlyContext(ContextCache):
-    """The context of an ablation drafter (dflash.spec context_mode none / input), whose attention sees only the
+    """The context of an ablation drafter (dflash.core.spec context_mode none / input), whose attention sees only the
     block: no K/V, only each row's length (its anchor's position) and, for input fusion, the projected target
     feature of every context position (rewinding to any position keeps the feature before it)."""
 

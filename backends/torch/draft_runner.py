@@ -1,4 +1,4 @@
-"""The drafter's primitives for dflash.engine on torch: absorb context, propose a block, rewind, batch rows.
+"""The drafter's primitives for dflash.core.engine on torch: absorb context, propose a block, rewind, batch rows.
 
 A draft forward embeds [anchor, mask x (B-1)] for every row, runs the drafter over the row's context cache and
 returns the proposals (the argmax of the draft logits; for DFlash2, the candidate selector's walk), plus, when asked,
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessorList
 
-from dflash.engine import Draft, Pending
-from dflash.errors import DFlashError
-from dflash.sampling import RowDraw, noise_key
+from dflash.core.contract import Draft, Pending
+from dflash.core.errors import DFlashError
+from dflash.core.sampling import RowDraw, noise_key
 
 from .draft_cache import BlockOnlyContext, DraftContextCache, StaticDraftCache
 from .drafter import DFlashDrafter, rotate, scale_logits, select_walk
@@ -203,7 +203,7 @@ class TorchDraft:
 
     def choose(self, anchor_ids: torch.Tensor, logits: torch.Tensor, draws: list[RowDraw] | None,
                top_k: int) -> Draft:
-        """[anchor, proposals] of a DFlash block, each row by its rule (dflash.sampling): greedy the argmax; match
+        """[anchor, proposals] of a DFlash block, each row by its rule (dflash.core.sampling): greedy the argmax; match
         the argmax of the warped logits plus the target's own noise at each position (the token the target draws
         whenever the draft's distribution equals its own); rejection a draw from q, returned with the draft.
         Sampled rows rank their tree candidates by the same perturbed score."""

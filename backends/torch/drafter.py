@@ -6,7 +6,7 @@ is not causal. Context = hidden_norm(fc(concat of the target's hidden states at 
 
 DFlash2 drafters (spec.is_dflash2) wrap each sublayer in a two-tap dynamic convolution over the block and choose
 their proposals with a candidate selector (a walk over the top-k of every position, scored by token pairs).
-The ablation modes of dflash.spec (`context_mode` none / input) run the same layers with an empty context; input
+The ablation modes of dflash.core.spec (`context_mode` none / input) run the same layers with an empty context; input
 fusion adds a projected feature to the block's input embeddings instead (`fused`).
 """
 
@@ -21,9 +21,9 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from dflash.checkpoint import validate_weights
-from dflash.errors import DFlashError
-from dflash.spec import WEIGHTS_NAME, DraftSpec
+from dflash.core.checkpoint import validate_weights
+from dflash.core.errors import DFlashError
+from dflash.core.spec import WEIGHTS_NAME, DraftSpec
 
 
 def qwen3_config(spec: DraftSpec) -> Qwen3Config:
@@ -268,7 +268,7 @@ def save_drafter(model: DFlashDrafter, directory: str | os.PathLike, dtype: torc
     """Write the canonical checkpoint: config.json + model.safetensors, each atomically."""
     from safetensors.torch import save_file
 
-    from dflash.io import atomic_path
+    from dflash.core.io import atomic_path
 
     directory = Path(directory)
     state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()

@@ -15,15 +15,14 @@ import math
 import zlib
 from pathlib import Path
 
-from dflash import hub
-from dflash.answers import append_row as _append, input_rows, recover_output, write_stats
-from dflash.datasets import prompt_messages, row_messages
-from dflash.errors import DFlashError
-from dflash.io import check_output_dir
-from dflash.loop import generate_batch
-from dflash.sampling import SamplingParams
-from dflash.spec import DraftSpec
-from dflash.tokenizer import eos_token_ids, load_tokenizer
+from dflash.core.answers import append_row as _append, input_rows, recover_output, write_stats
+from dflash.core.datasets import prompt_messages, row_messages
+from dflash.core.errors import DFlashError
+from dflash.core.io import check_output_dir
+from dflash.core.loop import generate_batch
+from dflash.core.sampling import SamplingParams
+from dflash.core.spec import DraftSpec
+from dflash.core.tokenizer import eos_token_ids, load_tokenizer
 
 from .backend import TorchBackend
 from .drafter import load_drafter
@@ -36,7 +35,7 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
                trust_remote_code: bool = False, progress: bool = True, draft=None, log=print) -> dict:
     """Answer every prompt of `input_path` with the target, appending to `output_path`; returns the stats.
 
-    Batches go through batched speculative decoding (dflash.loop.generate_batch): with a DFlash `draft` the answers
+    Batches go through batched speculative decoding (dflash.core.loop.generate_batch): with a DFlash `draft` the answers
     come faster and are still the target's own (greedy: identical; sampled: the target's distribution)."""
     if batch_size < 1:
         raise DFlashError(f"--batch-size: got {batch_size}, expected >= 1")
@@ -56,13 +55,13 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
     todo = [(i, rid, row) for i, rid, row in rows if rid not in done]
     log(f"regenerate: {len(rows)} input rows, {len(rows) - len(todo)} already done, {len(todo)} to answer")
 
-    model_dir = hub.resolve(model_dir, "--model")
+    model_dir = Path(model_dir)
     tokenizer = load_tokenizer(model_dir, trust_remote_code)
     if not getattr(tokenizer, "chat_template", None):
         raise DFlashError(f"{model_dir}: the tokenizer has no chat_template; regenerate needs the target's template")
     device = resolve_device(device)
     model = load_target(model_dir, resolve_dtype(dtype, device), device, trust_remote_code) if todo else None
-    backend = _batched_backend(model, hub.resolve(draft, "--draft") if draft else None) if todo else None
+    backend = _batched_backend(model, draft) if todo else None
     eos = sorted(eos_token_ids(model_dir, tokenizer))
     limit = max_prompt_tokens
     if limit is None and model is not None:

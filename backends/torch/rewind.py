@@ -58,7 +58,7 @@ class CacheRewind:
                 continue
             missing = [a for a in _LINEAR_ATTRS if not hasattr(mixer, a)]
             if missing:
-                from dflash.errors import DFlashError
+                from dflash.core.errors import DFlashError
 
                 raise DFlashError(f"{type(mixer).__name__}: a linear-attention layer this backend cannot rewind "
                                   f"(no {', '.join(missing)}); speculative decoding needs an exact rollback")
@@ -80,7 +80,7 @@ class CacheRewind:
     def attach(self, cache) -> None:
         unknown = [i for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states") and i not in self.linear]
         if unknown:
-            from dflash.errors import DFlashError
+            from dflash.core.errors import DFlashError
 
             raise DFlashError(f"layer {unknown[0]}: recurrent/convolutional state of a kind this backend cannot "
                               "rewind (only Gated DeltaNet linear attention is); speculative decoding needs an exact "

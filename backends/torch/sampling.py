@@ -11,11 +11,11 @@ import torch
 from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from dflash.sampling import SamplingParams
+from dflash.core.sampling import SamplingParams
 
 
 class TorchSampler:
-    """One row's processors. Its draws take their noise from the engine (dflash.sampling: noise tied to positions):
+    """One row's processors. Its draws take their noise from the engine (dflash.core.sampling: noise tied to positions):
     the target's token is argmax(scores + Gumbel noise), an exact sample of softmax(scores)."""
 
     def __init__(self, params: SamplingParams, device=None):

@@ -6,9 +6,9 @@ import contextlib
 
 import torch
 
-from dflash.checkpoint import check_target_dir
-from dflash.errors import DFlashError
-from dflash.spec import TargetInfo
+from dflash.core.checkpoint import check_target_dir
+from dflash.core.errors import DFlashError
+from dflash.core.spec import TargetInfo
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

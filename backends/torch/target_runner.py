@@ -1,4 +1,4 @@
-"""The target's primitives for dflash.engine on torch: forward with feature capture, keep / trim, rows, sampling.
+"""The target's primitives for dflash.core.engine on torch: forward with feature capture, keep / trim, rows, sampling.
 
 One row runs on a plain transformers cache (DynamicCache, or a preallocated StaticCache for compiled decoding;
 sliding-window and linear-attention layers rewind through CacheRewind), with positions implied by the cache length.
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
-from dflash.errors import DFlashError
-from dflash.sampling import SamplingParams
-from dflash.tree import TreeInputs
+from dflash.core.errors import DFlashError
+from dflash.core.sampling import SamplingParams
+from dflash.core.tree import TreeInputs
 
 from .rewind import CacheRewind, bounded_layers
 from .sampling import TorchSampler, gumbel, log_probs, rejection_tokens
@@ -89,7 +89,7 @@ class TorchTarget:
     def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None,
                paths: list[list[list[int]]] | None = None, logprobs: int | None = None, draws=None, draft=None):
         """The target's token at every position of every row (rows, T), each row with its own history, processors
-        and draws (dflash.sampling.RowDraw; None: all greedy); rejection rows verify `draft`'s sampled proposals.
+        and draws (dflash.core.sampling.RowDraw; None: all greedy); rejection rows verify `draft`'s sampled proposals.
         For a tree, position j follows history + paths[row][j]. With logprobs=k also (chosen, top-k ids, top-k
         log-probs) of the distributions the tokens were drawn from."""
         if draws is None and all(not s.processors for s in self.samplers):
@@ -142,7 +142,7 @@ class TorchTarget:
         return out.logits, self.capture.pop() if self.capture is not None else None
 
     def device_key(self) -> str:
-        """What the costs of a forward depend on besides shapes (dflash/costs.py)."""
+        """What the costs of a forward depend on besides shapes (dflash/core/costs.py)."""
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
         return f"torch {torch.__version__} {name} {str(self.dtype).removeprefix('torch.')} " \
                f"{torch.get_num_threads()} threads"

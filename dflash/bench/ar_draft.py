@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 from .. import hub
-from ..errors import DFlashError
-from ..io import atomic_directory, atomic_write_text, check_output_dir
-from ..tokenizer import load_tokenizer
+from ..core.errors import DFlashError
+from ..core.io import atomic_directory, atomic_write_text, check_output_dir
+from ..core.tokenizer import load_tokenizer
 
 TAU_DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
 
@@ -63,7 +63,7 @@ def cut(model, num_layers: int):
 
 # ---- data ------------------------------------------------------------------------------------------------------------
 def load_answers(paths: list[str], tokenizer, max_length: int) -> list[dict]:
-    from ..datasets import load_samples
+    from ..core.datasets import load_samples
 
     samples = []
     for path in paths:

@@ -29,12 +29,12 @@ import time
 from pathlib import Path
 
 from .. import backends, cli, hub
-from ..blas import advice, wheel_reference_blas
-from ..deps import install_hint, installed
-from ..errors import DFlashError
-from ..io import atomic_write_text
+from ..core.blas import advice, wheel_reference_blas
+from ..core.deps import install_hint, installed
+from ..core.errors import DFlashError
+from ..core.io import atomic_write_text
+from ..core.tokenizer import eos_token_ids, load_tokenizer
 from ..reference.ar_draft import ensure_ar_draft
-from ..tokenizer import eos_token_ids, load_tokenizer
 from .methods import BASELINES, METHODS, Method
 from .prompts import humaneval_path, load_prompts
 from .report import machine_info, markdown, plots, summarize

@@ -17,12 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import backends, cli, hub, tiny
-from ..costs import measure as measure_costs
-from ..deps import require
-from ..errors import DFlashError
-from ..io import atomic_write_text
-from ..spec import DraftSpec, default_target_layer_ids
+from .. import backends, cli, hub
+from ..core.costs import measure as measure_costs
+from ..core.deps import require
+from ..core.errors import DFlashError
+from ..core.io import atomic_write_text
+from ..core.spec import DraftSpec, default_target_layer_ids
+from ..reference import tiny
 
 TINY = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=768, vocab_size=4096)

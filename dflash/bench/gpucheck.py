@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from .. import cli
-from ..io import atomic_write_text
-from ..spec import DraftSpec, default_target_layer_ids
-from ..train_config import TrainConfig
+from ..core.io import atomic_write_text
+from ..core.spec import DraftSpec, default_target_layer_ids
+from ..core.train_config import TrainConfig
 from .costmodel import main as cost_model_main
 
 

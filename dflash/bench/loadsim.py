@@ -4,8 +4,8 @@ roofline model of a GPU (no GPU needed, deterministic).
 A forward of T tokens over r rows costs max(weights / bandwidth, 2 * parameters * T / compute) plus reading every
 row's K/V, plus a fixed launch cost: flat in T until the compute knee (a few hundred tokens on an H200 for an 8B
 model), then linear. The drafter (5 Qwen3-8B-shaped layers and the target's LM head on its B-1 positions) costs the
-same way. Those costs fill a `Costs` with the grid dflash.costs measures on a real device (one row up to 512 tokens,
-batches up to a block per row), and the planner's own rule (dflash.tree.best_first + choose_counts, the surrogate
+same way. Those costs fill a `Costs` with the grid dflash.core.costs measures on a real device (one row up to 512 tokens,
+batches up to a block per row), and the planner's own rule (dflash.core.tree.best_first + choose_counts, the surrogate
 taken as calibrated) picks each row's nodes, against a plain batched step (no draft forward).
 
 The drafter is synthetic: at every depth its most probable token is accepted with probability 0.86 and each next
@@ -20,9 +20,9 @@ import argparse
 import json
 from dataclasses import dataclass
 
-from ..budget import Costs
-from ..costs import BATCH_TOKENS, GRID
-from ..tree import best_first, choose_counts
+from ..core.budget import Costs
+from ..core.costs import BATCH_TOKENS, GRID
+from ..core.tree import best_first, choose_counts
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 
@@ -58,7 +58,7 @@ def forward_seconds(device: Device, params: float, tokens: int, kv_bytes: float 
 
 def roofline_costs(device: Device = H200, shape: Shape = QWEN3_8B, block_size: int = 16, context: int = 1024,
                    rows_grid: tuple[int, ...] = CONCURRENCY[1:]) -> Costs:
-    """The grid dflash.costs would measure on this device, from the roofline."""
+    """The grid dflash.core.costs would measure on this device, from the roofline."""
     kv = shape.kv_bytes_per_token * context
 
     def verify(rows: int, n: int) -> float:

@@ -29,10 +29,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .. import cli
-from ..errors import DFlashError
-from ..io import atomic_write_text
-from ..stats import mean_acceptance_length, per_position_acceptance
-from ..tokenizer import chat_ids
+from ..core.errors import DFlashError
+from ..core.io import atomic_write_text
+from ..core.stats import mean_acceptance_length, per_position_acceptance
+from ..core.tokenizer import chat_ids
 
 LENGTHS = (256, 1024, 2048, 4096, 8192)
 WINDOWS = (None, 256, 1024)

@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass
 
 from .. import api
-from ..errors import DFlashError
-from ..sampling import SamplingParams
-from ..tokenizer import load_tokenizer
+from ..core.errors import DFlashError
+from ..core.sampling import SamplingParams
+from ..core.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Method:
     block_size: int | None = None  # dflash: None = no drafter
     lookup: bool = False  # hf: prompt lookup decoding
     ar_draft: bool = False  # hf assisted / mlx-lm speculative: needs the autoregressive draft model
-    verify: str = "chain"  # dflash: chain | tree | auto (dflash/budget.py)
+    verify: str = "chain"  # dflash: chain | tree | auto (dflash/core/budget.py)
     copy_branch: bool = True  # dflash trees: the branch copied from the context
     label: str = ""
 

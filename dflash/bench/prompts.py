@@ -11,10 +11,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from ..datasets import read_rows
-from ..errors import DFlashError
+from ..core.datasets import read_rows
+from ..core.errors import DFlashError
+from ..core.tokenizer import chat_ids
 from ..reference.prompts import BENCHMARK_FILE
-from ..tokenizer import chat_ids
 
 CHAT_FILE = Path(__file__).with_name("prompts") / "chat.jsonl"
 CHAT_TRAIN_FILE = CHAT_FILE.with_name("chat_train.jsonl")

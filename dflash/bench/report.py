@@ -8,7 +8,7 @@ import platform
 import statistics
 from pathlib import Path
 
-from ..stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
+from ..core.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 from .methods import BASELINES, Method
 
 

@@ -23,8 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import DFlashError
-from ..io import atomic_write_text
+from ..core.errors import DFlashError
+from ..core.io import atomic_write_text
 from .prompts import prompt_rows
 from .report import machine_info
 

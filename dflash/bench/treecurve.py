@@ -15,9 +15,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .. import cli
-from ..errors import DFlashError
-from ..io import atomic_write_text
-from ..stats import mean_acceptance_length
+from ..core.errors import DFlashError
+from ..core.io import atomic_write_text
+from ..core.stats import mean_acceptance_length
 from .prompts import load_prompts
 
 BUDGETS = (1, 2, 4, 8, 15, 24, 32, 48, 64, 96, 128)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..blas import openblas_path
+from ..core.blas import openblas_path
 from .methods import Method
 
 OPENBLAS = str(openblas_path())  # Debian's libopenblas0-pthread, or $DFLASH_OPENBLAS

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 
 ASSETS = Path(__file__).with_name("assets")
 TARGET_DIR = ASSETS / "target"

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 
 from . import ASSETS, TARGET_DIR
 
@@ -141,8 +141,8 @@ def answers_for(target_dir: Path, build_dir: Path) -> list[tuple[Path, str]]:
 
 def load_answer_samples(target_dir: Path, files: list[tuple[Path, str]], max_length: int) -> list[dict]:
     """Tokenised samples (input_ids, loss_mask on the answer) of every answers file, each with its own template."""
-    from dflash.tokenizer import load_tokenizer
-    from dflash.datasets import load_samples
+    from dflash.core.datasets import load_samples
+    from dflash.core.tokenizer import load_tokenizer
 
     samples = []
     for path, fmt in files:
@@ -227,7 +227,7 @@ def train(target_dir: Path, answers: list[tuple[Path, str]], out_dir: Path, cfg:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.io import atomic_directory, atomic_write_text
+    from dflash.core.io import atomic_directory, atomic_write_text
 
     torch.set_num_threads(cfg.threads)
     t_all = time.time()

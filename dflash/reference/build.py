@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 
 PACKAGE_DIR = Path(__file__).parent
 
@@ -78,7 +78,7 @@ def build(out: str | Path, cfg: BuildConfig | None = None, fresh: bool = False, 
     target's answers are written (the data that drafter experiments train on)."""
     import torch
 
-    from dflash.tiny import train_tokenizer
+    from .tiny import train_tokenizer
 
     from . import prompts as P
     from .corpus import source_files, split
@@ -177,7 +177,7 @@ def regenerate(target_dir: Path, prompts: list, path: Path, max_new_tokens: int,
     `path` for the same prompts, token budget and target weights are kept (unless `fresh`): a finished file is
     used as it is, an interrupted one is continued."""
     from dflash.backends.torch import regenerate as answer
-    from dflash.io import atomic_write_text
+    from dflash.core.io import atomic_write_text
 
     inp = path.with_name("regenerate_input.jsonl")
     text = "".join(json.dumps({"id": f"p{i}", "prompt": p.prompt}) + "\n" for i, p in enumerate(prompts))
@@ -218,8 +218,8 @@ def completion_target(target_dir: Path, dst: Path) -> Path:
 
 def answer_samples(target_dir: Path, path: Path) -> list[dict]:
     """Tokenised training samples of regenerated answers, rendered with that target directory's template."""
-    from dflash.datasets import load_samples
-    from dflash.tokenizer import load_tokenizer
+    from dflash.core.datasets import load_samples
+    from dflash.core.tokenizer import load_tokenizer
 
     return load_samples(path, load_tokenizer(target_dir))
 
@@ -236,9 +236,9 @@ def build_samples(data: Path) -> list[dict]:
 def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildConfig, fresh: bool = False):
     """`python -m dflash.train`, in process, on the target's answers (loss on the answer tokens only). A run of the
     same samples, target and recipe in `out` resumes from its last checkpoint; any other is started over."""
-    from dflash.io import atomic_write_text
+    from dflash.core.io import atomic_write_text
+    from dflash.core.train_config import TrainConfig
     from dflash.train import run_training
-    from dflash.train_config import TrainConfig
 
     recipe = dict(dtype="float32", save_every=100) | cfg.drafter
     inputs = {"samples": _sha256(json.dumps([[list(x["input_ids"]), list(x["loss_mask"])] for x in samples]).encode()),
@@ -259,7 +259,7 @@ def export_target(src: Path, dst: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.io import atomic_directory
+    from dflash.core.io import atomic_directory
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float16)
     tok = AutoTokenizer.from_pretrained(str(src))
@@ -277,7 +277,7 @@ def export_drafter(src: Path, dst: Path) -> None:
     import torch
 
     from dflash.backends.torch import load_drafter, save_drafter
-    from dflash.io import atomic_directory
+    from dflash.core.io import atomic_directory
 
     model = load_drafter(src, dtype=torch.float32)
     with atomic_directory(dst) as tmp:
@@ -289,7 +289,7 @@ def measure_tau(target_dir: Path, draft_dir: Path, prompts: list[str], max_new_t
     from tqdm import tqdm
 
     import dflash
-    from dflash.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
+    from dflash.core.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 
     spec_pipe = dflash.load(target_dir, draft_dir, backend="torch", device="cpu")
     plain = dflash.load(target_dir, backend="torch", device="cpu", no_draft=True)

@@ -176,7 +176,7 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
              out_dir: str | Path, log_path: str | Path | None = None, vocab_size: int | None = None,
              progress: bool = True) -> dict:
     """Train the target and save it (float32; export converts to float16). Returns the cost summary."""
-    from dflash.io import atomic_write_text
+    from dflash.core.io import atomic_write_text
 
     torch.set_num_threads(cfg.threads)
     t0 = time.time()
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m dflash.reference.pretrain", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokenizer", required=True, help="tokenizer directory (dflash.tiny.train_tokenizer)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (dflash.reference.tiny.train_tokenizer)")
     p.add_argument("--out", required=True)
     p.add_argument("--log", help="JSONL training curve")
     for f in ("steps", "batch_size", "seq_len", "hidden_size", "num_hidden_layers", "intermediate_size", "seed"):

@@ -160,7 +160,7 @@ def chat_example(fn: Function, kind: str) -> tuple[str, str] | None:
 
 
 def write_jsonl(prompts: list[Prompt], path: str | Path) -> None:
-    from dflash.io import atomic_write_text
+    from dflash.core.io import atomic_write_text
 
     atomic_write_text(path, "".join(json.dumps(p.to_json()) + "\n" for p in prompts))
 

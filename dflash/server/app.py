@@ -1,4 +1,4 @@
-"""The HTTP layer: FastAPI routes that turn OpenAI requests into dflash.loop.Generations for the engine thread
+"""The HTTP layer: FastAPI routes that turn OpenAI requests into dflash.core.loop.Generations for the engine thread
 (dflash/server/scheduler.py) and its increments back into OpenAI responses or server-sent events."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..errors import DFlashError
+from ..core.errors import DFlashError
 from . import render
 from .intake import Intake, RequestState, parse_body
 from .metrics import Metrics

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ..engine import check_fits
-from ..errors import DFlashError
-from ..loop import Generation
-from ..sampling import SamplingParams
+from ..core.engine import check_fits
+from ..core.errors import DFlashError
+from ..core.loop import Generation
+from ..core.sampling import SamplingParams
 from . import render
 from .parsing import THINK_CLOSE, THINK_OPEN, OutputParser, starts_in_reasoning
 from .protocol import MAX_TOP_LOGPROBS, ApiError, ChatRequest, CompletionRequest, chat_messages

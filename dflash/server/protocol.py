@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling import SamplingParams
+from ..core.sampling import SamplingParams
 
 
 class ApiError(Exception):
@@ -52,7 +52,7 @@ class _Sampled(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    accept: Literal["auto", "match", "rejection"] = "auto"  # the acceptance rule when sampling (dflash.sampling)
+    accept: Literal["auto", "match", "rejection"] = "auto"  # the acceptance rule when sampling (dflash.core.sampling)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

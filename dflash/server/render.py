@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from ..loop import GenerationResult, Increment
+from ..core.loop import GenerationResult, Increment
 from .parsing import Delta
 
 

@@ -1,4 +1,4 @@
-"""The engine thread: one thread owns the engine and drives dflash.loop.Batch; the asyncio side talks to it only
+"""The engine thread: one thread owns the engine and drives dflash.core.loop.Batch; the asyncio side talks to it only
 through queues. It is a one-worker executor, so the model can be loaded on it too (MLX streams belong to the thread
 that created the arrays) and interpreter exit joins it (a daemon thread killed inside C++ aborts the process).
 
@@ -19,8 +19,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..errors import DFlashError
-from ..loop import Batch, Generation, GenerationResult, Increment
+from ..core.errors import DFlashError
+from ..core.loop import Batch, Generation, GenerationResult, Increment
 from .metrics import Metrics
 
 log = logging.getLogger("dflash.serve")

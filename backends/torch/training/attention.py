@@ -1,7 +1,7 @@
 """Who attends to whom in the packed training forward, written once as a predicate and evaluated three ways.
 
 The packed forward runs N blocks of B slots against one sequence of S context positions. The rule for one draft
-layer is `draft_attends`: the inference rule of both backends (dflash.draft_context.draft_visible) on the packed
+layer is `draft_attends`: the inference rule of both backends (dflash.core.draft_context.draft_visible) on the packed
 layout. A block query sees
 
   context keys  strictly before its anchor (the anchor's own features are unknown at inference), at most `window`
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash.draft_context import draft_visible
-from dflash.draft_context import layer_rules as inference_rules
+from dflash.core.draft_context import draft_visible
+from dflash.core.draft_context import layer_rules as inference_rules
 
 _ANY_BLOCK = 1 << 30  # the caller keeps block keys inside the query's own block
 
@@ -38,7 +38,7 @@ class LayerRule:
 
 def layer_rules(spec, window: int | None = None) -> tuple[LayerRule, ...]:
     """The rule of every layer of a drafter, as its config declares it (`layer_types`, `sliding_window`,
-    `is_causal`) and as the inference caches run it (dflash.draft_context.layer_rules)."""
+    `is_causal`) and as the inference caches run it (dflash.core.draft_context.layer_rules)."""
     return tuple(LayerRule(r.sliding, r.causal, window) for r in inference_rules(spec))
 
 
@@ -47,7 +47,7 @@ def draft_attends(q_pos, k_pos, anchor, k_in_block, rule: LayerRule = LayerRule(
     the position of the query's block slot 0; `k_in_block` says whether the key is a slot of the query's own block
     (True) or a context position (False). Tensors (broadcast together) or plain ints.
 
-    This is inference's rule, dflash.draft_context.draft_visible, plus what only the packed layout needs: a context
+    This is inference's rule, dflash.core.draft_context.draft_visible, plus what only the packed layout needs: a context
     key at or after the anchor is a later position of the same sequence, never visible."""
     q_pos, k_pos, anchor = (torch.as_tensor(x) for x in (q_pos, k_pos, anchor))
     k_in_block = torch.as_tensor(k_in_block, dtype=torch.bool)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 
 from ..drafter import DFlashDrafter, save_drafter
 from .distributed import Dist

@@ -14,8 +14,8 @@ def evaluate(target_model, drafter: DFlashDrafter, prompts: list[list[int]], max
              eos_token_ids=(), draft_window: int | None = None, progress: str | None = None) -> dict:
     """Real acceptance: run the speculative loop (greedy) on each prompt and pool the acceptance lengths.
     `progress`: the description of a tqdm bar over the prompts (None: no bar)."""
-    from dflash.loop import generate
-    from dflash.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
+    from dflash.core.loop import generate
+    from dflash.core.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 
     from ..backend import TorchBackend
 

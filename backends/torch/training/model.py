@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash.errors import DFlashError
-from dflash.spec import DFLASH2, DraftSpec, default_target_layer_ids
+from dflash.core.errors import DFlashError
+from dflash.core.spec import DFLASH2, DraftSpec, default_target_layer_ids
 
 from ..drafter import DFlashDrafter, load_drafter
 from .objective import packed_states

@@ -11,14 +11,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash.errors import DFlashError
-from dflash.spec import ABLATION_CONTEXT_MODES
+from dflash.core.errors import DFlashError
+from dflash.core.spec import ABLATION_CONTEXT_MODES
 
 from ..drafter import DFlashDrafter
 from .attention import layer_rules
 from .config import TrainConfig
 from .data import load_samples, split_eval_prompts
 from .distributed import Dist, init_distributed
+from .features import FeatureCache, OnlineFeatures
 from .model import build_drafter, checkpoint_layers, wrap_for_parallel
 from .objective import default_gamma
 
@@ -93,9 +94,8 @@ def too_few_samples(loaded: int, held: int, global_batch: int) -> str:
 
 def prepare(cfg: TrainConfig, target_dir: Path) -> Run:
     """The run of `cfg` for the target model in `target_dir` (a local directory: the application resolves hub ids)."""
-    from dflash.tokenizer import eos_token_ids, load_tokenizer
+    from dflash.core.tokenizer import eos_token_ids, load_tokenizer
 
-    from ..features import FeatureCache, OnlineFeatures
     from ..target import load_target, resolve_device, resolve_dtype
 
     check_config(cfg)

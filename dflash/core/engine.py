@@ -1,6 +1,6 @@
 """The one speculative engine: per-row state over a backend's array primitives (backends/base.py).
 
-dflash.loop decides what to commit and when to stop; the engine keeps what the caches hold and moves them: the
+dflash.core.loop decides what to commit and when to stop; the engine keeps what the caches hold and moves them: the
 committed tokens of every row (whose K/V is in the target cache), the target features the drafter has not read yet,
 prefix reuse and chunked prefill, and the cycle's arrays (draft -> verify -> commit). A batch of one and a batch of
 N are the same code; a running batch admits a row (its prefill) and retires rows between cycles.
@@ -19,15 +19,15 @@ to the target, so it sits at position n:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 from .budget import VERIFY_MODES, ChainBudget, Costs, TreePlanner
+from .contract import Draft, Pending, Step
 from .errors import DFlashError
 from .prefix_cache import PrefixCache, keep_row
-from .sampling import RowDraw, RowSampling, SamplingParams, accepted_length, common_prefix, uniforms
-from .spec import check_block_size
-from .tree import CopyIndex, TreeInputs
+from .sampling import RowDraw, RowSampling, SamplingParams, accepted_length, common_prefix, row_draws
+from .tree import CopyIndex
+from .tree_step import tree_step
 
 
 def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
@@ -35,58 +35,6 @@ def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
     if max_context and len(prompt_ids) >= max_context:
         raise DFlashError(f"prompt: {len(prompt_ids)} tokens do not fit the target's context "
                           f"(max_position_embeddings {max_context})")
-
-
-def drafter_block_size(drafter, target_info, block_size: int | None, validated: bool = False) -> int:
-    """The block size a drafter runs at (its trained one unless asked for another), after its spec is checked against
-    the target, unless the loader already did that before reading the drafter's weights."""
-    spec = drafter.spec
-    if not validated:
-        spec.validate_against(target_info, source=getattr(drafter, "source", "draft"))
-    block_size = block_size or spec.block_size
-    check_block_size(block_size, spec)
-    return block_size
-
-
-@dataclass
-class Pending:
-    """Target features (rows, m, K*H) the drafter has not read yet; row i's first counts[i] are real."""
-
-    features: object
-    counts: list[int]
-
-
-@dataclass
-class Draft:
-    """One draft forward's output, on the device: `ids` (rows, B) = [anchor, proposals], and per block position
-    the drafter's top-k token ids and probabilities (rows, B-1, k), when asked for (tree verification)."""
-
-    ids: object
-    top_ids: object = None
-    top_probs: object = None
-    # when the drafter sampled its proposals (rejection verification): per proposal the candidate ids and the draft
-    # distribution q over them (rows, B-1, k)
-    q_ids: object = None
-    q_probs: object = None
-
-
-@dataclass
-class Step:
-    """One row's cycle: the tokens it committed (accepted draft tokens, then the target's own token) and what the
-    target verified for it."""
-
-    tokens: list[int]
-    drafted: list[int]  # the proposals the target checked (chain), or the accepted path's (tree)
-    verified: int  # draft tokens the target verified for this row
-    draft_forward: bool = True  # False: a cycle of --verify auto that verified without drafting
-    # with Engine.logprobs set: per committed token, the target's log-probability of it under
-    # the row's sampling settings and the top (id, log-probability) pairs, from the verify forward's own logits
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-    @property
-    def accepted(self) -> int:
-        return len(self.tokens) - 1
 
 
 class Admission:
@@ -106,7 +54,7 @@ class Admission:
 
 
 class Engine:
-    """Speaks the batch protocol dflash.loop drives (prefill / draft / verify / commit / retire) for one row or many,
+    """Speaks the batch protocol dflash.core.loop drives (prefill / draft / verify / commit / retire) for one row or many,
     plus the single-sequence operations a chat needs (crop, reset, cached_tokens)."""
 
     def __init__(self, target, drafter=None, *, block_size: int = 1, prefill_chunk: int = 2048, name: str = ""):
@@ -128,7 +76,7 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None  # finished rows' caches, for later prompts (enable_prefix_cache)
         self.last_reused = 0  # prompt tokens the last prefill found in the caches
         self.verify_mode, self.verify_note = "chain", ""
-        self.planner: TreePlanner | None = None  # tree / auto verification (dflash/budget.py)
+        self.planner: TreePlanner | None = None  # tree / auto verification (dflash/core/budget.py)
         self.chain_budget: ChainBudget | None = None  # auto, for rows that verify by rejection
         self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
         self.last_trees, self.last_paths = [], []
@@ -151,7 +99,7 @@ class Engine:
 
     @property
     def accept_rules(self) -> list[str]:
-        """Each row's acceptance rule: greedy, match or rejection (dflash.sampling)."""
+        """Each row's acceptance rule: greedy, match or rejection (dflash.core.sampling)."""
         return [r.rule for r in self.row_sampling]
 
     def set_verify(self, mode: str = "chain", budget: int | None = None, costs: Costs | None = None,
@@ -178,7 +126,7 @@ class Engine:
             self.verify_mode, self.verify_note = "chain", f"auto verifies the chain: {reason}"
             return
         if mode == "auto" and costs is None:
-            raise DFlashError("--verify auto: needs the device's measured costs (dflash.costs.measured_costs)")
+            raise DFlashError("--verify auto: needs the device's measured costs (dflash.core.costs.measured_costs)")
         if budget is None:  # tree: the chain's verify tokens; auto: as many as the measured costs reach
             budget = self.block_size - 1 if mode == "tree" else max(self.block_size - 1,
                                                                    min(256, costs.verify[-1][0] - 1))
@@ -313,7 +261,7 @@ class Engine:
             if at + self.prefill_chunk < len(prompt_ids):
                 self.target.settle(self.drafter)  # bound the lazy graph (and its memory) chunk by chunk
                 yield None
-        first = self._sample(logits[:, -1:], [self.tokens], None, draws=self._draws(1, offset=0))
+        first = self._sample(logits[:, -1:], [self.tokens], None, draws=self._row_draws(1, offset=0))
         self.target.settle(self.drafter, first)
         if self.logprobs is not None:
             self.first_logprobs = (self._logprobs[0][0][0], self._logprobs[1][0][0])
@@ -333,7 +281,7 @@ class Engine:
         if self.planner is not None:
             start = time.perf_counter()
             path = self.planner.path() if "rejection" not in self.accept_rules else "chain"
-            steps = self._tree_step(list(anchors)) if path == "tree" else self._chain_step(anchors, top_k=0)
+            steps = tree_step(self, list(anchors)) if path == "tree" else self._chain_step(anchors, top_k=0)
             self.planner.observe_speed(path, [s.accepted for s in steps], time.perf_counter() - start)
             return steps
         return self._chain_step(anchors, self.top_k)
@@ -343,7 +291,7 @@ class Engine:
         verified = self.block_size if length is None else length + 1
         # a matched row's draft reads the noise of every block position; otherwise only the verified ones are drawn
         drafts_read_noise = length != 0 and "match" in self.accept_rules
-        self._cycle_draws = self._draws(self.block_size, noise=self.block_size if drafts_read_noise else verified)
+        self._cycle_draws = self._row_draws(self.block_size, noise=self.block_size if drafts_read_noise else verified)
         if length == 0:
             self._absorb_pending()
             self.last_draft = Draft(self.target.ids([[a] for a in anchors]))
@@ -358,54 +306,6 @@ class Engine:
             for step, chosen, top in zip(steps, *self._logprobs):
                 step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]
         self.commit([len(s.tokens) for s in steps])
-        return steps
-
-    def _tree_step(self, anchors: list[int]) -> list[Step]:
-        """Draft once, verify a tree per row in one forward, walk it, keep the accepted path's K/V and features."""
-        planner, target, b = self.planner, self.target, self.block_size
-        start = time.perf_counter()
-        if len(self._copies) != len(self.rows):
-            self._copies = [CopyIndex() for _ in self.rows]
-        copies = []
-        for index, row, anchor in zip(self._copies, self.rows, anchors):
-            index.update(row + [anchor])
-            copies.append(index.continuation(b - 1))
-        drafted = planner.drafts_this_cycle()
-        draws = self._draws(b)
-        if not drafted:
-            self._absorb_pending()
-        if drafted:
-            draft = self.drafter.propose(target.ids([[a] for a in anchors]), self._take_pending(), b,
-                                         planner.top_k, draws)
-            plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
-        else:
-            plan = planner.plan(anchors, copies=copies)
-        inputs = TreeInputs.of(plan.trees)
-        ids = target.ids(inputs.ids.tolist())
-        logits, features = target.forward(ids, last_only=False, tree=inputs)
-        if draws is not None:  # the node at depth d draws the token at the anchor's position + 1 + d
-            for draw, depths in zip(draws, inputs.depths.tolist()):
-                if draw.gumbel is not None:
-                    draw.gumbel = draw.gumbel[target.ids([depths])[0]]
-        tokens = target.to_host(self._sample(logits, self.rows, ids, [t.paths() for t in plan.trees], draws))
-        steps, paths, slots = [], [], []
-        for tree, row_tokens in zip(plan.trees, tokens):
-            path, bonus = tree.walk(row_tokens)
-            accepted = [tree.tokens[i] for i in path]
-            paths.append(path)
-            slots.append([0] + path)
-            steps.append(Step(accepted + [bonus], accepted, tree.nodes, plan.drafted))
-        if self.logprobs is not None:  # committed token k was drawn at slot slots[k]
-            for step, row_slots, chosen, top in zip(steps, slots, *self._logprobs):
-                step.logprobs, step.top_logprobs = [chosen[j] for j in row_slots], [top[j] for j in row_slots]
-        planner.observe(plan, paths, time.perf_counter() - start)
-        self.last_trees, self.last_paths = plan.trees, paths  # (introspection: tests, traces)
-        target.keep_slots(slots, inputs.width)
-        for row, anchor, step in zip(self.rows, anchors, steps):
-            row.extend([anchor] + step.drafted)
-        if features is None:
-            return steps  # (a drafter that reads no target features)
-        self.pending = Pending(target.gather(features, slots), [len(s) for s in slots])
         return steps
 
     def draft(self, anchors: Sequence[int], top_k: int | None = None) -> None:
@@ -499,23 +399,8 @@ class Engine:
         does not (so the longest agreeing prefix is the accepted one either way)."""
         return self._sample(logits, self.rows, ids, draws=self._cycle_draws, draft=self.last_draft)
 
-    def _draws(self, width: int, offset: int = 1, noise: int | None = None) -> list[RowDraw] | None:
-        """Each row's noise for a cycle that decides the tokens at positions n + offset .. n + offset + width - 1
-        (n: the row's cached length, its anchor's position), Gumbel noise for the first `noise` of them (default:
-        all); None when every row is greedy."""
-        if all(r.greedy for r in self.row_sampling):
-            return None
-        draws = []
-        for row, sampling in zip(self.rows, self.row_sampling):
-            positions = range(len(row) + offset, len(row) + offset + width)
-            draw = RowDraw(sampling, positions.start)
-            if not sampling.greedy:
-                draw.gumbel = self.target.gumbel(sampling.gumbel_keys(positions[:noise]))
-            if sampling.rule == "rejection":
-                draw.draft_u, draw.accept_u, draw.residual_u = (uniforms(sampling.seed, stream, positions)
-                                                                for stream in ("draft", "accept", "residual"))
-            draws.append(draw)
-        return draws
+    def _row_draws(self, width: int, offset: int = 1, noise: int | None = None) -> list[RowDraw] | None:
+        return row_draws(self.rows, self.row_sampling, lambda keys: self.target.gumbel(keys), width, offset, noise)
 
     def _add_pending(self, features, n: int) -> None:
         if self.pending is None:

@@ -375,3 +375,14 @@ def _float(cfg: dict, key: str, source: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise DFlashError(f"{source}: field '{key}' must be a finite number, got {value!r}")
     return float(value)
+
+
+def drafter_block_size(drafter, target_info, block_size: int | None, validated: bool = False) -> int:
+    """The block size a drafter runs at (its trained one unless asked for another), after its spec is checked against
+    the target, unless the loader already did that before reading the drafter's weights."""
+    spec = drafter.spec
+    if not validated:
+        spec.validate_against(target_info, source=getattr(drafter, "source", "draft"))
+    block_size = block_size or spec.block_size
+    check_block_size(block_size, spec)
+    return block_size

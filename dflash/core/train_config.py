@@ -24,7 +24,7 @@ class TrainConfig:
     block_size: int = 16
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
-    context_mode: str = "kv"  # kv: DFlash; none / input: the ablation drafters of dflash.spec (torch only)
+    context_mode: str = "kv"  # kv: DFlash; none / input: the ablation drafters of dflash.core.spec (torch only)
     init_layers: str = "target-first"  # copy the target's first decoder layers ("target": its last; "random": HF init)
     # DFlash2: the two-tap dynamic convolutions and the candidate selector (new drafter)
     conv_kernel_size: int = 2

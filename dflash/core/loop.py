@@ -1,6 +1,6 @@
 """The one speculative loop: prefill -> (draft -> verify -> commit)* -> stop. Every backend runs this code.
 
-Policy lives here (what to commit, when to stop, what to count); the engine (dflash/engine.py) keeps the per-row
+Policy lives here (what to commit, when to stop, what to count); the engine (dflash/core/engine.py) keeps the per-row
 state over the backend's array primitives (backends/base.py).
 """
 
@@ -42,7 +42,7 @@ class GenerationResult:
     verified: list[int] = field(default_factory=list)  # draft tokens the target verified, per cycle
     cycles_without_draft: int = 0  # --verify auto: cycles that verified without a draft forward
     verify_note: str = ""
-    accept_rule: str = "greedy"  # greedy, match or rejection (dflash.sampling)
+    accept_rule: str = "greedy"  # greedy, match or rejection (dflash.core.sampling)
     error: str = ""  # finish_reason "error": why this row failed (the batch's other rows went on)
 
     @property
@@ -139,7 +139,7 @@ class _Row:
 
 
 class Batch:
-    """THE speculative loop as a running batch over one engine (dflash.engine.Engine, one row or many).
+    """THE speculative loop as a running batch over one engine (dflash.core.engine.Engine, one row or many).
 
     Generations join between cycles (`join`: the prompt is prefilled through Engine.admit with the generation's own
     sampling settings) and leave as soon as they finish or are cancelled (Engine.retire); `step` is one cycle for

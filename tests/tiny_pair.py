@@ -1,6 +1,6 @@
 """A tiny target and a drafter trained for it, built in well under a minute on CPU (tests, the cross-backend check).
 
-The target is a random Qwen3 (dflash.tiny) whose embedding and LM head are scaled up (std 1.0 instead of 0.02): its
+The target is a random Qwen3 (dflash.reference.tiny) whose embedding and LM head are scaled up (std 1.0 instead of 0.02): its
 logits are sharp, so greedy decoding follows a nearly deterministic token -> token map with some dependence on
 context, falling into recurring cycles, which is structure a drafter can learn in seconds. (A plain std-0.02 random
 model has near-flat logits: its greedy choices hinge on tiny margins, and the drafter's bounded logit scale
@@ -21,7 +21,7 @@ PROMPT_LEN, ANSWER_LEN = 8, 48
 def build_tiny_target(directory: str | os.PathLike, seed: int = 0, embed_std: float = 1.0):
     import torch
 
-    from dflash import tiny
+    from dflash.reference import tiny
 
     directory = Path(directory)
     tok_dir = directory.parent / (directory.name + "-tokenizer")
@@ -50,7 +50,7 @@ def build_trained_pair(root: str | os.PathLike, *, steps: int = 200, num_train: 
                        seed: int = 0, quiet: bool = True) -> tuple[Path, Path, dict]:
     """-> (target_dir, draft_dir, info). info has the held-out tau and the timings; it is also saved as
     root/pair.json, and an existing complete pair under root is reused."""
-    from .training import TrainConfig, train
+    from dflash.backends.torch.training import TrainConfig, train
 
     root = Path(root)
     target_dir, run_dir = root / "target", root / "run"
@@ -82,7 +82,7 @@ def dflash2_from(draft, spec2, *, conv_noise: float = 0.0, selector_scale: float
     disagree with its source now and then, which gives cycles with partial acceptance next to long ones."""
     import torch
 
-    from .drafter import DFlashDrafter
+    from dflash.backends.torch.drafter import DFlashDrafter
 
     g = torch.Generator().manual_seed(seed)
     model = DFlashDrafter(spec2)

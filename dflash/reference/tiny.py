@@ -9,7 +9,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from .spec import DraftSpec, default_target_layer_ids
+from ..core.spec import DraftSpec, default_target_layer_ids
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from dflash.errors import DFlashError
+from dflash.core.errors import DFlashError
 
-from .target import LayerCapture
-from .training import target_features
+from ..target import LayerCapture
+from .objective import target_features
 
 INDEX_NAME = "features.index.json"
 
@@ -93,7 +93,7 @@ def write_feature_cache(model, samples: list[dict], layer_ids: list[int], out: s
     and the index are written atomically; the index goes last, so a directory without it is an interrupted run."""
     from safetensors.torch import save_file
 
-    from dflash.io import atomic_path, atomic_write_text
+    from dflash.core.io import atomic_path, atomic_write_text
 
     out = Path(out)
     hidden = model.get_input_embeddings().weight.shape[1]

@@ -2,7 +2,7 @@
 
 `--verify auto` needs T_draft(rows) and T_verify(rows, n) in seconds: on an H200 a verify is nearly flat up to
 hundreds of tokens, on a 2-core CPU it grows with every token, and a batch of rows costs a GPU little more than one
-row below its compute knee and a CPU every row's tokens; the budget rule (dflash/budget.py) has to know which. The
+row below its compute knee and a CPU every row's tokens; the budget rule (dflash/core/budget.py) has to know which. The
 profile runs the engine's own primitives (the tree forward, the draft) after a short context, one row at up to 512
 tokens, then batches of 4 and 16 rows at up to a block's tokens each, so it measures exactly what the cycles will
 run; it takes about a second for a small model and is then read from

@@ -1,6 +1,6 @@
 """Prefixes kept across requests: the caches of finished sequences, bounded in bytes, least recently used first out.
 
-An entry is a one-row dflash.engine.Engine (its target K/V and drafter context for the sequence's tokens) taken out
+An entry is a one-row dflash.core.engine.Engine (its target K/V and drafter context for the sequence's tokens) taken out
 of a batch when the sequence left it. A new prompt takes the entry sharing its longest prefix; the engine crops that
 row to the shared prefix and prefills only the rest, so the second turn of a conversation prefills only the new
 turn even when other requests ran in between. An entry is used once (its caches become the new row's), and the

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from .errors import DFlashError
 
@@ -189,3 +190,23 @@ def accepted_length(drafted: list[int], target: list[int]) -> int:
     the extra target token being the bonus committed after the accepted prefix.
     """
     return common_prefix(drafted, target)
+
+
+def row_draws(rows: Sequence[Sequence[int]], samplings: Sequence[RowSampling], gumbel, width: int, offset: int = 1,
+              noise: int | None = None) -> list[RowDraw] | None:
+    """Each row's noise for a cycle that decides the tokens at positions n + offset .. n + offset + width - 1
+    (n: the row's cached length, its anchor's position), Gumbel noise for the first `noise` of them (default:
+    all); None when every row is greedy."""
+    if all(r.greedy for r in samplings):
+        return None
+    draws = []
+    for row, sampling in zip(rows, samplings):
+        positions = range(len(row) + offset, len(row) + offset + width)
+        draw = RowDraw(sampling, positions.start)
+        if not sampling.greedy:
+            draw.gumbel = gumbel(sampling.gumbel_keys(positions[:noise]))
+        if sampling.rule == "rejection":
+            draw.draft_u, draw.accept_u, draw.residual_u = (uniforms(sampling.seed, stream, positions)
+                                                            for stream in ("draft", "accept", "residual"))
+        draws.append(draw)
+    return draws

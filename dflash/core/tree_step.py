@@ -1,0 +1,64 @@
+"""The tree cycle of the engine (--verify tree / auto): draft once, build each row's tree (dflash/core/tree.py, sized
+by dflash/core/budget.py), verify every row's tree in one forward under positions + ancestor mask, walk it, and keep
+the accepted path's K/V and target features."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from .contract import Pending, Step
+from .tree import CopyIndex, TreeInputs
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
+    """One tree cycle for every row of `engine`; row i's anchor is its last committed token."""
+    planner, target, b = engine.planner, engine.target, engine.block_size
+    start = time.perf_counter()
+    if len(engine._copies) != len(engine.rows):
+        engine._copies = [CopyIndex() for _ in engine.rows]
+    copies = []
+    for index, row, anchor in zip(engine._copies, engine.rows, anchors):
+        index.update(row + [anchor])
+        copies.append(index.continuation(b - 1))
+    drafted = planner.drafts_this_cycle()
+    draws = engine._row_draws(b)
+    if not drafted:
+        engine._absorb_pending()
+    if drafted:
+        draft = engine.drafter.propose(target.ids([[a] for a in anchors]), engine._take_pending(), b,
+                                       planner.top_k, draws)
+        plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
+    else:
+        plan = planner.plan(anchors, copies=copies)
+    inputs = TreeInputs.of(plan.trees)
+    ids = target.ids(inputs.ids.tolist())
+    logits, features = target.forward(ids, last_only=False, tree=inputs)
+    if draws is not None:  # the node at depth d draws the token at the anchor's position + 1 + d
+        for draw, depths in zip(draws, inputs.depths.tolist()):
+            if draw.gumbel is not None:
+                draw.gumbel = draw.gumbel[target.ids([depths])[0]]
+    tokens = target.to_host(engine._sample(logits, engine.rows, ids, [t.paths() for t in plan.trees], draws))
+    steps, paths, slots = [], [], []
+    for tree, row_tokens in zip(plan.trees, tokens):
+        path, bonus = tree.walk(row_tokens)
+        accepted = [tree.tokens[i] for i in path]
+        paths.append(path)
+        slots.append([0] + path)
+        steps.append(Step(accepted + [bonus], accepted, tree.nodes, plan.drafted))
+    if engine.logprobs is not None:  # committed token k was drawn at slot slots[k]
+        for step, row_slots, chosen, top in zip(steps, slots, *engine._logprobs):
+            step.logprobs, step.top_logprobs = [chosen[j] for j in row_slots], [top[j] for j in row_slots]
+    planner.observe(plan, paths, time.perf_counter() - start)
+    engine.last_trees, engine.last_paths = plan.trees, paths  # (introspection: tests, traces)
+    target.keep_slots(slots, inputs.width)
+    for row, anchor, step in zip(engine.rows, anchors, steps):
+        row.extend([anchor] + step.drafted)
+    if features is None:
+        return steps  # (a drafter that reads no target features)
+    engine.pending = Pending(target.gather(features, slots), [len(s) for s in slots])
+    return steps
+
