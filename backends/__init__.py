@@ -1,4 +1,5 @@
-"""Backends: each subpackage exposes `load(target_dir, draft_dir, **options) -> Backend` (see base.py)."""
+"""Backends: each subpackage exposes `load(target_dir, draft_dir, **options) -> Engine` over its Target and Drafter
+(dflash/core/contract.py)."""
 
 from __future__ import annotations
 

@@ -71,9 +71,8 @@ class Pipeline:
         """All prompts in one batch (PyTorch backend): every cycle drafts and verifies all unfinished rows at once,
         each row accepting its own prefix; greedy row i equals generate(prompts[i]). The engine's caches then hold
         the batch, so the next single prompt is prefilled from scratch."""
-        if self.backend_name != "torch":
-            raise DFlashError(f"--batch-size: batched decoding runs on the torch backend, not {self.backend_name}; "
-                              "use --backend torch or --batch-size 1")
+        if not self.backend.capabilities.batches:
+            raise DFlashError(self.backend.capabilities.batch_refusal)
         sampling = sampling or SamplingParams(**sampling_kwargs)
         return generate_batch(self.backend, [self.encode(p, chat=chat) for p in prompts], tokenizer=self.tokenizer,
                               max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=self.eos_token_ids,
@@ -115,7 +114,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
                           f"has {be.info.vocab_size} rows (a tokenizer of another model?)")
     if draft_dir is not None and verify != "chain":
         costs = None
-        if verify == "auto" and be.target.tree_refusal() is None:
+        if verify == "auto" and be.capabilities.trees:
             costs = measured_costs(be, max_tokens=(tree_budget or 256) + 1)
         be.set_verify(verify, tree_budget, costs, copy_branch)
     return Pipeline(be, tokenizer, Path(target_dir), draft_dir, name)

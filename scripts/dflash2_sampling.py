@@ -65,7 +65,7 @@ def main() -> None:
 
 
 def small_vocab_rows(root: Path) -> list[dict]:
-    from dflash.backends.torch.backend import TorchBackend
+    from dflash.backends.torch.backend import torch_engine
     from dflash.backends.torch.drafter import DFlashDrafter
 
     vocab = 16
@@ -76,7 +76,7 @@ def small_vocab_rows(root: Path) -> list[dict]:
     spec = tiny.draft_spec_for(root / "v16", num_layers=1, block_size=4, mask_token_id=vocab - 1)
     drafter = dflash2_from(DFlashDrafter(spec), tiny.dflash2_spec(spec, selector_rank=8), conv_noise=0.3,
                            selector_scale=0.5, seed=4)
-    engine = TorchBackend(model, drafter, block_size=4)
+    engine = torch_engine(model, drafter, block_size=4)
     rows = []
     for temperature in (0.8, 1.0):
         for rule in ("match", "rejection"):

@@ -5,7 +5,7 @@ changing a token."""
 import pytest
 import torch
 
-from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.backends.torch.target_runner import TorchTarget
@@ -27,11 +27,11 @@ def mixed_prompts(prompts):
 
 
 def batched(target, drafter, block_size=16):
-    return TorchBackend(target, drafter, block_size=block_size)
+    return torch_engine(target, drafter, block_size=block_size)
 
 
 def single(target, drafter, block_size=16):
-    return TorchBackend(target, drafter, block_size=block_size)
+    return torch_engine(target, drafter, block_size=block_size)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -156,12 +156,11 @@ def drive(be, prompts, arrivals, n):
         cycle += 1
         if not live:
             continue
-        be.draft([outs[i][-1] for i in live])
-        drafted, target = be.verify()
-        keeps = [accepted_length(d, t) + 1 for d, t in zip(drafted, target)]
-        for i, t, k in zip(live, target, keeps):
+        verified = be.verify(be.draft([outs[i][-1] for i in live]))
+        keeps = [accepted_length(d, t) + 1 for d, t in zip(verified.proposals, verified.tokens)]
+        for i, t, k in zip(live, verified.tokens, keeps):
             outs[i].extend(t[:k])
-        be.commit(keeps)
+        be.commit(verified, keeps)
     return [outs[i][:n] for i in range(len(prompts))]
 
 

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core import costs
@@ -14,7 +14,7 @@ def test_measured_once_then_read_from_the_cache(tiny_target_dir, random_draft_di
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(costs, "NOTICE_SECONDS", 0.0)
     model = load_target(tiny_target_dir, torch.float32, "cpu")
-    backend = TorchBackend(model, load_drafter(random_draft_dir), block_size=8)
+    backend = torch_engine(model, load_drafter(random_draft_dir), block_size=8)
     first = costs.measured_costs(backend, max_tokens=17)
     assert "measured this device's draft and verify costs" in capsys.readouterr().err
     ns = [n for n, _ in first.verify]
@@ -30,13 +30,13 @@ def test_measured_once_then_read_from_the_cache(tiny_target_dir, random_draft_di
     monkeypatch.setattr(costs, "measure", lambda *a, **k: calls.append(1))
     again = costs.measured_costs(backend, max_tokens=17)
     assert again == first and not calls and capsys.readouterr().err == ""
-    other = TorchBackend(model, load_drafter(random_draft_dir), block_size=16)  # another shape: its own entry
+    other = torch_engine(model, load_drafter(random_draft_dir), block_size=16)  # another shape: its own entry
     assert costs.cost_key(other) != costs.cost_key(backend)
 
 
 def test_a_damaged_cache_file_is_measured_again(tiny_target_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
-    backend = TorchBackend(load_target(tiny_target_dir, torch.float32, "cpu"))
+    backend = torch_engine(load_target(tiny_target_dir, torch.float32, "cpu"))
     path = costs.cache_dir() / f"{costs.cost_key(backend)}.json"
     path.parent.mkdir(parents=True)
     path.write_text("{not json")

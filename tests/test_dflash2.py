@@ -152,8 +152,7 @@ def with_config(src, dst, **dflash_config):
 def first_draft(run, prompt):
     run.top_k = 8
     (first,) = run.prefill([prompt])
-    run.draft([first])
-    d = run.last_draft
+    d = run.draft([first])
     return d.ids, d.top_ids, d.top_probs
 
 

@@ -2,138 +2,13 @@
 admit and retire, for one row and for many. The fake target's features are the token ids themselves, so the
 drafter's context can be checked against the committed tokens exactly."""
 
-import numpy as np
 import pytest
 
-from dflash.core.contract import Draft
 from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
 from dflash.core.loop import generate, generate_batch
 
-V = 64
-
-
-def next_token(history):
-    return (history[-1] * 5 + len(history)) % V
-
-
-class FakeTarget:
-    info = None
-    max_context = 200
-
-    def __init__(self, bounded=False):
-        self.rows: list[list[int]] = []  # what each row's "KV cache" holds
-        self.forwards, self.bounded, self.last = [], bounded, 0
-
-    # arrays
-    ids = staticmethod(lambda rows: np.array(rows, dtype=np.int64))
-    cat = staticmethod(lambda parts: np.concatenate(parts, axis=1))
-    head = staticmethod(lambda f, n: f[:, :n])
-    take_rows = staticmethod(lambda f, rows: f[rows])
-    pad_rows = staticmethod(lambda f, n: np.concatenate([f, np.zeros((n, *f.shape[1:]))]))
-    to_host = staticmethod(lambda x: x.tolist())
-
-    def settle(self, *arrays):
-        pass
-
-    def set_sampling(self, params):
-        pass
-
-    def sample(self, logits, histories, block, paths=None, draws=None, draft=None):
-        return logits.argmax(-1)
-
-    def forward(self, ids, last_only):
-        if not self.rows:
-            self.rows = [[]]
-        assert ids.shape[0] == len(self.rows)
-        self.forwards.append(ids.shape[1])
-        logits = np.zeros((*ids.shape, V))
-        for r, row in enumerate(self.rows):
-            for t, tok in enumerate(ids[r]):
-                row.append(int(tok))
-                logits[r, t, next_token(row)] = 1
-        self.last = ids.shape[1]
-        features = ids[..., None].astype(float)
-        return (logits[:, -1:] if last_only else logits), features
-
-    def keep(self, keeps, width):
-        for row, k in zip(self.rows, keeps):
-            del row[len(row) - width + k:]
-        return True
-
-    def trim(self, n):
-        if self.bounded and n > self.last:  # like a recurrent layer: nothing before the last forward
-            return False
-        del self.rows[0][len(self.rows[0]) - n:]
-        self.last -= n
-        return True
-
-    def reset(self):
-        self.rows = []
-
-    def close(self):
-        pass
-
-    def check_batchable(self):
-        pass
-
-    def spawn(self):
-        return FakeTarget(self.bounded)
-
-    def merge(self, other):
-        self.rows += other.rows
-
-    def select(self, rows):
-        self.rows = [self.rows[i] for i in rows]
-
-
-class FakeDrafter:
-    """Context = the features (token ids) it was given; proposes the target's continuation for `good` slots."""
-
-    def __init__(self, good=3):
-        self.context: list[list[int]] = [[]]
-        self.good = good
-
-    @property
-    def position(self):
-        return len(self.context[0])
-
-    def _absorb(self, pending):
-        if pending is None:
-            return
-        for r, n in enumerate(pending.counts):
-            self.context[r] += [int(x) for x in pending.features[r, :n, 0]]
-
-    def extend(self, pending):
-        self._absorb(pending)
-
-    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None):
-        self._absorb(pending)
-        rows = []
-        for r, (anchor,) in enumerate(anchor_ids.tolist()):
-            hist, block = self.context[r] + [anchor], [anchor]
-            for i in range(block_size - 1):
-                t = next_token(hist) if i < self.good else (next_token(hist) + 1) % V
-                block.append(t)
-                hist.append(t)
-            rows.append(block)
-        return Draft(np.array(rows))
-
-    def crop(self, position):
-        del self.context[0][position:]
-        return True
-
-    def reset(self):
-        self.context = [[]]
-
-    def spawn(self):
-        return FakeDrafter(self.good)
-
-    def merge(self, other):
-        self.context += other.context
-
-    def select(self, rows):
-        self.context = [self.context[i] for i in rows]
+from fakes import FakeDrafter, FakeTarget, next_token
 
 
 def reference(prompt, n):
@@ -224,14 +99,13 @@ def test_a_row_joins_and_leaves_a_running_batch():
             e.retire([0])
             prompts.pop(0)
             outs.pop(0)
-        e.draft([o[-1] for o in outs])
-        drafted, target = e.verify()
+        verified = e.verify(e.draft([o[-1] for o in outs]))
         keeps = []
-        for o, d, t in zip(outs, drafted, target):
+        for o, d, t in zip(outs, verified.proposals, verified.tokens):
             n = next((i for i, (a, b) in enumerate(zip(d, t)) if a != b), len(d))
             o.extend(t[:n + 1])
             keeps.append(n + 1)
-        e.commit(keeps)
+        e.commit(verified, keeps)
         in_sync(e)
     for p, o in zip(prompts, outs):
         assert o == reference(p, len(o))

@@ -25,12 +25,14 @@ import time
 
 import pytest
 import torch
+from fakes import OracleDrafter
 
-from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.draft_cache import DraftContextCache
 from dflash.backends.torch.draft_runner import draft_step
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash.backends.torch.target import load_target
+from dflash.core.contract import Draft
 from dflash.core.draft_context import LayerRule
 from dflash.core.loop import generate
 from dflash.reference import tiny
@@ -70,30 +72,27 @@ def cases(tmp_path_factory):
             save_drafter(DFlashDrafter(tiny.draft_spec_for(d / "target", num_layers=1, block_size=B)), d / "draft")
             case = Case(family, d / "target", d / "draft", tiny.mlx_layout(d / "target", d / "target_mlx"))
             case.model = load_target(case.target_dir, torch.float32, "cpu")
-            case.refs = [generate(TorchBackend(case.model), p, max_new_tokens=N).tokens for p in PROMPTS]
+            case.refs = [generate(torch_engine(case.model), p, max_new_tokens=N).tokens for p in PROMPTS]
             built[key] = case
         return built[key]
 
     return get
 
 
-def with_oracle(backend, make_ids, seed: int = 0):
+def with_oracle(backend, seed: int = 0):
     """Let `backend` propose the reference continuation (`backend.reference`: prompt + target-only output) with one
     token per block changed at a random slot (or none): acceptances of every length, the drafter still runs."""
     rng = random.Random(seed)
-    draft = backend.draft
 
-    def propose(anchors, top_k=None):
-        (anchor,) = anchors
-        draft(anchors, top_k)  # keeps the drafter's context bookkeeping in the loop
+    def proposals(row, anchor):
         n, b = len(backend.tokens), backend.block_size
-        proposals = (backend.reference[n + 1:n + b] + [0] * b)[:b - 1]
+        props = (backend.reference[n + 1:n + b] + [0] * b)[:b - 1]
         slot = rng.randrange(b)
         if slot < b - 1:
-            proposals[slot] = proposals[slot] % 490 + 6
-        backend._verify_ids = make_ids([[anchor] + proposals])
+            props[slot] = props[slot] % 490 + 6
+        return props
 
-    backend.draft = propose
+    backend.drafter = OracleDrafter(backend.drafter, backend.target, proposals)
     return backend
 
 
@@ -114,15 +113,15 @@ def test_torch_greedy_lossless(cases, family):
     case = cases(family)
     assert type(case.model).__name__.startswith(FAMILY_CLASS[family])
     # one backend for all prompts: unrelated prompts crop the caches back (bounded ones start over)
-    check_lossless(TorchBackend(case.model, load_drafter(case.draft_dir), block_size=B), case.refs, oracle=False)
-    oracle = with_oracle(TorchBackend(case.model, load_drafter(case.draft_dir), block_size=B), torch.tensor)
+    check_lossless(torch_engine(case.model, load_drafter(case.draft_dir), block_size=B), case.refs, oracle=False)
+    oracle = with_oracle(torch_engine(case.model, load_drafter(case.draft_dir), block_size=B))
     check_lossless(oracle, case.refs, oracle=True)
     # a prompt prefilled in chunks (bounded caches record and trim across chunk forwards)
-    chunked = TorchBackend(case.model, load_drafter(case.draft_dir), block_size=B, prefill_chunk=7)
+    chunked = torch_engine(case.model, load_drafter(case.draft_dir), block_size=B, prefill_chunk=7)
     assert generate(chunked, PROMPTS[2], max_new_tokens=N).tokens == case.refs[2]
     # a follow-up prompt extending the cached conversation reuses the whole cached prefix, bounded caches included
     follow = PROMPTS[2] + case.refs[2] + PROMPTS[0]
-    fresh = generate(TorchBackend(case.model), follow, max_new_tokens=16).tokens
+    fresh = generate(torch_engine(case.model), follow, max_new_tokens=16).tokens
     resets, reset = [], oracle.reset
     oracle.reset = lambda: (resets.append(1), reset())
     oracle.reference = follow + fresh
@@ -143,14 +142,13 @@ def test_mlx_lossless_and_cross_backend(cases, family):
     assert mlx_refs == case.refs  # the target-only outputs agree across libraries
     drafted = mlx_backend.load(case.mlx_dir, case.draft_dir, block_size=B, **load)
     check_lossless(drafted, mlx_refs, oracle=False)
-    oracle = with_oracle(mlx_backend.load(case.mlx_dir, case.draft_dir, block_size=B, **load),
-                         lambda ids: mx.array(ids, dtype=mx.int32))
+    oracle = with_oracle(mlx_backend.load(case.mlx_dir, case.draft_dir, block_size=B, **load))
     check_lossless(oracle, mlx_refs, oracle=True)
     chunked = mlx_backend.load(case.mlx_dir, case.draft_dir, block_size=B, prefill_chunk=7, **load)
     assert generate(chunked, PROMPTS[2], max_new_tokens=N).tokens == mlx_refs[2]
     # torch vs MLX: identical tokens and every cycle's proposals (an untrained drafter turns any feature difference
     # into different proposals at once)
-    tb = TorchBackend(case.model, load_drafter(case.draft_dir), block_size=B)
+    tb = torch_engine(case.model, load_drafter(case.draft_dir), block_size=B)
     for p in PROMPTS:
         a = generate(tb, p, max_new_tokens=N, trace=True)
         b = generate(drafted, p, max_new_tokens=N, trace=True)
@@ -185,8 +183,7 @@ def test_gpt_oss_yarn_difference_is_measured(cases):
 
 # ---- rollback of hybrid (linear-attention) state -------------------------------------------------------------------
 def _verify_block(backend, block):
-    backend._verify_ids = torch.tensor([block])
-    return backend.verify()
+    return backend.verify(Draft(backend.target.ids([block])))
 
 
 @pytest.mark.parametrize("family", HYBRID)
@@ -197,10 +194,9 @@ def test_torch_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
     model, prompt, block = case.model, PROMPTS[1], case.refs[1][:B]
     block[3] = block[3] % 490 + 6
     for keep in (1, 3, B - 1):
-        be = TorchBackend(model, load_drafter(case.draft_dir), block_size=B)
+        be = torch_engine(model, load_drafter(case.draft_dir), block_size=B)
         be.prefill([prompt])
-        _verify_block(be, block)
-        be.commit([keep])
+        be.commit(_verify_block(be, block), [keep])
         fresh = DynamicCache(config=model.config)
         with torch.no_grad():
             model(input_ids=torch.tensor([prompt]), cache=fresh, use_cache=True)
@@ -215,15 +211,14 @@ def test_torch_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
                 torch.testing.assert_close(ours.keys, ref.keys, rtol=1e-4, atol=1e-5)
     # the control: rolling back only what transformers' crop rolls back (conv windows, K/V) leaves the recurrent
     # state of all B positions behind
-    be = TorchBackend(model, load_drafter(case.draft_dir), block_size=B)
+    be = torch_engine(model, load_drafter(case.draft_dir), block_size=B)
     be.prefill([prompt])
     _verify_block(be, block)
     be.target.cache.crop(-(B - 3))
     state = be.target.cache.layers[linear[0]].recurrent_states[0]
-    be2 = TorchBackend(model, load_drafter(case.draft_dir), block_size=B)
+    be2 = torch_engine(model, load_drafter(case.draft_dir), block_size=B)
     be2.prefill([prompt])
-    _verify_block(be2, block)
-    be2.commit([3])
+    be2.commit(_verify_block(be2, block), [3])
     assert (state - be2.target.cache.layers[linear[0]].recurrent_states[0]).abs().max() > 1e-3
 
 
@@ -231,7 +226,7 @@ def test_torch_rollback_cost(cases, record_property):
     """The rollback (recurrence over the kept positions, per linear layer) next to the verify forward it follows
     (the ratio goes to the test report's properties, e.g. --junitxml, not into the test output)."""
     case = cases("qwen3_5")
-    be = TorchBackend(case.model, load_drafter(case.draft_dir), block_size=B)
+    be = torch_engine(case.model, load_drafter(case.draft_dir), block_size=B)
     be.prefill([PROMPTS[2]])
     block = [5] * B
     verify, rewind = [], []
@@ -267,9 +262,7 @@ def test_mlx_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
     for keep in (1, 3, B - 1):
         be = mlx_backend.load(case.mlx_dir, case.draft_dir, block_size=B, dtype="float32", device="cpu")
         be.prefill([prompt])
-        be._verify_ids = mx.array([block], dtype=mx.int32)
-        be.verify()
-        be.commit([keep])
+        be.commit(be.verify(Draft(be.target.ids([block]))), [keep])
         model = be.target.model
         fresh = make_prompt_cache(model)
         model(mx.array([prompt], dtype=mx.int32), cache=fresh)
@@ -352,7 +345,7 @@ def test_sliding_window_drafter_is_honoured(cases, tmp_path):
         assert (step(a) - step(b)).abs().max() > 1e-3, (a, b)
 
     save_drafter(drafters["mixed"], tmp_path / "mixed")
-    torch_be = TorchBackend(case.model, load_drafter(tmp_path / "mixed"), block_size=B)
+    torch_be = torch_engine(case.model, load_drafter(tmp_path / "mixed"), block_size=B)
     assert torch_be.drafter.cache.rules == [LayerRule(8, True), LayerRule(None, False)]
     traces = [generate(torch_be, p, max_new_tokens=N, trace=True) for p in PROMPTS]
     assert [t.tokens for t in traces] == case.refs

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core.loop import generate
@@ -19,9 +19,9 @@ def pair(trained_pair):
 
 
 def _check(model, drafter, prompts, n=64, **fast):
-    baseline = [generate(TorchBackend(model), p, max_new_tokens=n).tokens for p in prompts]
-    ar_fast = TorchBackend(model, **fast)
-    spec_fast = TorchBackend(model, drafter, **fast)
+    baseline = [generate(torch_engine(model), p, max_new_tokens=n).tokens for p in prompts]
+    ar_fast = torch_engine(model, **fast)
+    spec_fast = torch_engine(model, drafter, **fast)
     taus = []
     for p, ref in zip(prompts, baseline):
         assert generate(ar_fast, p, max_new_tokens=n).tokens == ref  # target-only on the fast path
@@ -40,7 +40,7 @@ def test_static_cache_overflow_is_one_line(pair):
     from dflash.core.errors import DFlashError
 
     target_dir, draft_dir, prompts = pair
-    be = TorchBackend(load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir), cache_len=24)
+    be = torch_engine(load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir), cache_len=24)
     with pytest.raises(DFlashError, match="static cache"):
         generate(be, prompts[0], max_new_tokens=64)
 
@@ -51,9 +51,9 @@ def test_fixed_shape_drafter_matches_dynamic(pair, monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # eager: the same fixed-shape code
     target_dir, draft_dir, prompts = pair
     model, drafter = load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir)
-    fixed = TorchBackend(model, drafter, cache_len=256, compile=True)
+    fixed = torch_engine(model, drafter, cache_len=256, compile=True)
     assert fixed.drafter._compiled is not None
-    dynamic = TorchBackend(model, drafter)
+    dynamic = torch_engine(model, drafter)
     for p in prompts:
         a = generate(fixed, p, max_new_tokens=64, trace=True)
         b = generate(dynamic, p, max_new_tokens=64, trace=True)

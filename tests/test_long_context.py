@@ -48,7 +48,7 @@ def test_8k_prompt_peak_memory_is_bounded(long_pair):
 
 
 def test_chunked_prefill_is_exact_on_long_prompt(long_pair):
-    from dflash.backends.torch.backend import TorchBackend
+    from dflash.backends.torch.backend import torch_engine
     from dflash.backends.torch.drafter import load_drafter
     from dflash.backends.torch.target import load_target
     from dflash.core.loop import generate
@@ -56,7 +56,7 @@ def test_chunked_prefill_is_exact_on_long_prompt(long_pair):
     target, draft = long_pair
     model = load_target(target, torch.float32, "cpu")
     ids = [(i * 7919) % 500 + 3 for i in range(3000)]
-    whole = generate(TorchBackend(model, load_drafter(draft), prefill_chunk=4096), ids, max_new_tokens=24)
-    chunked = generate(TorchBackend(model, load_drafter(draft), prefill_chunk=512), ids, max_new_tokens=24)
-    base = generate(TorchBackend(model), ids, max_new_tokens=24)
+    whole = generate(torch_engine(model, load_drafter(draft), prefill_chunk=4096), ids, max_new_tokens=24)
+    chunked = generate(torch_engine(model, load_drafter(draft), prefill_chunk=512), ids, max_new_tokens=24)
+    base = generate(torch_engine(model), ids, max_new_tokens=24)
     assert whole.tokens == chunked.tokens == base.tokens

@@ -1,6 +1,7 @@
-"""The core loop's policy against a pure-Python backend: commits, EOS, max_new_tokens, stop strings, stats."""
+"""The core loop's policy over the engine on numpy fakes: commits, EOS, max_new_tokens, stop strings, stats."""
 
 import pytest
+from fakes import FakeDrafter, FakeTarget
 
 from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
@@ -22,46 +23,11 @@ class FakeTokenizer:
         return "".join(self.alphabet[i] for i in ids)
 
 
-class FakeBackend:
-    """The engine's protocol for one row. Target = next_token(); the drafter is right for the first `good` slots of
-    every block, then wrong."""
-    name = "fake"
-
-    def __init__(self, block_size=8, good=3):
-        self.block_size, self.good = block_size, good
-        self.tokens = []
-
-    def set_sampling(self, params):
-        pass
-
-    def prefill(self, prompts):
-        (self.tokens,) = [list(p) for p in prompts]
-        return [next_token(self.tokens)]
-
-    def draft(self, anchors, top_k=None):
-        hist = self.tokens + list(anchors)
-        self.block = list(anchors)
-        for i in range(self.block_size - 1):
-            t = next_token(hist) if i < self.good else (next_token(hist) + 1) % V
-            self.block.append(t)
-            hist = hist + [t]
-
-    def verify(self):
-        target = [next_token(self.tokens + self.block[: i + 1]) for i in range(len(self.block))]
-        return [self.block[1:]], [target]
-
-    def commit(self, keeps):
-        self.tokens += self.block[:keeps[0]]
-
-    def retire(self, rows):
-        pass
-
-    planner, chain_budget, logprobs, top_k = None, None, None, 0  # chain verification, no log-probabilities
-    accept_rules: list = []  # greedy
-    step, _chain_step = Engine.step, Engine._chain_step  # the engine's cycle over this fake's draft / verify / commit
-
-    def _row_draws(self, width, noise=None):
-        return None  # greedy: no noise
+def fake_engine(block_size=8, good=3):
+    """The engine over numpy fakes: target = next_token(); the drafter is right for the first `good` slots of every
+    block, then wrong."""
+    return Engine(FakeTarget(rule=next_token, vocab=V), FakeDrafter(good, rule=next_token, vocab=V),
+                  block_size=block_size)
 
 
 def reference(prompt, n):
@@ -73,7 +39,7 @@ def reference(prompt, n):
 
 @pytest.mark.parametrize("good", [0, 2, 7])
 def test_commits_equal_target_only(good):
-    r = generate(FakeBackend(8, good), [1, 2, 3], max_new_tokens=40)
+    r = generate(fake_engine(8, good), [1, 2, 3], max_new_tokens=40)
     assert r.tokens == reference([1, 2, 3], 40)
     assert r.finish_reason == "length"
     assert set(r.acceptance_lengths[:-1]) == {good + 1}
@@ -82,7 +48,7 @@ def test_commits_equal_target_only(good):
 
 @pytest.mark.parametrize("n", [1, 2, 5, 9, 16, 17])
 def test_max_new_tokens_is_exact(n):
-    r = generate(FakeBackend(8, 7), [4], max_new_tokens=n)
+    r = generate(fake_engine(8, 7), [4], max_new_tokens=n)
     assert r.tokens == reference([4], n) and r.finish_reason == "length"
 
 
@@ -90,13 +56,13 @@ def test_eos_inside_an_accepted_block_ends_there():
     ref = reference([1, 2, 3], 60)
     eos = ref[12]  # lands inside the second 8-token cycle
     cut = ref.index(eos)
-    r = generate(FakeBackend(8, 7), [1, 2, 3], max_new_tokens=60, eos_token_ids=[eos])
+    r = generate(fake_engine(8, 7), [1, 2, 3], max_new_tokens=60, eos_token_ids=[eos])
     assert r.tokens == ref[: cut + 1] and r.finish_reason == "stop"
 
 
 def test_eos_as_last_allowed_token_is_stop():
     ref = reference([1, 2, 3], 10)
-    r = generate(FakeBackend(8, 7), [1, 2, 3], max_new_tokens=ref.index(ref[5]) + 1, eos_token_ids=[ref[5]])
+    r = generate(fake_engine(8, 7), [1, 2, 3], max_new_tokens=ref.index(ref[5]) + 1, eos_token_ids=[ref[5]])
     assert r.finish_reason == "stop"
 
 
@@ -106,7 +72,7 @@ def test_stop_string_cuts_text_and_tokens_and_streams_nothing_past_it():
     text = tok.decode(ref)
     stop = text[20:23]
     at = text.index(stop)
-    gen = Generation(FakeBackend(8, 7), [1, 2, 3], tokenizer=tok, max_new_tokens=60, stop_strings=[stop])
+    gen = Generation(fake_engine(8, 7), [1, 2, 3], tokenizer=tok, max_new_tokens=60, stop_strings=[stop])
     streamed = "".join(inc.text for inc in gen)
     r = gen.result
     assert r.text == text[:at] == streamed
@@ -116,14 +82,14 @@ def test_stop_string_cuts_text_and_tokens_and_streams_nothing_past_it():
 
 def test_stream_increments_add_up():
     tok = FakeTokenizer()
-    gen = Generation(FakeBackend(8, 3), [5, 6], tokenizer=tok, max_new_tokens=33)
+    gen = Generation(fake_engine(8, 3), [5, 6], tokenizer=tok, max_new_tokens=33)
     incs = list(gen)
     assert sum((i.tokens for i in incs), []) == gen.result.tokens
     assert "".join(i.text for i in incs) == gen.result.text == tok.decode(gen.result.tokens)
 
 
 def test_stats_and_json():
-    r = generate(FakeBackend(8, 3), [1], max_new_tokens=30, trace=True)
+    r = generate(fake_engine(8, 3), [1], max_new_tokens=30, trace=True)
     j = r.to_json(trace=True)
     assert j["generation_tokens"] == 30 == len(j["tokens"])
     assert j["mean_acceptance_length"] == sum(j["acceptance_lengths"]) / len(j["acceptance_lengths"])
@@ -148,4 +114,4 @@ def test_bad_sampling_values(kwargs, flag):
 
 def test_empty_prompt():
     with pytest.raises(DFlashError, match="empty"):
-        generate(FakeBackend(), [], max_new_tokens=3)
+        generate(fake_engine(), [], max_new_tokens=3)

@@ -10,11 +10,12 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
+from fakes import OracleDrafter  # noqa: E402
+
 from dflash.backends.mlx import load  # noqa: E402
-from dflash.backends.mlx.backend import MLXBackend  # noqa: E402
+from dflash.backends.mlx.backend import mlx_engine  # noqa: E402
 from dflash.backends.mlx.drafter import load_drafter  # noqa: E402
 from dflash.backends.mlx.target import _Tap, decoder_layers, embedding, load_target  # noqa: E402
-from dflash.core.engine import Engine  # noqa: E402
 from dflash.core.errors import DFlashError  # noqa: E402
 from dflash.core.loop import generate  # noqa: E402
 from dflash.core.sampling import SamplingParams  # noqa: E402
@@ -34,7 +35,7 @@ def few(prompts):
 
 @pytest.fixture(scope="module")
 def baseline(target, few):
-    ar = MLXBackend(*target)
+    ar = mlx_engine(*target)
     return [generate(ar, p, max_new_tokens=N + 16).tokens for p in few]
 
 
@@ -51,42 +52,35 @@ def save_random_drafter(directory, target_dir, seed=1, **spec):
 
 @pytest.mark.parametrize("block_size", [2, 8, 16])
 def test_greedy_lossless(target, random_draft_dir, few, baseline, block_size):
-    backend = MLXBackend(*target, load_drafter(random_draft_dir), block_size=block_size)
+    backend = mlx_engine(*target, load_drafter(random_draft_dir), block_size=block_size)
     for p, ref in zip(few, baseline):
         r = generate(backend, p, max_new_tokens=N, trace=True)  # one backend for all prompts: caches are cropped
         assert r.tokens == ref[:N]
         assert all(len(d) == block_size - 1 for d in r.drafted)
 
 
-class OracleDraft:
+def with_oracle(backend, truth, prompt_len):
     """Runs the real drafter, then replaces its proposals by the known continuation with slot `k` made wrong, k
     cycling through 0..B-1 (B-1: nothing wrong): every acceptance length 1..B is committed in turn."""
+    cycles = iter(range(10**6))
 
-    def __init__(self, backend, truth, prompt_len):
-        self.be, self.truth, self.prompt_len, self.cycle = backend, truth, prompt_len, 0
-
-    def __getattr__(self, name):
-        return getattr(self.be, name)
-
-    step, _chain_step = Engine.step, Engine._chain_step  # the engine's cycle, with this draft
-
-    def draft(self, anchors, top_k=None):
-        (anchor,) = anchors
-        self.be.draft(anchors)
-        b = self.be.block_size
-        done = len(self.be.tokens) - self.prompt_len  # generated tokens before the anchor (anchor = truth[done])
-        props = list(self.truth[done + 1:done + b])
-        wrong = self.cycle % b
+    def proposals(row, anchor):
+        b = backend.block_size
+        done = len(backend.tokens) - prompt_len  # generated tokens before the anchor (anchor = truth[done])
+        props = list(truth[done + 1:done + b])
+        wrong = next(cycles) % b
         if wrong < b - 1:
-            props[wrong] = (props[wrong] + 1) % self.be.info.vocab_size
-        self.cycle += 1
-        self.be._verify_ids = mx.array([[anchor] + props], dtype=mx.int32)
+            props[wrong] = (props[wrong] + 1) % backend.info.vocab_size
+        return props
+
+    backend.drafter = OracleDrafter(backend.drafter, backend.target, proposals)
+    return backend
 
 
 def test_every_acceptance_length_is_exact(target, random_draft_dir, few, baseline):
-    backend = MLXBackend(*target, load_drafter(random_draft_dir), block_size=8)
     for p, ref in zip(few[:2], baseline):
-        r = generate(OracleDraft(backend, ref, len(p)), p, max_new_tokens=N)
+        backend = with_oracle(mlx_engine(*target, load_drafter(random_draft_dir), block_size=8), ref, len(p))
+        r = generate(backend, p, max_new_tokens=N)
         assert r.tokens == ref[:N]
         assert set(r.acceptance_lengths[:8]) == set(range(1, 9))
         # the drafter's context tracks exactly the committed positions
@@ -97,9 +91,9 @@ def test_repetition_penalty_rows_see_their_own_history(target, random_draft_dir,
     """Greedy + repetition penalty: row i of a verified block is penalised with history + block[:i+1]."""
     params = SamplingParams(repetition_penalty=1.5)
     p = few[0]
-    ref = generate(MLXBackend(*target), p, max_new_tokens=N + 16, sampling=params).tokens
-    backend = MLXBackend(*target, load_drafter(random_draft_dir), block_size=8)
-    r = generate(OracleDraft(backend, ref, len(p)), p, max_new_tokens=N, sampling=params)
+    ref = generate(mlx_engine(*target), p, max_new_tokens=N + 16, sampling=params).tokens
+    backend = with_oracle(mlx_engine(*target, load_drafter(random_draft_dir), block_size=8), ref, len(p))
+    r = generate(backend, p, max_new_tokens=N, sampling=params)
     assert r.tokens == ref[:N]
     assert max(r.acceptance_lengths) == 8
 
@@ -110,7 +104,7 @@ def test_two_drafters_with_different_layers_share_one_model(tmp_path, tiny_targe
     a = load_drafter(save_random_drafter(tmp_path / "a", tiny_target_dir, num_layers=2, target_layer_ids=[0, 2]))
     b = load_drafter(save_random_drafter(tmp_path / "b", tiny_target_dir, seed=2, num_layers=2,
                                          target_layer_ids=[1, 3]))
-    ba, bb = MLXBackend(model, config, a), MLXBackend(model, config, b)
+    ba, bb = mlx_engine(model, config, a), mlx_engine(model, config, b)
     for backend in (ba, bb, ba):
         assert generate(backend, few[0], max_new_tokens=32).tokens == baseline[0][:32]
     assert all(x is y for x, y in zip(decoder_layers(model), layers))  # no tap left behind
@@ -144,11 +138,11 @@ def test_quantized_drafter_loads_and_is_lossless(tmp_path, target, random_draft_
     q = quantize_drafter(random_draft_dir, tmp_path / "dq8", bits=8, group_size=64)
     drafter = load_drafter(q)
     assert type(drafter.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
-    assert generate(MLXBackend(*target, drafter), few[0], max_new_tokens=32).tokens == baseline[0][:32]
+    assert generate(mlx_engine(*target, drafter), few[0], max_new_tokens=32).tokens == baseline[0][:32]
 
 
 def test_seeded_sampling_is_reproducible(target, random_draft_dir, few):
-    backend = MLXBackend(*target, load_drafter(random_draft_dir))
+    backend = mlx_engine(*target, load_drafter(random_draft_dir))
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3)
     one = generate(backend, few[0], max_new_tokens=24, sampling=params).tokens
     assert generate(backend, few[0], max_new_tokens=24, sampling=params).tokens == one
@@ -158,11 +152,11 @@ def test_seeded_sampling_is_reproducible(target, random_draft_dir, few):
 
 def test_chunked_prefill_prefix_reuse_and_window(target, random_draft_dir, prompts):
     long = sum(prompts[:6], [])
-    ref = generate(MLXBackend(*target), long, max_new_tokens=56).tokens
-    chunked = MLXBackend(*target, load_drafter(random_draft_dir), prefill_chunk=7, draft_window=16)
+    ref = generate(mlx_engine(*target), long, max_new_tokens=56).tokens
+    chunked = mlx_engine(*target, load_drafter(random_draft_dir), prefill_chunk=7, draft_window=16)
     assert generate(chunked, long, max_new_tokens=56).tokens == ref
     follow = long + ref + prompts[7]
-    fresh = generate(MLXBackend(*target), follow, max_new_tokens=24).tokens
+    fresh = generate(mlx_engine(*target), follow, max_new_tokens=24).tokens
     assert chunked.cached_tokens[:len(long)] == long
     assert generate(chunked, follow, max_new_tokens=24).tokens == fresh
 

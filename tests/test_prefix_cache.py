@@ -35,11 +35,11 @@ def pair(trained_pair):
 
 
 def test_second_turn_from_a_kept_row_equals_a_fresh_prefill(pair, prompts):
-    from dflash.backends.torch.backend import TorchBackend
+    from dflash.backends.torch.backend import torch_engine
     from dflash.core.loop import Batch, Generation, generate
 
     target, drafter = pair
-    be = TorchBackend(target, drafter)
+    be = torch_engine(target, drafter)
     be.enable_prefix_cache(64 << 20)
     batch = Batch(be)
     first = Generation(be, prompts[0], max_new_tokens=20)
@@ -55,7 +55,7 @@ def test_second_turn_from_a_kept_row_equals_a_fresh_prefill(pair, prompts):
     assert be.last_reused >= len(prompts[0])
     while batch:
         batch.step()
-    solo = TorchBackend(target, drafter)
+    solo = torch_engine(target, drafter)
     assert second.result.tokens == generate(solo, turn2, max_new_tokens=40).tokens
     assert other.result.tokens == generate(solo, prompts[1], max_new_tokens=120).tokens
     # alone again: the kept rows beat the engine's own last sequence

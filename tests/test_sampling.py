@@ -11,8 +11,11 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import DFlashDrafter
+from dflash.backends.torch.target_runner import TorchTarget
+from dflash.core.contract import Draft
+from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
 from dflash.core.loop import generate
 from dflash.core.sampling import SamplingParams
@@ -22,25 +25,43 @@ V = 16
 PROMPT = [3, 1, 4, 1, 5]
 
 
-class OracleDraftBackend(TorchBackend):
-    """Proposes the target's own greedy continuation, so proposals are accepted often and the acceptance rule is
-    exercised at every block position (a random drafter is almost never accepted)."""
+class GreedyOracle:
+    """A drafter that proposes the target's own greedy continuation of the engine's committed tokens, so proposals
+    are accepted often and the acceptance rule is exercised at every block position (a random drafter is almost
+    never accepted)."""
 
-    def __init__(self, model, block_size):
-        super().__init__(model)
-        self.block_size = block_size
-        self.memo = {}
+    distribution = False
+
+    def __init__(self, model):
+        self.model, self.engine, self.memo, self.position = model, None, {}, 0
+
+    def extend(self, pending):
+        self.position += pending.counts[0] if pending is not None else 0
 
     @torch.no_grad()
-    def draft(self, anchors, top_k=None):
-        (anchor,) = anchors
-        key = tuple(self.tokens + [anchor])
+    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None):
+        self.extend(pending)
+        ((anchor,),) = anchor_ids.tolist()
+        key = tuple(self.engine.tokens + [anchor])
         if key not in self.memo:
             seq = list(key)
-            for _ in range(self.block_size - 1):
-                seq.append(int(self.target.model(torch.tensor([seq])).logits[0, -1].argmax()))
-            self.memo[key] = torch.tensor([seq[len(self.tokens):]])
-        self._verify_ids = self.memo[key]
+            for _ in range(block_size - 1):
+                seq.append(int(self.model(torch.tensor([seq])).logits[0, -1].argmax()))
+            self.memo[key] = torch.tensor([seq[len(self.engine.tokens):]])
+        return Draft(self.memo[key])
+
+    def crop(self, position):
+        self.position = position
+        return True
+
+    def reset(self):
+        self.position = 0
+
+
+def oracle_engine(model, block_size):
+    oracle = GreedyOracle(model)
+    oracle.engine = Engine(TorchTarget(model, [0]), oracle, block_size=block_size)
+    return oracle.engine
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +105,7 @@ def chi_square_ok(observed, expected):
 def test_first_tokens_match_target_distribution(small_vocab_target, params):
     """Joint distribution of (t1, t2): t1 comes from the prefill, t2 from the first speculative cycle."""
     model = small_vocab_target
-    backend = OracleDraftBackend(model, block_size=4)
+    backend = oracle_engine(model, block_size=4)
     n = 600
     observed = torch.zeros(V, V, dtype=torch.float64)
     accepted = 0
@@ -122,7 +143,7 @@ def test_same_seed_same_tokens(small_vocab_target):
     torch.manual_seed(2)
     drafter = DFlashDrafter(tiny.draft_spec_for(small_vocab_target.name_or_path, num_layers=1, block_size=4,
                                                 mask_token_id=V - 1)).eval()
-    backend = TorchBackend(small_vocab_target, drafter, block_size=4)
+    backend = torch_engine(small_vocab_target, drafter, block_size=4)
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=123)
     a = generate(backend, PROMPT, max_new_tokens=40, sampling=params).tokens
     b = generate(backend, PROMPT, max_new_tokens=40, sampling=params).tokens

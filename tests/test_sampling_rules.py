@@ -11,7 +11,7 @@ import torch
 
 from dflash import backends
 from dflash.backends.torch import target_runner
-from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash.backends.torch.sampling import inverse_cdf
 from dflash.backends.torch.target import load_target
@@ -54,7 +54,7 @@ def exact_pair(model, temperature):
 def sampled(pair, accept, backend="torch", n=N, temperature=1.0):
     model, drafter, directory = pair
     if backend == "torch":
-        run = TorchBackend(model, drafter, block_size=4)
+        run = torch_engine(model, drafter, block_size=4)
     else:
         run = backends.get(backend).load(directory, directory / "draft", dtype="float32", device="cpu")
     observed = torch.zeros(V, V, dtype=torch.float64)
@@ -152,10 +152,10 @@ def test_mixed_batches_keep_every_rows_output(trained_pair, dflash2_pair, drafte
     target, drafter = load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir)
     settings = mixed_settings(["rejection", "rejection"] if drafter_kind == "dflash" else ["rejection", "match"])
     prompt = [5, 6, 7, 8, 9]
-    want = [generate(TorchBackend(target, drafter), prompt, max_new_tokens=32, sampling=s).tokens for s in settings]
-    greedy = generate(TorchBackend(target), prompt, max_new_tokens=32).tokens
+    want = [generate(torch_engine(target, drafter), prompt, max_new_tokens=32, sampling=s).tokens for s in settings]
+    greedy = generate(torch_engine(target), prompt, max_new_tokens=32).tokens
     assert want[0] == want[3] == greedy
-    run = TorchBackend(target, drafter)
+    run = torch_engine(target, drafter)
     batch = Batch(run)
     gens = {i: Generation(run, prompt, max_new_tokens=32, sampling=settings[i]) for i in order}
     for i in order:

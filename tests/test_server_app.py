@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from dflash.core.contract import Step  # noqa: E402
+from dflash.core.contract import Capabilities, Step  # noqa: E402
 from dflash.server.app import Server  # noqa: E402
 
 ALPHABET = [chr(c) for c in range(32, 127)] + ["\n", "<think>", "</think>", "<tool_call>", "</tool_call>", "<eos>"]
@@ -55,6 +55,7 @@ class ScriptedEngine:
 
     block_size, max_context, name = 4, 4096, "scripted"
     info = SimpleNamespace(vocab_size=len(ALPHABET))
+    capabilities = Capabilities()
 
     def __init__(self, script: list[int]):
         self.script, self.rows, self.logprobs, self.first_logprobs, self.last_reused = script, [], None, None, 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash.backends.torch import load
-from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import load_drafter, save_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core.errors import DFlashError
@@ -21,7 +21,7 @@ def target(tiny_target_dir):
 
 @pytest.fixture(scope="module")
 def baseline(target, prompts):
-    return [generate(TorchBackend(target), p, max_new_tokens=128).tokens for p in prompts]
+    return [generate(torch_engine(target), p, max_new_tokens=128).tokens for p in prompts]
 
 
 def test_no_draft_matches_transformers_generate(target, prompts, baseline):
@@ -33,14 +33,14 @@ def test_no_draft_matches_transformers_generate(target, prompts, baseline):
 
 @pytest.mark.parametrize("block_size", [2, 8, 16])
 def test_greedy_lossless_untrained_drafter(target, random_draft_dir, prompts, baseline, block_size):
-    backend = TorchBackend(target, load_drafter(random_draft_dir), block_size=block_size)
+    backend = torch_engine(target, load_drafter(random_draft_dir), block_size=block_size)
     for p, ref in zip(prompts, baseline):
         r = generate(backend, p, max_new_tokens=128)  # one backend for all prompts: caches are reused/cropped
         assert r.tokens == ref
 
 
 def test_draft_window_keeps_output_lossless(target, random_draft_dir, prompts, baseline):
-    backend = TorchBackend(target, load_drafter(random_draft_dir), draft_window=16)
+    backend = torch_engine(target, load_drafter(random_draft_dir), draft_window=16)
     for p, ref in list(zip(prompts, baseline))[:5]:
         assert generate(backend, p, max_new_tokens=128).tokens == ref
     assert backend.drafter.cache.capacity <= 512  # bounded: entries are recycled instead of growing the buffer
@@ -48,12 +48,12 @@ def test_draft_window_keeps_output_lossless(target, random_draft_dir, prompts, b
 
 def test_chunked_prefill_and_prefix_reuse(target, random_draft_dir, prompts):
     long = sum(prompts[:6], [])
-    ref = generate(TorchBackend(target, load_drafter(random_draft_dir)), long, max_new_tokens=48)
-    chunked = TorchBackend(target, load_drafter(random_draft_dir), prefill_chunk=7)
+    ref = generate(torch_engine(target, load_drafter(random_draft_dir)), long, max_new_tokens=48)
+    chunked = torch_engine(target, load_drafter(random_draft_dir), prefill_chunk=7)
     assert generate(chunked, long, max_new_tokens=48).tokens == ref.tokens
     # a follow-up that extends the conversation reuses the cached prefix and stays exact
     follow = long + ref.tokens + prompts[7]
-    fresh = generate(TorchBackend(target, load_drafter(random_draft_dir)), follow, max_new_tokens=32)
+    fresh = generate(torch_engine(target, load_drafter(random_draft_dir)), follow, max_new_tokens=32)
     reused = generate(chunked, follow, max_new_tokens=32)
     assert reused.tokens == fresh.tokens
 
@@ -64,8 +64,8 @@ def test_save_load_round_trip(tmp_path, target, random_draft_dir, prompts):
     d2 = load_drafter(tmp_path / "copy")
     for (k, a), b in zip(d1.state_dict().items(), d2.state_dict().values()):
         assert torch.equal(a, b), k
-    r1 = generate(TorchBackend(target, d1), prompts[0], max_new_tokens=40, trace=True)
-    r2 = generate(TorchBackend(target, d2), prompts[0], max_new_tokens=40, trace=True)
+    r1 = generate(torch_engine(target, d1), prompts[0], max_new_tokens=40, trace=True)
+    r2 = generate(torch_engine(target, d2), prompts[0], max_new_tokens=40, trace=True)
     assert r1.tokens == r2.tokens and r1.drafted == r2.drafted
 
 
@@ -125,14 +125,14 @@ def trained(trained_pair):
     model = load_target(target_dir, torch.float32, "cpu")
     g = torch.Generator().manual_seed(123)  # fresh prompts, not the training ones
     prompts = torch.randint(3, 500, (20, 8), generator=g).tolist()
-    baseline = [generate(TorchBackend(model), p, max_new_tokens=128).tokens for p in prompts]
+    baseline = [generate(torch_engine(model), p, max_new_tokens=128).tokens for p in prompts]
     return model, load_drafter(draft_dir), prompts, baseline
 
 
 @pytest.mark.parametrize("block_size", [2, 8, 16])
 def test_greedy_lossless_trained_drafter(trained, block_size):
     model, drafter, prompts, baseline = trained
-    backend = TorchBackend(model, drafter, block_size=block_size)
+    backend = torch_engine(model, drafter, block_size=block_size)
     lengths = []
     for p, ref in zip(prompts, baseline):
         r = generate(backend, p, max_new_tokens=128)

@@ -198,7 +198,7 @@ def sharp_target(tmp_path_factory):
 
 
 def test_overfitting_one_sample_reaches_nearly_full_blocks(sharp_target, tmp_path):
-    """The whole pipeline (anchors, packed forward, loss, optimiser, export, loader, TorchBackend, loop): trained
+    """The whole pipeline (anchors, packed forward, loss, optimiser, export, loader, torch_engine, loop): trained
     on the target's own greedy continuation of one prompt, the drafter must get nearly every block accepted when
     the target regenerates that continuation. Any silent off-by-one keeps tau near 1."""
     from tiny_pair import greedy_samples

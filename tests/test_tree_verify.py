@@ -4,7 +4,7 @@ children), exact sampling, the cache after a tree commit, torch == MLX, batched 
 import pytest
 import torch
 
-from dflash.backends.torch.backend import TorchBackend
+from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core.budget import Costs
@@ -28,7 +28,7 @@ def trained(trained_pair):
     model = load_target(target_dir, torch.float32, "cpu")
     g = torch.Generator().manual_seed(321)  # prompts the drafter's training never saw
     prompts = torch.randint(3, 500, (20, 8), generator=g).tolist()
-    baseline = [generate(TorchBackend(model), p, max_new_tokens=128).tokens for p in prompts]
+    baseline = [generate(torch_engine(model), p, max_new_tokens=128).tokens for p in prompts]
     return model, load_drafter(draft_dir), prompts, baseline
 
 
@@ -52,7 +52,7 @@ class Recorder:
 @pytest.mark.parametrize("mode,budget", [("tree", 4), ("tree", 15), ("tree", 48), ("auto", 32)])
 def test_greedy_tree_is_lossless(trained, mode, budget):
     model, drafter, prompts, baseline = trained
-    backend = TorchBackend(model, drafter, block_size=16)
+    backend = torch_engine(model, drafter, block_size=16)
     backend.set_verify(mode, budget, FLAT)
     if mode == "auto":  # its chain-or-tree choice follows wall time (tests/test_tree.py); here the tree rule
         backend.planner.path = lambda: "tree"
@@ -66,14 +66,14 @@ def test_greedy_tree_is_lossless(trained, mode, budget):
     assert any(non_first_child(t, p) for t, p in rec.trees), "no walk ever left the first child"
     assert max(t.nodes for t, _ in rec.trees) <= budget
     if budget >= 15:  # a tree of the chain's verify tokens or more accepts at least what the chain does
-        chain = TorchBackend(model, drafter, block_size=16)
+        chain = torch_engine(model, drafter, block_size=16)
         chain_lengths = [n for p in prompts for n in generate(chain, p, max_new_tokens=128).acceptance_lengths]
         assert sum(lengths) / len(lengths) >= sum(chain_lengths) / len(chain_lengths)
 
 
 def test_cache_after_a_tree_commit_equals_feeding_the_accepted_tokens(trained):
     model, drafter, prompts, _ = trained
-    backend = TorchBackend(model, drafter, block_size=16)
+    backend = torch_engine(model, drafter, block_size=16)
     backend.set_verify("tree", 24)
     rec = Recorder(backend)
     (first,) = backend.prefill([prompts[0]])
@@ -86,7 +86,7 @@ def test_cache_after_a_tree_commit_equals_feeding_the_accepted_tokens(trained):
     assert gathered, "no commit had to gather the accepted path"
     probe = backend.target.ids([[anchor]])
     logits, features = backend.target.forward(probe, last_only=False)
-    fresh = TorchBackend(model, drafter)
+    fresh = torch_engine(model, drafter)
     ref_logits, ref_features = fresh.target.forward(fresh.target.ids([backend.tokens + [anchor]]), last_only=False)
     torch.testing.assert_close(logits[0, -1], ref_logits[0, -1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(features[0, -1], ref_features[0, -1], rtol=1e-4, atol=1e-4)
@@ -94,7 +94,7 @@ def test_cache_after_a_tree_commit_equals_feeding_the_accepted_tokens(trained):
 
 def test_batched_trees_equal_batch_one(trained):
     model, drafter, prompts, baseline = trained
-    backend = TorchBackend(model, drafter, block_size=16)
+    backend = torch_engine(model, drafter, block_size=16)
     for mode in ("tree", "auto"):
         backend.set_verify(mode, 12, STEEP)
         results = generate_batch(backend, prompts[:6], max_new_tokens=96)
@@ -105,21 +105,21 @@ def test_batched_trees_equal_batch_one(trained):
 def test_batched_rows_mode_cache_after_tree_commit(trained):
     """Rows sharing one cache keep their accepted paths as holes; the next forward sees what batch 1 sees."""
     model, drafter, prompts, _ = trained
-    backend = TorchBackend(model, drafter, block_size=16)
+    backend = torch_engine(model, drafter, block_size=16)
     backend.set_verify("tree", 20)
     anchors = backend.prefill(prompts[:3])
     for _ in range(4):
         anchors = [s.tokens[-1] for s in backend.step(anchors)]
     logits, _ = backend.target.forward(backend.target.ids([[a] for a in anchors]), last_only=False)
     for i, a in enumerate(anchors):
-        fresh = TorchBackend(model)
+        fresh = torch_engine(model)
         ref, _ = fresh.target.forward(fresh.target.ids([backend.rows[i] + [a]]), last_only=False)
         torch.testing.assert_close(logits[i, -1], ref[0, -1], rtol=1e-4, atol=1e-4)
 
 
 def test_targets_that_cannot_verify_a_tree(trained):
     model, drafter, _, _ = trained
-    static = TorchBackend(model, drafter, cache_len=512)
+    static = torch_engine(model, drafter, cache_len=512)
     with pytest.raises(DFlashError, match="--verify tree: the static cache"):
         static.set_verify("tree", 8)
     static.set_verify("auto", None, FLAT)
@@ -130,7 +130,7 @@ def test_targets_that_cannot_verify_a_tree(trained):
 
 def test_bad_verify_flags(trained):
     model, drafter, _, _ = trained
-    backend = TorchBackend(model, drafter)
+    backend = torch_engine(model, drafter)
     with pytest.raises(DFlashError, match="--verify: got 'trees'"):
         backend.set_verify("trees")
     with pytest.raises(DFlashError, match="--tree-budget: got 0"):
@@ -139,9 +139,9 @@ def test_bad_verify_flags(trained):
 
 def test_auto_with_an_untrained_drafter_mostly_skips_the_draft(tiny_target_dir, random_draft_dir, prompts):
     model = load_target(tiny_target_dir, torch.float32, "cpu")
-    backend = TorchBackend(model, load_drafter(random_draft_dir), block_size=16)
+    backend = torch_engine(model, load_drafter(random_draft_dir), block_size=16)
     backend.set_verify("auto", None, STEEP)
-    ar = TorchBackend(model)
+    ar = torch_engine(model)
     skipped = cycles = 0
     for p in prompts[:6]:
         r = generate(backend, p, max_new_tokens=64)
@@ -189,7 +189,7 @@ class OracleTopK:
 
 
 def oracle_engine(model, budget):
-    engine = TorchBackend(model)
+    engine = torch_engine(model)
     engine.drafter, engine.block_size = OracleTopK(model, engine), 4
     engine.set_verify("tree", budget)
     return engine
@@ -263,7 +263,7 @@ def test_repetition_penalty_sees_each_nodes_own_path(small_vocab_target):  # noq
     """Greedy with a repetition penalty: node j's history is its own root path, so tree == target-only."""
     model = small_vocab_target
     params = SamplingParams(repetition_penalty=1.8)
-    ref = generate(TorchBackend(model), PROMPT, max_new_tokens=24, sampling=params).tokens
+    ref = generate(torch_engine(model), PROMPT, max_new_tokens=24, sampling=params).tokens
     assert generate(oracle_engine(model, 8), PROMPT, max_new_tokens=24, sampling=params).tokens == ref
 
 
@@ -271,7 +271,7 @@ def test_untrained_torch_drafter_tree_is_lossless(small_vocab_target):  # noqa: 
     torch.manual_seed(3)
     drafter = DFlashDrafter(tiny.draft_spec_for(small_vocab_target.name_or_path, num_layers=1, block_size=4,
                                                 mask_token_id=V - 1)).eval()
-    backend = TorchBackend(small_vocab_target, drafter, block_size=4)
+    backend = torch_engine(small_vocab_target, drafter, block_size=4)
     backend.set_verify("tree", 6)
-    ref = generate(TorchBackend(small_vocab_target), PROMPT, max_new_tokens=40).tokens
+    ref = generate(torch_engine(small_vocab_target), PROMPT, max_new_tokens=40).tokens
     assert generate(backend, PROMPT, max_new_tokens=40).tokens == ref

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-_PUBLIC = {"MLXBackend": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
+_PUBLIC = {"mlx_engine": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
            "DFlashDrafter": "drafter", "load_drafter": "drafter"}
 
 
@@ -24,7 +24,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
 
     from dflash.core.spec import DraftSpec
 
-    from .backend import MLXBackend
+    from .backend import mlx_engine
     from .drafter import load_drafter
     from .target import load_target, resolve_device, resolve_dtype, target_info
 
@@ -40,7 +40,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
         spec.validate_against(target_info(model, config), source=str(draft_dir))
         # the drafter computes in the dtype the target's embeddings come out in
         drafter = load_drafter(draft_dir, dtype=model_dtype(model), spec=spec)
-    return MLXBackend(model, config, drafter, block_size=block_size, draft_window=draft_window,
+    return mlx_engine(model, config, drafter, block_size=block_size, draft_window=draft_window,
                       prefill_chunk=prefill_chunk, validated=True)
 
 

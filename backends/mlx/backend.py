@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from dflash.core.blas import openblas_preloaded
+from dflash.core.contract import Capabilities
 from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
 from dflash.core.sampling import SamplingParams
@@ -73,7 +74,7 @@ class MLXTarget:
 
     def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None, paths=None,
                logprobs: int | None = None, draws=None, draft=None):
-        """One row: see backends/base.py."""
+        """One row: see dflash/core/contract.py."""
         scores = self.sampler.processed(logits[0], histories[0], None if block is None else block[0],
                                         None if paths is None else paths[0])
         draw = draws[0] if draws is not None else None
@@ -128,11 +129,15 @@ class MLXTarget:
         blas += f" {os.environ.get('OPENBLAS_NUM_THREADS') or os.environ.get('OMP_NUM_THREADS') or 'all'} threads"
         return f"mlx {mx.__version__} {mx.default_device()} {dtype} {blas}"
 
-    def tree_refusal(self) -> str | None:
+    @property
+    def capabilities(self) -> Capabilities:
         if self.rewind is not None:
-            return (f"{self.info.model_type} has sliding-window or linear-attention layers, whose caches cannot "
-                    "keep a tree's accepted path")
-        return tree_refusal(self.runner, self.cache)
+            trees = (f"{self.info.model_type} has sliding-window or linear-attention layers, whose caches cannot "
+                     "keep a tree's accepted path")
+        else:
+            trees = tree_refusal(self.runner, self.cache)
+        return Capabilities(batch_refusal=_ONE_ROW, tree_refusal=trees,
+                            rewind="any" if self.rewind is None else "last-forward")
 
     def keep_slots(self, slots: list[list[int]], width: int) -> None:
         (row,) = slots
@@ -149,13 +154,10 @@ class MLXTarget:
         pass
 
     # ---- rows: one ---------------------------------------------------------------------------------------------------
-    def check_batchable(self) -> None:
+    def spawn(self):
         raise DFlashError(_ONE_ROW)
 
-    def spawn(self):
-        self.check_batchable()
-
-    merge = select = spawn
+    merge = select = extract = spawn
 
     def _new_cache(self) -> list:
         cache = make_prompt_cache(self.model)
@@ -170,15 +172,15 @@ class MLXTarget:
         return cache
 
 
-class MLXBackend(Engine):
-    def __init__(self, model, config: dict, drafter: DFlashDrafter | None = None, block_size: int | None = None,
-                 draft_window: int | None = None, prefill_chunk: int = 2048, validated: bool = False):
-        target = MLXTarget(model, config, drafter.spec.target_layer_ids if drafter is not None else None)
-        draft = None
-        if drafter is not None:
-            block_size = drafter_block_size(drafter, target.info, block_size, validated)
-            embed = embedding(model)
-            dtype = embed(mx.array([[0]])).dtype  # the drafter computes in the dtype the embeddings come out in
-            draft = MLXDraft(drafter, embed, lm_head(model), dtype, window=draft_window,
-                             logit_scaling=drafter.spec.logit_scaling(target.info))
-        super().__init__(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="mlx")
+def mlx_engine(model, config: dict, drafter: DFlashDrafter | None = None, block_size: int | None = None,
+               draft_window: int | None = None, prefill_chunk: int = 2048, validated: bool = False) -> Engine:
+    """The engine over an mlx-lm target (+ a drafter), one row."""
+    target = MLXTarget(model, config, drafter.spec.target_layer_ids if drafter is not None else None)
+    draft = None
+    if drafter is not None:
+        block_size = drafter_block_size(drafter, target.info, block_size, validated)
+        embed = embedding(model)
+        dtype = embed(mx.array([[0]])).dtype  # the drafter computes in the dtype the embeddings come out in
+        draft = MLXDraft(drafter, embed, lm_head(model), dtype, window=draft_window,
+                         logit_scaling=drafter.spec.logit_scaling(target.info))
+    return Engine(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="mlx")

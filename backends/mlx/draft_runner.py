@@ -126,6 +126,8 @@ class MLXDraft:
     def spawn(self):
         self.cache.merge(None)  # refuses in one line: MLX decodes one row
 
+    extract = spawn
+
     def merge(self, other) -> None:
         self.cache.merge(other)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
-    "TorchBackend": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
+    "torch_engine": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
     "target_info": "target", "DTYPES": "target", "quiet_loading": "target", "DFlashDrafter": "drafter",
     "load_drafter": "drafter",
     "save_drafter": "drafter", "regenerate": "regeneration", "write_self_prompts": "self_prompts", "write_feature_cache": "training.features",
@@ -30,7 +30,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
     read and checked (dflash.api.load does), so nothing is validated twice."""
     from dflash.core.spec import DraftSpec
 
-    from .backend import TorchBackend
+    from .backend import torch_engine
     from .drafter import load_drafter
     from .target import load_target, resolve_device, resolve_dtype, target_info
 
@@ -43,5 +43,5 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
     if draft_dir is not None:
         spec.validate_against(target_info(model), source=str(draft_dir))
         drafter = load_drafter(draft_dir, dtype=torch_dtype, device=device, spec=spec)
-    return TorchBackend(model, drafter, block_size=block_size, draft_window=draft_window, prefill_chunk=prefill_chunk,
+    return torch_engine(model, drafter, block_size=block_size, draft_window=draft_window, prefill_chunk=prefill_chunk,
                         cache_len=cache_len, compile=compile, validated=True)

@@ -11,24 +11,21 @@ from .drafter import DFlashDrafter
 from .target_runner import TorchTarget
 
 
-class TorchBackend(Engine):
-    """One target (+ drafter) on torch, for one row or a batch of rows (`Engine.prefill` / `admit`)."""
-
-    def __init__(self, model, drafter: DFlashDrafter | None = None, block_size: int | None = None,
+def torch_engine(model, drafter: DFlashDrafter | None = None, block_size: int | None = None,
                  draft_window: int | None = None, prefill_chunk: int = 2048, cache_len: int | None = None,
-                 compile: bool = False, validated: bool = False):
-        target = TorchTarget(model, drafter.spec.target_layer_ids if drafter is not None else None,
-                             cache_len=cache_len, compile=compile)
-        draft = None
-        if drafter is not None:
-            block_size = drafter_block_size(drafter, target.info, block_size, validated)
-            static = None
-            if compile:
-                if cache_len is None or draft_window is not None:
-                    raise DFlashError("compile: the compiled drafter needs cache_len (a static cache) and no "
-                                      "draft_window")
-                static = cache_len + 2 * block_size
-            draft = TorchDraft(drafter, model.get_input_embeddings(), model.get_output_embeddings(),
-                               window=draft_window, static_capacity=static,
-                               logit_scaling=drafter.spec.logit_scaling(target.info))
-        super().__init__(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="torch")
+                 compile: bool = False, validated: bool = False) -> Engine:
+    """The engine over a transformers target (+ a drafter) on torch, for one row or a batch of rows."""
+    target = TorchTarget(model, drafter.spec.target_layer_ids if drafter is not None else None,
+                         cache_len=cache_len, compile=compile)
+    draft = None
+    if drafter is not None:
+        block_size = drafter_block_size(drafter, target.info, block_size, validated)
+        static = None
+        if compile:
+            if cache_len is None or draft_window is not None:
+                raise DFlashError("compile: the compiled drafter needs cache_len (a static cache) and no draft_window")
+            static = cache_len + 2 * block_size
+        draft = TorchDraft(drafter, model.get_input_embeddings(), model.get_output_embeddings(),
+                           window=draft_window, static_capacity=static,
+                           logit_scaling=drafter.spec.logit_scaling(target.info))
+    return Engine(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="torch")

@@ -24,7 +24,7 @@ from dflash.core.sampling import SamplingParams
 from dflash.core.spec import DraftSpec
 from dflash.core.tokenizer import eos_token_ids, load_tokenizer
 
-from .backend import TorchBackend
+from .backend import torch_engine
 from .drafter import load_drafter
 from .target import load_target, resolve_device, resolve_dtype, target_info
 
@@ -113,14 +113,15 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
 
 
 def _batched_backend(model, draft_dir):
-    """The engine over the loaded target, with the drafter (validated and hooked by TorchBackend) if any."""
+    """The engine over the loaded target, with the drafter (validated and hooked by torch_engine) if any."""
     drafter = None
     if draft_dir is not None:
         spec = DraftSpec.load(draft_dir)
         spec.validate_against(target_info(model), source=str(draft_dir))  # before its weights are read
         drafter = load_drafter(draft_dir, dtype=model.dtype, device=model.device, spec=spec)
-    backend = TorchBackend(model, drafter, validated=True)
-    backend.target.check_batchable()  # one line now, not one failed row per batch
+    backend = torch_engine(model, drafter, validated=True)
+    if not backend.capabilities.batches:  # one line now, not one failed row per batch
+        raise DFlashError(backend.capabilities.batch_refusal)
     return backend
 
 

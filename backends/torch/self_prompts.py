@@ -25,7 +25,7 @@ from dflash.core.loop import generate_batch
 from dflash.core.sampling import SamplingParams
 from dflash.core.tokenizer import eos_token_ids, load_tokenizer
 
-from .backend import TorchBackend
+from .backend import torch_engine
 from .target import load_target, resolve_device, resolve_dtype
 
 SENTINEL = "\u2063dflash-user-turn\u2063"
@@ -91,7 +91,7 @@ def write_self_prompts(model_dir, output_path, *, num_prompts: int, batch_size: 
         return dict(stats, total=len(seen))
 
     device = resolve_device(device)
-    backend = TorchBackend(load_target(model_dir, resolve_dtype(dtype, device), device, trust_remote_code))
+    backend = torch_engine(load_target(model_dir, resolve_dtype(dtype, device), device, trust_remote_code))
     bar = None
     if progress:
         from tqdm import tqdm

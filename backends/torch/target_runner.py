@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
+from dflash.core.contract import Capabilities
 from dflash.core.errors import DFlashError
 from dflash.core.sampling import SamplingParams
 from dflash.core.tree import TreeInputs
@@ -147,8 +148,12 @@ class TorchTarget:
         return f"torch {torch.__version__} {name} {str(self.dtype).removeprefix('torch.')} " \
                f"{torch.get_num_threads()} threads"
 
-    def tree_refusal(self) -> str | None:
-        """Why this target cannot verify a tree (None: it can)."""
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(batch_refusal=self._batch_refusal(), tree_refusal=self._tree_refusal(),
+                            rewind="any" if self.rewind is None else "last-forward")
+
+    def _tree_refusal(self) -> str | None:
         if self.rewind is not None:
             return (f"{self.info.model_type} has sliding-window or linear-attention layers, whose caches cannot "
                     "keep a tree's accepted path")
@@ -330,12 +335,18 @@ class TorchTarget:
         self.samplers = [self.samplers[i] for i in rows]
 
     # ---- internals ---------------------------------------------------------------------------------------------------
-    def check_batchable(self) -> None:
+    def _batch_refusal(self) -> str | None:
         if self.cache_len is not None:
-            raise DFlashError("--batch-size: batched decoding runs on the dynamic cache; drop --compile / cache_len")
+            return "--batch-size: batched decoding runs on the dynamic cache; drop --compile / cache_len"
         if self.rewind is not None:
-            raise DFlashError("--batch-size: batched decoding needs a full-attention target (this one has "
-                              "sliding-window or linear-attention layers); use --batch-size 1")
+            return ("--batch-size: batched decoding needs a full-attention target (this one has sliding-window or "
+                    "linear-attention layers); use --batch-size 1")
+        return None
+
+    def check_batchable(self) -> None:
+        refusal = self._batch_refusal()
+        if refusal:
+            raise DFlashError(refusal)
 
     def _to_rows(self) -> None:
         self.check_batchable()

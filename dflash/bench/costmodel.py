@@ -60,9 +60,7 @@ def measure(make_backend, block_sizes, context: int, iters: int, warmup: int, vo
     state = {"anchor": 1}
 
     def step(be):
-        be.draft([state["anchor"]])
-        be.verify()
-        be.commit([1])
+        be.commit(be.verify(be.draft([state["anchor"]])), [1])
         be.crop(context)  # keep the context length fixed
 
     t_step = _timeit(lambda: step(ar), iters, warmup)
@@ -70,11 +68,10 @@ def measure(make_backend, block_sizes, context: int, iters: int, warmup: int, vo
     for b in block_sizes:
         be = setup(b)
         t_cycle = _timeit(lambda: step(be), iters, warmup)
-        be.draft([1])
+        draft = be.draft([1])
 
         def verify_only():
-            be.verify()
-            be.commit([1])
+            be.commit(be.verify(draft), [1])
             be.crop(context)
 
         t_verify = _timeit(verify_only, iters, warmup)
@@ -96,7 +93,7 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cac
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.backends.torch import DFlashDrafter, TorchBackend, resolve_device, resolve_dtype
+    from dflash.backends.torch import DFlashDrafter, torch_engine, resolve_device, resolve_dtype
 
     device = resolve_device(device)
     dt = resolve_dtype(dtype, device)
@@ -131,7 +128,7 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cac
 
     def make(b):
         if b not in built:  # one backend per block size (compiled graphs are per shape)
-            built[b] = TorchBackend(model, drafter if b else None, block_size=b, cache_len=cache_len, compile=compile)
+            built[b] = torch_engine(model, drafter if b else None, block_size=b, cache_len=cache_len, compile=compile)
         be = built[b]
         be.reset()
         return be

@@ -1,9 +1,21 @@
-"""The values the engine and the backends hand each other in a cycle (draft -> verify -> commit), and what the
-engine returns to the loop for each row."""
+"""What the engine and a backend promise each other: the Target and Drafter interfaces the engine is typed against,
+the values a cycle hands between them (draft -> Draft, verify -> Verified, commit(verified, keeps)), and the
+capabilities a backend declares for applications to read. Every backend runs tests/test_contract.py against it.
+
+Arrays are the framework's own (torch.Tensor, mx.array) and stay on the device; the engine reads back to the host
+once per cycle, through `to_host`. Policy (what to commit, when to stop, prefix reuse, per-row bookkeeping) lives in
+the core; a backend owns models, caches and arrays.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from .sampling import RowDraw, SamplingParams
+    from .spec import TargetInfo
+    from .tree import TreeInputs
 
 
 @dataclass
@@ -29,6 +41,23 @@ class Draft:
 
 
 @dataclass
+class Verified:
+    """One verify forward, per row: the block it read ([anchor, proposals]) and the target's token at each of those
+    positions, on the host; the forward's target features (on the device) for the drafter's context; with
+    Engine.logprobs set, per position the chosen token's log-probability and the top (id, log-probability) pairs."""
+
+    blocks: list[list[int]]
+    tokens: list[list[int]]
+    features: object = None
+    logprobs: list[list[float]] | None = None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+    @property
+    def proposals(self) -> list[list[int]]:
+        return [block[1:] for block in self.blocks]
+
+
+@dataclass
 class Step:
     """One row's cycle: the tokens it committed (accepted draft tokens, then the target's own token) and what the
     target verified for it."""
@@ -45,3 +74,83 @@ class Step:
     @property
     def accepted(self) -> int:
         return len(self.tokens) - 1
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a target can do, declared by its backend: applications read this, never a backend's name. A refusal is
+    the one line that says why not (None: it can)."""
+
+    batch_refusal: str | None = None  # rows sharing its caches: batches, continuous batching, kept prefixes
+    tree_refusal: str | None = None  # a tree of drafts verified in one forward (positions + ancestor mask)
+    rewind: str = "any"  # how far its cache goes back: "any" position, or only within the "last-forward"
+
+    @property
+    def batches(self) -> bool:
+        return self.batch_refusal is None
+
+    @property
+    def trees(self) -> bool:
+        return self.tree_refusal is None
+
+
+class Target(Protocol):
+    info: TargetInfo
+    max_context: int | None
+    capabilities: Capabilities
+
+    # arrays
+    def ids(self, rows: Sequence[Sequence[int]]): ...                       # host ids (rows, T) -> device
+    def cat(self, parts: list): ...                                         # along the sequence axis
+    def head(self, features, n: int): ...                                   # the first n positions
+    def take_rows(self, features, rows: list[int]): ...
+    def pad_rows(self, features, n: int): ...                               # n more rows of zeros
+    def to_host(self, x) -> list[list[int]]: ...
+    def settle(self, drafter=None, *arrays) -> None: ...                    # evaluate lazy state (MLX)
+
+    # sampling: the target's token at each position, as target-only decoding would draw it
+    def set_sampling(self, params: SamplingParams) -> None: ...            # every row; spawn/merge/select keep
+    # each row's own settings; sample: (rows, T, V) -> (rows, T), each row drawn with its RowDraw's noise (draws
+    # None: all greedy), rejection rows verifying the draft's sampled proposals (Draft.q_ids / q_probs); with
+    # logprobs=k also (chosen, top-k ids, top-k log-probs), each (rows, T[, k]), of the distributions drawn from
+    def sample(self, logits, histories: list[list[int]], block, paths=None, logprobs: int | None = None,
+               draws: list[RowDraw] | None = None, draft: Draft | None = None): ...
+    def gumbel(self, keys: list[int]): ...                                  # (len(keys), V) noise, a row per key
+
+    # the model and its cache
+    def forward(self, ids, last_only: bool, tree: TreeInputs | None = None) -> tuple: ...  # -> (logits, features)
+    def keep(self, keeps: list[int], width: int) -> bool: ...              # row i keeps its first keeps[i] of them
+    def trim(self, n: int) -> bool: ...                                    # one row: forget the last n (False: cannot)
+    def reset(self) -> None: ...
+    def close(self) -> None: ...
+    def device_key(self) -> str: ...                                       # device, dtype, threads (costs.py)
+
+    # trees (tree.py): a forward with `tree` puts slot j at position + depth under an ancestor mask
+    def keep_slots(self, slots: list[list[int]], width: int) -> None: ...  # row i keeps slots[i] of the last forward
+    def gather(self, features, slots: list[list[int]]): ...                # row i's features at slots[i], packed
+
+    # rows (capabilities.batches)
+    def spawn(self) -> Target: ...                                         # same model, empty cache (a joining row)
+    def merge(self, other: Target) -> None: ...                            # append other's rows
+    def select(self, rows: list[int]) -> None: ...                         # keep only these rows
+    def extract(self, row: int) -> Target: ...                             # row `row` alone, its cache copied out
+    def cache_bytes(self) -> int: ...                                      # what its caches hold (prefix cache)
+
+
+class Drafter(Protocol):
+    position: int  # row 0's context length (= its anchor's position)
+    distribution: bool  # True: its selector has a proper draft distribution of its own (DFlash2)
+
+    def extend(self, pending: Pending | None) -> None: ...                 # absorb context without drafting (prefill)
+    # proposals per row by its draw: greedy rows the argmax; match rows argmax(warped logits + the target's own
+    # Gumbel noise); rejection rows a sample of q (returned as Draft.q_ids / q_probs); with top_k the per-position
+    # candidates (greedy: by probability; sampled: by the noise-perturbed score)
+    def propose(self, anchor_ids, pending: Pending | None, block_size: int, top_k: int = 0,
+                draws: list[RowDraw] | None = None) -> Draft: ...
+    def crop(self, position: int) -> bool: ...
+    def reset(self) -> None: ...
+    def spawn(self) -> Drafter: ...
+    def merge(self, other: Drafter) -> None: ...
+    def select(self, rows: list[int]) -> None: ...
+    def extract(self, row: int) -> Drafter: ...
+    def cache_bytes(self) -> int: ...

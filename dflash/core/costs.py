@@ -129,8 +129,4 @@ def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
 
 
 def batchable(target) -> bool:
-    try:
-        target.check_batchable()
-    except DFlashError:  # (a backend or target that runs one row: no batch points)
-        return False
-    return True
+    return target.capabilities.batches  # (a backend or target that runs one row: no batch points)

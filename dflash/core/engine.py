@@ -1,4 +1,4 @@
-"""The one speculative engine: per-row state over a backend's array primitives (backends/base.py).
+"""The one speculative engine: per-row state over a backend's Target and Drafter (dflash/core/contract.py).
 
 dflash.core.loop decides what to commit and when to stop; the engine keeps what the caches hold and moves them: the
 committed tokens of every row (whose K/V is in the target cache), the target features the drafter has not read yet,
@@ -8,21 +8,23 @@ N are the same code; a running batch admits a row (its prefill) and retires rows
 One cycle, for block size B and a row with n cached positions; its anchor is the last committed token, not yet fed
 to the target, so it sits at position n:
 
-    draft(anchors)  the drafter proposes B-1 tokens for positions n+1 .. n+B-1 from the target features of every
-                    position before the anchor (the pending ones are appended to its context first)
-    verify()        the target reads [anchor, proposals] at n .. n+B-1 in one forward and draws its own token at each
-                    of the B positions; the cycle's one device -> host read returns (proposals, target tokens)
-    commit(keeps)   row i keeps its first keeps[i] verified positions: the target cache forgets the rest, their
-                    target features become the drafter's pending context
+    draft(anchors) -> Draft     the drafter proposes B-1 tokens for positions n+1 .. n+B-1 from the target
+                                features of every position before the anchor (the pending ones are appended to
+                                its context first)
+    verify(draft) -> Verified   the target reads [anchor, proposals] at n .. n+B-1 in one forward and draws its own
+                                token at each of the B positions; the cycle's one device -> host read
+    commit(verified, keeps)     row i keeps its first keeps[i] verified positions: the target cache forgets the
+                                rest, their target features become the drafter's pending context
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Sequence
 
 from .budget import VERIFY_MODES, ChainBudget, Costs, TreePlanner
-from .contract import Draft, Pending, Step
+from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
 from .errors import DFlashError
 from .prefix_cache import PrefixCache, keep_row
 from .sampling import RowDraw, RowSampling, SamplingParams, accepted_length, common_prefix, row_draws
@@ -57,8 +59,9 @@ class Engine:
     """Speaks the batch protocol dflash.core.loop drives (prefill / draft / verify / commit / retire) for one row or many,
     plus the single-sequence operations a chat needs (crop, reset, cached_tokens)."""
 
-    def __init__(self, target, drafter=None, *, block_size: int = 1, prefill_chunk: int = 2048, name: str = ""):
-        self.target, self.drafter = target, drafter  # backend primitives (backends/base.py)
+    def __init__(self, target: Target, drafter: Drafter | None = None, *, block_size: int = 1,
+                 prefill_chunk: int = 2048, name: str = ""):
+        self.target, self.drafter = target, drafter  # a backend's primitives (contract.py)
         self.name = name
         self.block_size = block_size if drafter is not None else 1
         self.prefill_chunk = prefill_chunk
@@ -68,7 +71,6 @@ class Engine:
         self.shared = False  # rows share the caches (a batch was admitted): no prefix reuse until reset
         self.pending: Pending | None = None
         self.top_k = 0  # > 0: every draft also returns the per-position top-k (tree verification)
-        self.last_draft: Draft | None = None
         self.sampling = SamplingParams()  # the settings of rows admitted without their own
         self.row_sampling: list[RowSampling] = []  # per row: its settings, acceptance rule and noise seed
         self.logprobs: int | None = None  # None: off; k >= 0: every sample also returns log-probs (top k)
@@ -80,7 +82,6 @@ class Engine:
         self.chain_budget: ChainBudget | None = None  # auto, for rows that verify by rejection
         self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
         self.last_trees, self.last_paths = [], []
-        self._cycle_draws: list[RowDraw] | None = None
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
     @property
@@ -91,6 +92,11 @@ class Engine:
     @property
     def cached_tokens(self) -> list[int]:
         return self.tokens
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this engine's target can do (batches, trees, how far back it rewinds), as its backend declares."""
+        return self.target.capabilities
 
     def set_sampling(self, params: SamplingParams) -> None:
         """The sampling settings of the next lone row (and of rows admitted without their own)."""
@@ -115,7 +121,7 @@ class Engine:
         if mode == "chain" or self.drafter is None:
             self.verify_mode = "chain"
             return
-        reason = self.target.tree_refusal()
+        reason = self.target.capabilities.tree_refusal
         if mode == "auto" and getattr(self.drafter, "distribution", False):
             # DFlash2: its selector walk picks each proposal given the previous one; trees would branch over the
             # raw top-k without it
@@ -137,7 +143,8 @@ class Engine:
     def enable_prefix_cache(self, max_bytes: int) -> None:
         """Keep finished rows' caches (at most max_bytes, least recently used out) for prompts that share their
         prefix; one line if this target's rows cannot be kept apart."""
-        self.target.check_batchable()
+        if not self.capabilities.batches:
+            raise DFlashError(self.capabilities.batch_refusal)
         self.prefix_cache = PrefixCache(max_bytes) if max_bytes > 0 else None
 
     def _keep_prefix(self, i: int) -> None:
@@ -261,10 +268,10 @@ class Engine:
             if at + self.prefill_chunk < len(prompt_ids):
                 self.target.settle(self.drafter)  # bound the lazy graph (and its memory) chunk by chunk
                 yield None
-        first = self._sample(logits[:, -1:], [self.tokens], None, draws=self._row_draws(1, offset=0))
+        first, logprobs = self._sample(logits[:, -1:], [self.tokens], None, draws=self._row_draws(1, offset=0))
         self.target.settle(self.drafter, first)
-        if self.logprobs is not None:
-            self.first_logprobs = (self._logprobs[0][0][0], self._logprobs[1][0][0])
+        if logprobs is not None:
+            self.first_logprobs = (logprobs[0][0][0], logprobs[1][0][0])
         yield self.target.to_host(first)[0][0]
 
     # ---- the cycle -------------------------------------------------------------------------------------------------
@@ -291,51 +298,53 @@ class Engine:
         verified = self.block_size if length is None else length + 1
         # a matched row's draft reads the noise of every block position; otherwise only the verified ones are drawn
         drafts_read_noise = length != 0 and "match" in self.accept_rules
-        self._cycle_draws = self._row_draws(self.block_size, noise=self.block_size if drafts_read_noise else verified)
+        draws = self._row_draws(self.block_size, noise=self.block_size if drafts_read_noise else verified)
         if length == 0:
             self._absorb_pending()
-            self.last_draft = Draft(self.target.ids([[a] for a in anchors]))
-            self._verify_ids = self.last_draft.ids
+            draft = Draft(self.target.ids([[a] for a in anchors]))
         else:
-            self.draft(anchors, top_k)
+            draft = self.draft(anchors, top_k, draws)
             if length is not None and length < self.block_size - 1:
-                self._verify_ids = self.target.head(self._verify_ids, length + 1)
-        drafted, target = self.verify()
-        steps = [Step(t[: accepted_length(d, t) + 1], d, len(d), length != 0) for d, t in zip(drafted, target)]
-        if self.logprobs is not None:
-            for step, chosen, top in zip(steps, *self._logprobs):
+                draft = replace(draft, ids=self.target.head(draft.ids, length + 1))
+        result = self.verify(draft, draws)
+        steps = [Step(t[: accepted_length(d, t) + 1], d, len(d), length != 0)
+                 for d, t in zip(result.proposals, result.tokens)]
+        if result.logprobs is not None:
+            for step, chosen, top in zip(steps, result.logprobs, result.top_logprobs):
                 step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]
-        self.commit([len(s.tokens) for s in steps])
+        self.commit(result, [len(s.tokens) for s in steps])
         return steps
 
-    def draft(self, anchors: Sequence[int], top_k: int | None = None) -> None:
+    def draft(self, anchors: Sequence[int], top_k: int | None = None,
+              draws: list[RowDraw] | None = None) -> Draft:
+        """Each row's block [anchor, proposals] (the anchor alone without a drafter), from the features pending."""
         anchor_ids = self.target.ids([[a] for a in anchors])
         if self.drafter is None:
-            self.last_draft = Draft(anchor_ids)
-        else:
-            self.last_draft = self.drafter.propose(anchor_ids, self._take_pending(), self.block_size,
-                                                   self.top_k if top_k is None else top_k, self._cycle_draws)
-        self._verify_ids = self.last_draft.ids
+            return Draft(anchor_ids)
+        return self.drafter.propose(anchor_ids, self._take_pending(), self.block_size,
+                                    self.top_k if top_k is None else top_k, draws)
 
-    def verify(self) -> tuple[list[list[int]], list[list[int]]]:
-        ids = self._verify_ids
-        logits, self._features = self.target.forward(ids, last_only=False)
-        target = self._target_tokens(logits, ids)
-        rows = self.target.to_host(self.target.cat([ids, target]))  # the cycle's one device -> host read
-        b = len(rows[0]) // 2
-        self._verified = [r[:b] for r in rows]
-        return [r[1:b] for r in rows], [r[b:] for r in rows]
+    def verify(self, draft: Draft, draws: list[RowDraw] | None = None) -> Verified:
+        """The target's token at every position of each row's block, in one forward, under the row's rule: its own
+        draw (greedy, match), or, for a rejection row, the draft token where rejection sampling accepts it and the
+        residual's draw where it does not (so the longest agreeing prefix is the accepted one either way)."""
+        logits, features = self.target.forward(draft.ids, last_only=False)
+        tokens, logprobs = self._sample(logits, self.rows, draft.ids, draws=draws, draft=draft)
+        rows = self.target.to_host(self.target.cat([draft.ids, tokens]))  # the cycle's one device -> host read
+        width = len(rows[0]) // 2
+        chosen, top = logprobs if logprobs is not None else (None, None)
+        return Verified([r[:width] for r in rows], [r[width:] for r in rows], features, chosen, top)
 
-    def commit(self, keeps: Sequence[int]) -> None:
+    def commit(self, verified: Verified, keeps: Sequence[int]) -> None:
+        """Row i keeps its first keeps[i] verified positions; their features become the drafter's pending context."""
         keeps = list(keeps)
-        width = len(self._verified[0])
-        if not self.target.keep(keeps, width):
+        if not self.target.keep(keeps, len(verified.blocks[0])):
             raise AssertionError("a verified block can always be rewound")  # within the last forward
-        for row, verified, k in zip(self.rows, self._verified, keeps):
-            row.extend(verified[:k])
+        for row, block, k in zip(self.rows, verified.blocks, keeps):
+            row.extend(block[:k])
         if self.drafter is None:
             return
-        self.pending = Pending(self.target.head(self._features, max(keeps)), keeps)
+        self.pending = Pending(self.target.head(verified.features, max(keeps)), keeps)
 
     def retire(self, rows: Sequence[int]) -> None:
         """Drop finished rows (indices into the current rows) from every cache."""
@@ -393,12 +402,6 @@ class Engine:
         self.target.close()
 
     # ---- internals -----------------------------------------------------------------------------------------------
-    def _target_tokens(self, logits, ids):
-        """The target's token at every verified position under each row's rule: its own draw (greedy, match), or,
-        for a rejection row, the draft token where rejection sampling accepts it and the residual's draw where it
-        does not (so the longest agreeing prefix is the accepted one either way)."""
-        return self._sample(logits, self.rows, ids, draws=self._cycle_draws, draft=self.last_draft)
-
     def _row_draws(self, width: int, offset: int = 1, noise: int | None = None) -> list[RowDraw] | None:
         return row_draws(self.rows, self.row_sampling, lambda keys: self.target.gumbel(keys), width, offset, noise)
 
@@ -409,16 +412,15 @@ class Engine:
             self.pending = Pending(self.target.cat([self.pending.features, features]), [self.pending.counts[0] + n])
 
     def _sample(self, logits, histories, block, paths=None, draws=None, draft=None):
-        """The target's tokens; with self.logprobs set, also leaves their log-probabilities in self._logprobs
-        (per row: per position the chosen token's, and its top (id, log-probability) pairs) on the host."""
+        """(the target's tokens, None); with self.logprobs set, (tokens, (chosen, tops)): per row and position the
+        chosen token's log-probability and its top (id, log-probability) pairs, on the host."""
         if self.logprobs is None:
-            return self.target.sample(logits, histories, block, paths, draws=draws, draft=draft)
+            return self.target.sample(logits, histories, block, paths, draws=draws, draft=draft), None
         tokens, (chosen, top_ids, top_lps) = self.target.sample(logits, histories, block, paths,
                                                                 logprobs=self.logprobs, draws=draws, draft=draft)
         chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
         tops = [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)]
-        self._logprobs = (chosen, tops)
-        return tokens
+        return tokens, (chosen, tops)
 
     def _absorb_pending(self) -> None:
         """A cycle without a draft forward: the drafter takes the pending features into its context now (context

@@ -1,7 +1,7 @@
 """The one speculative loop: prefill -> (draft -> verify -> commit)* -> stop. Every backend runs this code.
 
 Policy lives here (what to commit, when to stop, what to count); the engine (dflash/core/engine.py) keeps the per-row
-state over the backend's array primitives (backends/base.py).
+state over the backend's Target and Drafter (dflash/core/contract.py).
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
         for draw, depths in zip(draws, inputs.depths.tolist()):
             if draw.gumbel is not None:
                 draw.gumbel = draw.gumbel[target.ids([depths])[0]]
-    tokens = target.to_host(engine._sample(logits, engine.rows, ids, [t.paths() for t in plan.trees], draws))
+    tokens, logprobs = engine._sample(logits, engine.rows, ids, [t.paths() for t in plan.trees], draws)
+    tokens = target.to_host(tokens)
     steps, paths, slots = [], [], []
     for tree, row_tokens in zip(plan.trees, tokens):
         path, bonus = tree.walk(row_tokens)
@@ -49,8 +50,8 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
         paths.append(path)
         slots.append([0] + path)
         steps.append(Step(accepted + [bonus], accepted, tree.nodes, plan.drafted))
-    if engine.logprobs is not None:  # committed token k was drawn at slot slots[k]
-        for step, row_slots, chosen, top in zip(steps, slots, *engine._logprobs):
+    if logprobs is not None:  # committed token k was drawn at slot slots[k]
+        for step, row_slots, chosen, top in zip(steps, slots, *logprobs):
             step.logprobs, step.top_logprobs = [chosen[j] for j in row_slots], [top[j] for j in row_slots]
     planner.observe(plan, paths, time.perf_counter() - start)
     engine.last_trees, engine.last_paths = plan.trees, paths  # (introspection: tests, traces)

@@ -35,8 +35,8 @@ class Server:
                  prefix_cache_mb: float = 0, chat_template: str | None = None, sampling_defaults: dict | None = None,
                  body_timeout: float = 30.0, metrics_public: bool = False, executor=None, prefill_step: int = 256):
         self.pipe, self.engine, self.tokenizer = pipe, pipe.backend, pipe.tokenizer
-        if pipe.backend_name != "torch":
-            max_batch = 1  # MLX runs one row: requests queue in FIFO order
+        if not self.engine.capabilities.batches:
+            max_batch = 1  # one row at a time: requests queue in FIFO order
         self.model_name, self.names = model_name, {model_name, *aliases}
         self.api_key, self.max_request_bytes, self.drain_timeout = api_key, max_request_bytes, drain_timeout
         self.body_timeout, self.metrics_public = body_timeout, metrics_public

@@ -17,11 +17,11 @@ def evaluate(target_model, drafter: DFlashDrafter, prompts: list[list[int]], max
     from dflash.core.loop import generate
     from dflash.core.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 
-    from ..backend import TorchBackend
+    from ..backend import torch_engine
 
     dtype = target_model.get_input_embeddings().weight.dtype
     was_training = drafter.training
-    backend = TorchBackend(target_model, drafter.to(dtype).eval(), draft_window=draft_window)
+    backend = torch_engine(target_model, drafter.to(dtype).eval(), draft_window=draft_window)
     lengths = []
     if progress:
         from tqdm import tqdm
