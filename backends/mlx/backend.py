@@ -17,6 +17,7 @@ from dflash.core.blas import openblas_preloaded
 from dflash.core.contract import Capabilities
 from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
+from dflash.core.rules import SLIDING_TREE_REFUSAL
 from dflash.core.sampling import SamplingParams
 from dflash.core.spec import drafter_block_size
 from dflash.core.tree import TreeInputs
@@ -132,8 +133,7 @@ class MLXTarget:
     @property
     def capabilities(self) -> Capabilities:
         if self.rewind is not None:
-            trees = (f"{self.info.model_type} has sliding-window or linear-attention layers, whose caches cannot "
-                     "keep a tree's accepted path")
+            trees = SLIDING_TREE_REFUSAL.format(model_type=self.info.model_type)
         else:
             trees = tree_refusal(self.runner, self.cache)
         return Capabilities(batch_refusal=_ONE_ROW, tree_refusal=trees,

@@ -15,9 +15,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from dflash.core import rules
 from dflash.core.checkpoint import validate_weights
 from dflash.core.errors import DFlashError
 from dflash.core.spec import DraftSpec
+
+from .ops import MLXOps
 
 
 class DraftAttention(nn.Module):
@@ -171,11 +174,7 @@ def select_walk(candidates: mx.array, scores: mx.array, temperature: float = 0.0
 
 
 def scale_logits(logits: mx.array, multiplier: float, softcap: float | None) -> mx.array:
-    if multiplier != 1.0:
-        logits = logits * multiplier
-    if softcap is not None:
-        logits = mx.tanh(logits / softcap) * softcap
-    return logits
+    return rules.scale_logits(MLXOps, logits, multiplier, softcap)
 
 
 class DFlashDrafter(nn.Module):

@@ -2,9 +2,8 @@
 
 Row i of a verified block is processed with the history it would have in target-only decoding: the committed tokens
 plus block[0..i]. The repetition penalty sees the whole history (mlx-lm defaults to the last 20 tokens; the torch
-backend, like transformers, uses all of them). mlx-lm's sampler applies top-p / min-p / top-k to the log-probs and
-the temperature last, inside the categorical draw (transformers applies the temperature first): with a temperature
-other than 1 the two backends filter slightly different sets, each exactly as its own library does.
+backend, like transformers, uses all of them). The filters are mlx-lm's, in transformers' order (the temperature
+first, dflash.core.rules.filters), so both backends draw from the same distribution.
 """
 
 from __future__ import annotations
@@ -12,7 +11,10 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from dflash.core import rules
 from dflash.core.sampling import SamplingParams
+
+from .ops import MLXOps
 
 _WHOLE_HISTORY = 2**31 - 1  # slice bounds must fit int32
 
@@ -52,20 +54,21 @@ class MLXSampler:
         return mx.argmax(self.filtered(logits) + gumbel, axis=-1)
 
     def filtered(self, logits: mx.array) -> mx.array:
-        """Processed logits (T, V) -> the log-weights the sampler's categorical draws from: mlx-lm's filters on the
-        log-probs, then the temperature (its order); greedy: the log-probs."""
-        logprobs = logits.astype(mx.float32)
-        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-        p = self.params
-        if p.greedy:
-            return logprobs
-        if 0 < p.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, p.top_p)
-        if p.min_p:
-            logprobs = apply_min_p(logprobs, p.min_p)
-        if p.top_k:
-            logprobs = apply_top_k(logprobs, p.top_k)
-        return logprobs / p.temperature
+        """Processed logits (T, V) -> the log-probs the draw is taken from: mlx-lm's filters in the order of
+        dflash.core.rules.filters (transformers': the temperature first), each on the renormalised result of the one
+        before; greedy: the log-probs."""
+        logprobs = _normalised(logits.astype(mx.float32))
+        for name, value in rules.filters(self.params):
+            if name == "temperature":
+                logprobs = logprobs / value
+            elif name == "top_k" and value < logprobs.shape[-1]:
+                logprobs = apply_top_k(logprobs, value)
+            elif name == "top_p":
+                logprobs = apply_top_p(logprobs, value)
+            elif name == "min_p":
+                logprobs = apply_min_p(logprobs, value)
+            logprobs = _normalised(logprobs)
+        return logprobs
 
     def probabilities(self, processed: mx.array) -> mx.array:
         """The distribution (T, V) the sampler draws from, given processed logits."""
@@ -81,29 +84,19 @@ class MLXSampler:
         return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)
 
 
+def _normalised(logprobs: mx.array) -> mx.array:
+    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+
+
 def gumbel(keys: list[int], vocab: int) -> mx.array:
     """(len(keys), vocab) standard Gumbel noise, row j drawn with the key keys[j] alone."""
     return mx.stack([mx.random.gumbel(shape=(vocab,), key=mx.random.key(k)) for k in keys])
 
 
 def inverse_cdf(probs: mx.array, u: mx.array) -> mx.array:
-    """One draw per row of probs (..., V) (not necessarily normalised) from its uniform u (...,)."""
-    cdf = mx.cumsum(probs, axis=-1)
-    index = (cdf < (u * cdf[..., -1])[..., None]).sum(axis=-1)
-    return mx.minimum(index, probs.shape[-1] - 1).astype(mx.int32)
+    return rules.inverse_cdf(MLXOps, probs, u)
 
 
-def rejection_tokens(p: mx.array, drafted: mx.array, q_ids: mx.array, q_probs: mx.array, accept_u: mx.array,
-                     residual_u: mx.array, bonus: mx.array) -> mx.array:
-    """p (B, V), drafted (B-1,) sampled from the sparse q (B-1, k over q_ids): keep drafted[i] when
-    accept_u[i] * q <= p, else draw from max(0, p - q) normalised with residual_u[i]; `bonus` is the target's own
-    draw at the last position (backends/torch/sampling.py: the same)."""
-    drafted = drafted.astype(mx.int32)
-    q = mx.put_along_axis(mx.zeros_like(p[:-1]), q_ids.astype(mx.int32), q_probs.astype(p.dtype), axis=1)
-    px = mx.take_along_axis(p[:-1], drafted[:, None], axis=1)[:, 0]
-    qx = mx.take_along_axis(q, drafted[:, None], axis=1)[:, 0]
-    accept = accept_u * qx <= px
-    residual = mx.maximum(p[:-1] - q, 0.0)
-    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p[:-1])
-    redrawn = inverse_cdf(residual, residual_u)
-    return mx.concatenate([mx.where(accept, drafted, redrawn), bonus.astype(mx.int32)[None]])
+def rejection_tokens(p, drafted, q_ids, q_probs, accept_u, residual_u, bonus) -> mx.array:
+    """dflash.core.rules.rejection_tokens on mx.arrays."""
+    return rules.rejection_tokens(MLXOps, p, drafted, q_ids, q_probs, accept_u, residual_u, bonus)

@@ -21,9 +21,12 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from dflash.core import rules
 from dflash.core.checkpoint import validate_weights
 from dflash.core.errors import DFlashError
 from dflash.core.spec import WEIGHTS_NAME, DraftSpec
+
+from .ops import TorchOps
 
 
 def qwen3_config(spec: DraftSpec) -> Qwen3Config:
@@ -180,11 +183,7 @@ def select_walk(candidates: torch.Tensor, scores: torch.Tensor, temperature: flo
 
 
 def scale_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
-    if multiplier != 1.0:
-        logits = logits * multiplier
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+    return rules.scale_logits(TorchOps, logits, multiplier, softcap)
 
 
 class DFlashDrafter(nn.Module):

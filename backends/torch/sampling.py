@@ -11,7 +11,10 @@ import torch
 from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+from dflash.core import rules
 from dflash.core.sampling import SamplingParams
+
+from .ops import TorchOps
 
 
 class TorchSampler:
@@ -45,18 +48,13 @@ class TorchSampler:
         return (scores.float().nan_to_num(nan=float("-inf")) + gumbel).argmax(dim=-1)
 
 
+_WARPERS = {"temperature": TemperatureLogitsWarper, "top_k": TopKLogitsWarper, "top_p": TopPLogitsWarper,
+            "min_p": MinPLogitsWarper}
+
+
 def warpers(p: SamplingParams) -> list:
-    """transformers' warpers in generate()'s order (temperature, top-k, top-p, min-p); none when greedy."""
-    if p.greedy:
-        return []
-    out = [TemperatureLogitsWarper(p.temperature)] if p.temperature != 1.0 else []
-    if p.top_k:
-        out.append(TopKLogitsWarper(p.top_k))
-    if p.top_p < 1.0:
-        out.append(TopPLogitsWarper(p.top_p))
-    if p.min_p > 0:
-        out.append(MinPLogitsWarper(p.min_p))
-    return out
+    """transformers' warpers, in the order of dflash.core.rules.filters (generate()'s); none when greedy."""
+    return [_WARPERS[name](value) for name, value in rules.filters(p)]
 
 
 def gumbel(keys: list[int], vocab: int, device) -> torch.Tensor:
@@ -70,25 +68,12 @@ def gumbel(keys: list[int], vocab: int, device) -> torch.Tensor:
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One draw per row of probs (..., V) (not necessarily normalised) from its uniform u (...,)."""
-    cdf = probs.cumsum(-1)
-    index = torch.searchsorted(cdf, (u * cdf[..., -1])[..., None].contiguous())[..., 0]
-    return index.clamp_(max=probs.shape[-1] - 1)
+    return rules.inverse_cdf(TorchOps, probs, u)
 
 
-def rejection_tokens(p: torch.Tensor, drafted: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
-                     accept_u: torch.Tensor, residual_u: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
-    """p (B, V) target probabilities at the B verified positions, drafted (B-1,) sampled from the sparse q (B-1, k
-    over q_ids). Position i keeps drafted[i] when accept_u[i] * q <= p (probability min(1, p/q)), else draws from
-    max(0, p - q) normalised with residual_u[i]; `bonus` is the target's own draw at position B-1. Every position
-    at once: only the first rejection counts."""
-    q = torch.zeros_like(p[:-1]).scatter_(1, q_ids, q_probs)
-    px, qx = p[:-1].gather(1, drafted[:, None])[:, 0], q.gather(1, drafted[:, None])[:, 0]
-    accept = accept_u * qx <= px
-    residual = (p[:-1] - q).clamp_(min=0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:-1])  # p == q: never rejected anyway
-    redrawn = inverse_cdf(residual, residual_u)
-    return torch.cat([torch.where(accept, drafted, redrawn), bonus[None]])
+def rejection_tokens(p, drafted, q_ids, q_probs, accept_u, residual_u, bonus) -> torch.Tensor:
+    """dflash.core.rules.rejection_tokens on torch tensors."""
+    return rules.rejection_tokens(TorchOps, p, drafted, q_ids, q_probs, accept_u, residual_u, bonus)
 
 
 def log_probs(scores: torch.Tensor, tokens: torch.Tensor, top: int):

@@ -16,6 +16,7 @@ from transformers import DynamicCache, StaticCache
 
 from dflash.core.contract import Capabilities
 from dflash.core.errors import DFlashError
+from dflash.core.rules import SLIDING_TREE_REFUSAL
 from dflash.core.sampling import SamplingParams
 from dflash.core.tree import TreeInputs
 
@@ -155,8 +156,7 @@ class TorchTarget:
 
     def _tree_refusal(self) -> str | None:
         if self.rewind is not None:
-            return (f"{self.info.model_type} has sliding-window or linear-attention layers, whose caches cannot "
-                    "keep a tree's accepted path")
+            return SLIDING_TREE_REFUSAL.format(model_type=self.info.model_type)
         if self.cache_len is not None:
             return "the static cache (--compile / cache_len) keeps no tree; use the dynamic cache"
         if self.model.config._attn_implementation not in ("sdpa", "eager"):

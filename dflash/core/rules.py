@@ -1,0 +1,75 @@
+"""The sampling rules that are not array plumbing, written once over a small array namespace (`ArrayOps`) that
+each backend provides for its own arrays: the order of the sampling filters, the rejection rule with its residual
+draw (docs/sampling.md), the inverse-CDF draw, the drafter's logit scaling, and the refusals both backends give.
+tests/test_policy.py runs each rule on both backends side by side."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .sampling import SamplingParams
+
+SLIDING_TREE_REFUSAL = ("{model_type} has sliding-window or linear-attention layers, whose caches cannot keep a "
+                        "tree's accepted path")
+
+
+class ArrayOps(Protocol):
+    """What the rules need from an array library; arrays also support + - * / comparisons and [..., None]."""
+
+    def sum(self, x, axis: int, keepdims: bool = False): ...
+    def cumsum(self, x, axis: int): ...
+    def where(self, condition, x, y): ...
+    def maximum(self, x, y): ...
+    def minimum(self, x, y): ...
+    def tanh(self, x): ...
+    def gather(self, x, ids, axis: int): ...                 # take_along_axis
+    def scatter(self, like, ids, values, axis: int): ...    # zeros shaped like `like`, `values` put at `ids`
+    def concatenate(self, parts: list, axis: int): ...
+    def token_ids(self, x): ...                              # as the integer type token ids have
+
+
+def filters(params: SamplingParams) -> list[tuple[str, float]]:
+    """The sampling filters in the order transformers' generate() applies them: the temperature first, then top-k,
+    top-p and min-p, each on the distribution the one before left (none when greedy)."""
+    if params.greedy:
+        return []
+    steps = [("temperature", params.temperature)] if params.temperature != 1.0 else []
+    if params.top_k:
+        steps.append(("top_k", params.top_k))
+    if params.top_p < 1.0:
+        steps.append(("top_p", params.top_p))
+    if params.min_p > 0:
+        steps.append(("min_p", params.min_p))
+    return steps
+
+
+def inverse_cdf(ops: ArrayOps, probs, u):
+    """One draw per row of probs (..., V) (not necessarily normalised) from its uniform u (...,)."""
+    cdf = ops.cumsum(probs, axis=-1)
+    index = ops.sum(cdf < (u * cdf[..., -1])[..., None], axis=-1)
+    return ops.minimum(ops.token_ids(index), probs.shape[-1] - 1)
+
+
+def rejection_tokens(ops: ArrayOps, p, drafted, q_ids, q_probs, accept_u, residual_u, bonus):
+    """p (B, V): the target's probabilities at the B verified positions; drafted (B-1,): proposals sampled from the
+    sparse q (B-1, k over q_ids). Position i keeps drafted[i] when accept_u[i] * q <= p (probability min(1, p/q)),
+    else draws from max(0, p - q) normalised, with residual_u[i]; `bonus` is the target's own draw at position B-1.
+    Every position at once: only the first rejection counts."""
+    drafted = ops.token_ids(drafted)
+    q = ops.scatter(p[:-1], ops.token_ids(q_ids), q_probs, axis=1)
+    px = ops.gather(p[:-1], drafted[:, None], axis=1)[:, 0]
+    qx = ops.gather(q, drafted[:, None], axis=1)[:, 0]
+    accept = accept_u * qx <= px
+    residual = ops.maximum(p[:-1] - q, 0.0)
+    residual = ops.where(ops.sum(residual, axis=-1, keepdims=True) > 0, residual, p[:-1])  # p == q: never rejected
+    redrawn = inverse_cdf(ops, residual, residual_u)
+    return ops.concatenate([ops.where(accept, drafted, redrawn), ops.token_ids(bonus)[None]], axis=0)
+
+
+def scale_logits(ops: ArrayOps, logits, multiplier: float, softcap: float | None):
+    """A drafter's output multiplier, then its tanh soft cap (DraftSpec.logit_scaling)."""
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap is not None:
+        logits = ops.tanh(logits / softcap) * softcap
+    return logits
