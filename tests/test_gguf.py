@@ -189,9 +189,9 @@ def test_alias_is_prepared_once_and_resolved_everywhere(tmp_path, monkeypatch, t
     assert "already prepared" in capsys.readouterr().err
 
     assert hub.resolve_pair("smollm2", None, want_draft=False) == (out, None)
-    with pytest.raises(DFlashError, match=r"--draft: no known DFlash drafter for smollm2; .*--no-draft"):
-        hub.resolve_pair("smollm2", None)
-    assert hub.pair_for("smollm2").draft is None and hub.draft_for("smollm2") is None
+    # the drafter trained for it ships in the package and resolves by name, offline
+    assert hub.resolve_pair("smollm2", None) == (out, hub.BUNDLED_DRAFTERS["smollm2-dflash"])
+    assert hub.draft_for("smollm2") == "smollm2-dflash"
     assert hub.draft_for("HuggingFaceTB/SmolLM2-135M-Instruct") is None  # the hub id stays an ordinary id
     assert models.main(["--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
