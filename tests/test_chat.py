@@ -200,7 +200,7 @@ def test_draft_for_registry():
     assert hub.draft_for("meta-llama/Llama-3.1-8B-Instruct") == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
     assert hub.draft_for("someone/unknown") is None
     assert all(hub.is_repo_id(p.target) or p.target in hub.PREPARED for p in hub.PAIRS)
-    assert all(p.draft is None or hub.is_repo_id(p.draft) for p in hub.PAIRS)
+    assert all(p.draft is None or hub.is_repo_id(p.draft) or p.draft in hub.BUNDLED_DRAFTERS for p in hub.PAIRS)
 
 
 def test_models_lists_registry_and_cache(hf_home):
