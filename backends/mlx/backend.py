@@ -1,9 +1,9 @@
 """MLX backend: an mlx-lm target + a DFlash drafter as primitives of the one engine (dflash/core/engine.py).
 
 Everything stays lazy inside a cycle: the draft's proposals feed the verify forward as an array, and the only
-device -> host read is the `tolist()` of the B drafted + B target ids at the end of verify(). One row at a time:
-mlx-lm's KV caches keep one offset for the whole batch, so rows advancing at different rates would need a masked
-cache of our own under every mlx-lm model file.
+device -> host read is the `tolist()` of the B drafted + B target ids at the end of verify(). Rows share mlx-lm's
+KVCache (one offset for the batch) laid out by dflash.core.rows.RowLayout: each forward gives every row's tokens their
+own positions and a mask over the row's valid slots (backends/mlx/tree.py), as the torch backend does.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from dflash.core.blas import openblas_preloaded
 from dflash.core.contract import Capabilities
 from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
+from dflash.core.rows import RowLayout, visible
 from dflash.core.rules import SLIDING_TREE_REFUSAL
 from dflash.core.sampling import SamplingParams
 from dflash.core.spec import drafter_block_size
@@ -27,9 +29,7 @@ from .drafter import DFlashDrafter
 from .rewind import MLXRewind, needs_rewind
 from .sampling import MLXSampler, gumbel, rejection_tokens
 from .target import TargetRunner, embedding, lm_head, target_info
-from .tree import keep_path, tree_positions, tree_refusal
-
-_ONE_ROW = "--batch-size: batched decoding runs on the torch backend; use --backend torch or --batch-size 1"
+from .tree import explicit_positions, keep_path, positions_refusal
 
 
 class MLXTarget:
@@ -40,7 +40,8 @@ class MLXTarget:
         self.runner = TargetRunner(model, config, layer_ids)
         self.rewind: MLXRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
         self.cache = self._new_cache()
-        self.sampler = MLXSampler(SamplingParams())
+        self.layout: RowLayout | None = None  # once rows share the cache
+        self.samplers = [MLXSampler(SamplingParams())]  # one per row (its own settings)
 
     # ---- arrays ----------------------------------------------------------------------------------------------------
     @staticmethod
@@ -64,31 +65,41 @@ class MLXTarget:
         state = [c.state for c in self.cache] + (drafter.state() if drafter is not None else [])
         mx.eval(*arrays, state)
 
-    def take_rows(self, features, rows):
-        raise DFlashError(_ONE_ROW)
+    @staticmethod
+    def take_rows(features: mx.array, rows: list[int]) -> mx.array:
+        return features[mx.array(rows, dtype=mx.int32)]
 
-    pad_rows = take_rows
+    @staticmethod
+    def pad_rows(features: mx.array, n: int) -> mx.array:
+        return mx.concatenate([features, mx.zeros((n, *features.shape[1:]), dtype=features.dtype)])
 
     # ---- sampling --------------------------------------------------------------------------------------------------
     def set_sampling(self, params: SamplingParams) -> None:
-        self.sampler = MLXSampler(params)
+        self.samplers = [MLXSampler(params)] * len(self.samplers)
 
     def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None, paths=None,
                logprobs: int | None = None, draws=None, draft=None):
-        """One row: see dflash/core/contract.py."""
-        scores = self.sampler.processed(logits[0], histories[0], None if block is None else block[0],
-                                        None if paths is None else paths[0])
-        draw = draws[0] if draws is not None else None
-        n = scores.shape[0] - 1  # (a chain may verify fewer positions than its draws cover)
-        tokens = self.sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[: n + 1])
-        if draw is not None and draw.rule == "rejection" and draft is not None and draft.q_probs is not None:
-            tokens = rejection_tokens(self.sampler.probabilities(scores), block[0, 1:], draft.q_ids[0, :n],
-                                      draft.q_probs[0, :n], mx.array(draw.accept_u[:n]), mx.array(draw.residual_u[:n]),
-                                      tokens[-1])
-        tokens = tokens[None].astype(mx.int32)
+        """Every row with its own history, processors and draws: see dflash/core/contract.py."""
+        if draws is None and logprobs is None and all(not s.processors for s in self.samplers):
+            return mx.argmax(logits, axis=-1).astype(mx.int32)  # all greedy: one argmax for the batch
+        tokens, stats = [], []
+        for i, sampler in enumerate(self.samplers):
+            scores = sampler.processed(logits[i], histories[i], None if block is None else block[i],
+                                       None if paths is None else paths[i])
+            draw = draws[i] if draws is not None else None
+            n = scores.shape[0] - 1  # (a chain may verify fewer positions than its draws cover)
+            row = sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[: n + 1])
+            if draw is not None and draw.rule == "rejection" and draft is not None and draft.q_probs is not None:
+                row = rejection_tokens(sampler.probabilities(scores), block[i, 1:], draft.q_ids[i, :n],
+                                       draft.q_probs[i, :n], mx.array(draw.accept_u[:n]),
+                                       mx.array(draw.residual_u[:n]), row[-1])
+            tokens.append(row.astype(mx.int32))
+            if logprobs is not None:
+                stats.append(sampler.log_probs(scores, tokens[-1], logprobs))
+        tokens = mx.stack(tokens)
         if logprobs is None:
             return tokens
-        return tokens, tuple(x[None] for x in self.sampler.log_probs(scores, tokens[0], logprobs))
+        return tokens, tuple(mx.stack(parts) for parts in zip(*stats))
 
     def gumbel(self, keys: list[int]) -> mx.array:
         return gumbel(keys, self.info.vocab_size)
@@ -96,8 +107,15 @@ class MLXTarget:
     # ---- forward, keep, trim -----------------------------------------------------------------------------------------
     def forward(self, ids: mx.array, last_only: bool, tree: TreeInputs | None = None):
         if tree is not None:
-            with tree_positions(self.runner.layers, self.cache, tree):
+            layout = self.layout if self.layout is not None else RowLayout(self.cache[0].offset)
+            positions, mask = layout.append_tree(tree.depths, tree.allowed, tree.real)
+            with explicit_positions(self.runner.layers, self.cache, positions, mask):
                 return self.runner(ids, self.cache, last_only=False)
+        if self.layout is not None:
+            t = ids.shape[1]
+            positions, keys = self.layout.append(t)
+            with explicit_positions(self.runner.layers, self.cache, positions, visible(keys, t, np.arange)):
+                return self.runner(ids, self.cache, last_only)
         if self.rewind is None:
             return self.runner(ids, self.cache, last_only)
         self.rewind.before_forward()
@@ -107,10 +125,15 @@ class MLXTarget:
         return out
 
     def keep(self, keeps: list[int], width: int) -> bool:
+        if self.layout is not None:
+            self._drop(self.layout.keep(keeps, width))
+            return True
         return keeps[0] == width or self.trim(width - keeps[0])
 
     def trim(self, n: int) -> bool:
         """Forget the last n target positions; False if the cache cannot go back that far (see rewind.py)."""
+        if self.layout is not None:
+            raise DFlashError("trim: rows sharing a cache are not rewound; retire rows instead")
         if self.rewind is not None:
             return self.rewind.rewind(n)
         # a rotating cache stops being trimmable once it wraps; rewinding it silently would corrupt the output
@@ -120,7 +143,8 @@ class MLXTarget:
         return True
 
     def reset(self) -> None:
-        self.cache = self._new_cache()
+        self.cache, self.layout = self._new_cache(), None
+        self.samplers = self.samplers[:1]
 
     # ---- trees -------------------------------------------------------------------------------------------------------
     def device_key(self) -> str:
@@ -132,32 +156,104 @@ class MLXTarget:
 
     @property
     def capabilities(self) -> Capabilities:
-        if self.rewind is not None:
-            trees = SLIDING_TREE_REFUSAL.format(model_type=self.info.model_type)
-        else:
-            trees = tree_refusal(self.runner, self.cache)
-        return Capabilities(batch_refusal=_ONE_ROW, tree_refusal=trees,
+        return Capabilities(batch_refusal=self._batch_refusal(), tree_refusal=self._tree_refusal(),
                             rewind="any" if self.rewind is None else "last-forward")
 
+    def _tree_refusal(self) -> str | None:
+        if self.rewind is not None:
+            return SLIDING_TREE_REFUSAL.format(model_type=self.info.model_type)
+        return positions_refusal(self.runner, self.cache)
+
+    def _batch_refusal(self) -> str | None:
+        if self.rewind is not None:
+            return ("--batch-size: batched decoding needs a full-attention target (this one has sliding-window or "
+                    "linear-attention layers); use --batch-size 1")
+        reason = positions_refusal(self.runner, self.cache)
+        return None if reason is None else f"--batch-size: rows sharing a cache need explicit positions: {reason}"
+
+    def _check_batchable(self) -> None:
+        refusal = self._batch_refusal()
+        if refusal:
+            raise DFlashError(refusal)
+
     def keep_slots(self, slots: list[list[int]], width: int) -> None:
-        (row,) = slots
-        if row == list(range(len(row))):
-            self.keep([len(row)], width)
-        else:
-            keep_path(self.cache, row, width)
+        if all(s == list(range(len(s))) for s in slots):
+            self.keep([len(s) for s in slots], width)
+        elif self.layout is None:
+            keep_path(self.cache, slots[0], width)
+        else:  # rows: the kept slots stay where they are, the rest become holes
+            self._drop(self.layout.keep_slots(slots, width))
 
     @staticmethod
     def gather(features: mx.array, slots: list[list[int]]) -> mx.array:
-        return mx.take(features, mx.array(slots[0], dtype=mx.int32), axis=1)
+        """Row i's features at slots[i] of the last forward, packed to the left (padded with its last)."""
+        width = max(len(s) for s in slots)
+        idx = mx.array([s + [s[-1]] * (width - len(s)) for s in slots], dtype=mx.int32)
+        return mx.take_along_axis(features, idx[:, :, None], axis=1)
 
     def close(self) -> None:
         pass
 
-    # ---- rows: one ---------------------------------------------------------------------------------------------------
-    def spawn(self):
-        raise DFlashError(_ONE_ROW)
+    # ---- rows --------------------------------------------------------------------------------------------------------
+    def spawn(self) -> "MLXTarget":
+        """The same model with an empty cache (a row prefilled alone, then merged)."""
+        self._check_batchable()
+        row = MLXTarget.__new__(MLXTarget)
+        row.__dict__.update(self.__dict__)
+        row.cache, row.layout, row.samplers = self._new_cache(), None, self.samplers[:1]
+        return row
 
-    merge = select = extract = spawn
+    def merge(self, other: "MLXTarget") -> None:
+        """Append other's row to this batch, the shorter side left-padded with masked slots."""
+        if self.layout is None:
+            self._check_batchable()
+            self.layout = RowLayout(self.cache[0].offset)
+        a, b = self.layout.merge(other.cache[0].offset)
+        for mine, theirs in zip(self.cache, other.cache):
+            mine.keys, mine.values = (mx.concatenate([_left_pad(x, a), _left_pad(y, b)])
+                                      for x, y in zip(_filled(mine), _filled(theirs)))
+            mine.offset = self.layout.width
+        self.samplers = self.samplers + other.samplers
+
+    def select(self, rows: list[int]) -> None:
+        if self.layout is None:
+            return  # one row, kept
+        idx = mx.array(rows, dtype=mx.int32)
+        for c in self.cache:
+            c.keys, c.values = c.keys[idx], c.values[idx]
+        self.layout.select(rows)
+        self.samplers = [self.samplers[i] for i in rows]
+
+    def extract(self, i: int) -> "MLXTarget":
+        """Row i alone on a cache of its own (its valid slots, in order): a prefix kept after it leaves the batch."""
+        row = self.spawn()
+        if self.layout is None:
+            pick = lambda x: mx.array(x[:, :, :self.cache[0].offset])  # noqa: E731
+        else:
+            idx = mx.array(self.layout.slots_of(i), dtype=mx.int32)
+            pick = lambda x: mx.take(x[i:i + 1], idx, axis=2)  # noqa: E731
+        for mine, theirs in zip(row.cache, self.cache):
+            mine.keys, mine.values = pick(theirs.keys), pick(theirs.values)
+            mine.offset = mine.keys.shape[2]
+        row.samplers = [self.samplers[i if self.layout is not None else 0]]
+        return row
+
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.cache)
+
+    def _drop(self, n: int) -> None:
+        """Forget the last n slots of every row (the layout already did), then compact if holes fill the cache."""
+        if n:
+            trim_prompt_cache(self.cache, n)
+        index = self.layout.compaction()
+        if index is None:
+            return
+        idx = mx.array(index, dtype=mx.int32)[:, None, :, None]
+        for c in self.cache:
+            keys, values = _filled(c)
+            c.keys, c.values = mx.take_along_axis(keys, idx, axis=2), mx.take_along_axis(values, idx, axis=2)
+            c.offset = index.shape[1]
+        self.layout.compacted(index)
 
     def _new_cache(self) -> list:
         cache = make_prompt_cache(self.model)
@@ -174,7 +270,7 @@ class MLXTarget:
 
 def mlx_engine(model, config: dict, drafter: DFlashDrafter | None = None, block_size: int | None = None,
                draft_window: int | None = None, prefill_chunk: int = 2048, validated: bool = False) -> Engine:
-    """The engine over an mlx-lm target (+ a drafter), one row."""
+    """The engine over an mlx-lm target (+ a drafter)."""
     target = MLXTarget(model, config, drafter.spec.target_layer_ids if drafter is not None else None)
     draft = None
     if drafter is not None:
@@ -184,3 +280,12 @@ def mlx_engine(model, config: dict, drafter: DFlashDrafter | None = None, block_
         draft = MLXDraft(drafter, embed, lm_head(model), dtype, window=draft_window,
                          logit_scaling=drafter.spec.logit_scaling(target.info))
     return Engine(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="mlx")
+
+
+def _filled(cache) -> tuple[mx.array, mx.array]:
+    """A KVCache's keys and values up to its offset (its buffers are allocated in steps of 256 slots)."""
+    return cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :]
+
+
+def _left_pad(x: mx.array, n: int) -> mx.array:
+    return mx.pad(x, [(0, 0), (0, 0), (n, 0), (0, 0)]) if n else x

@@ -1,5 +1,5 @@
-"""The drafter's primitives for dflash.core.engine on MLX (one row; see backends/torch/draft_runner.py). Everything stays
-lazy: the proposals feed the verify forward as an array."""
+"""The drafter's primitives for dflash.core.engine on MLX (see backends/torch/draft_runner.py): absorb context, propose
+a block for every row, rewind, batch rows. Everything stays lazy: the proposals feed the verify forward as an array."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ Q_CANDIDATES = 64  # rejection: q is the draft's filtered distribution on its 64
 class MLXDraft:
     def __init__(self, drafter: DFlashDrafter, embed, lm_head, dtype, *, window: int | None = None,
                  logit_scaling: tuple[float, float | None] = (1.0, None)):
-        self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
+        self.drafter, self.embed, self.lm_head, self.window = drafter, embed, lm_head, window
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
         spec = drafter.spec
         self.distribution = spec.is_dflash2  # the selector's q_t: a draft distribution of its own
@@ -42,76 +42,104 @@ class MLXDraft:
         n, cache = pending.features.shape[1], self.cache
         cache.reserve(n)
         ctx = self.drafter.project_context(pending.features)
+        lengths = cache.lengths
+        at = lengths[0] if len(set(lengths)) == 1 else mx.array(lengths)
         for i, layer in enumerate(self.drafter.layers):
-            k, v = layer.self_attn.context_kv(ctx, self.drafter.rope, cache.position)
-            cache.write(i, k, v, [n], 0)
-        cache.advance([n])
+            k, v = layer.self_attn.context_kv(ctx, self.drafter.rope, at)
+            cache.write(i, k, v, pending.counts, 0)
+        cache.advance(pending.counts)
 
     def propose(self, anchor_ids: mx.array, pending: Pending | None, block_size: int, top_k: int = 0,
                 draws: list[RowDraw] | None = None) -> Draft:
         spec = self.drafter.spec
+        rows = anchor_ids.shape[0]
         anchor_embeds = self.embed(anchor_ids)
         if spec.input_embedding_scale is not None:
             anchor_embeds = anchor_embeds * spec.input_embedding_scale
-        block = mx.concatenate([anchor_embeds, self._mask_embeds[:, : block_size - 1]], axis=1)
-        features = pending.features if pending is not None else mx.zeros((1, 0, self.width), dtype=self.dtype)
-        counts = pending.counts if pending is not None else [0]
+        masks = mx.broadcast_to(self._mask_embeds[:, : block_size - 1], (rows, block_size - 1, anchor_embeds.shape[2]))
+        block = mx.concatenate([anchor_embeds, masks], axis=1)
+        features = pending.features if pending is not None else mx.zeros((rows, 0, self.width), dtype=self.dtype)
+        counts = pending.counts if pending is not None else [0] * rows
         n, cache = features.shape[1], self.cache
-        start = cache.position
+        lengths = cache.lengths
+        if len(set(lengths)) == 1 and all(c == n for c in counts):
+            at = (lengths[0], lengths[0] + n)
+        else:  # rows at their own positions: context from each row's length, the block after its real entries
+            at = (mx.array(lengths), mx.array([length + c for length, c in zip(lengths, counts)]))
         cache.reserve(n + block_size)
         # (quantized matmuls must not see an empty input: no new context, no projection)
-        ctx = self.drafter.project_context(features) if n else mx.zeros((1, 0, block.shape[2]), block.dtype)
+        ctx = self.drafter.project_context(features) if n else mx.zeros((rows, 0, block.shape[2]), block.dtype)
         x = block
         for i, layer in enumerate(self.drafter.layers):
-            x = layer(x, ctx, self.drafter.rope, start, cache, i, counts)
+            x = layer(x, ctx, self.drafter.rope, at, cache, i, counts)
         cache.advance(counts)
         hidden = self.drafter.norm(x)[:, 1:]
         logits = scale_logits(self.lm_head(hidden), *self.logit_scaling)
-        draw = draws[0] if draws is not None else None
         if spec.is_dflash2:
-            draft = self.selector_walk(anchor_ids, logits, hidden, draw)
+            draft = self.selector_walk(anchor_ids, logits, hidden, draws)
         else:
-            draft = self.choose(anchor_ids, logits, draw, top_k)
+            draft = self.choose(anchor_ids, logits, draws, top_k)
         if top_k and draft.top_ids is None:
             draft.top_ids, draft.top_probs = top_k_sorted(mx.softmax(logits.astype(mx.float32), axis=-1), top_k)
         mx.async_eval(draft.ids)  # the draft runs while Python builds the verify graph
         return draft
 
-    def choose(self, anchor_ids: mx.array, logits: mx.array, draw: RowDraw | None, top_k: int) -> Draft:
-        """[anchor, proposals] of a DFlash block by the row's rule (backends/torch/draft_runner.py: the same)."""
-        draft = Draft(None)
-        if draw is None or draw.rule == "greedy":
-            proposals = mx.argmax(logits, axis=-1)
-        else:
-            filtered = MLXSampler(draw.params).filtered(logits[0])
+    def choose(self, anchor_ids: mx.array, logits: mx.array, draws: list[RowDraw] | None, top_k: int) -> Draft:
+        """[anchor, proposals] of a DFlash block, each row by its rule (backends/torch/draft_runner.py: the same):
+        greedy the argmax; match the argmax of the filtered logits plus the target's own noise; rejection a draw from
+        q, returned with the draft. Sampled rows rank their tree candidates by the same perturbed score."""
+        greedy = mx.argmax(logits, axis=-1)
+        if not draws or all(d.rule == "greedy" for d in draws):
+            return Draft(mx.concatenate([anchor_ids, greedy.astype(mx.int32)], axis=1))
+        proposals, tops, qs = [], [None] * len(draws), [None] * len(draws)
+        for i, draw in enumerate(draws):
+            if draw.rule == "greedy":
+                proposals.append(greedy[i])
+                continue
+            filtered = MLXSampler(draw.params).filtered(logits[i])
             if draw.rule == "match":
                 perturbed = filtered + draw.gumbel[: filtered.shape[0]]
-                proposals = mx.argmax(perturbed, axis=-1)[None]
+                proposals.append(mx.argmax(perturbed, axis=-1))
                 if top_k:
-                    draft.top_ids, draft.top_probs = top_k_sorted(mx.softmax(perturbed, axis=-1)[None], top_k)
-            else:
-                ids, probs = top_k_sorted(mx.softmax(filtered, axis=-1), min(Q_CANDIDATES, filtered.shape[-1]))
-                probs = probs / probs.sum(axis=-1, keepdims=True)
-                pick = inverse_cdf(probs, mx.array(draw.draft_u[: filtered.shape[0]]))
-                proposals = mx.take_along_axis(ids, pick[:, None], axis=-1)[:, 0][None]
-                draft.q_ids, draft.q_probs = ids[None], probs[None]
-        draft.ids = mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1)
+                    tops[i] = top_k_sorted(mx.softmax(perturbed, axis=-1), top_k)
+                continue
+            ids, probs = top_k_sorted(mx.softmax(filtered, axis=-1), min(Q_CANDIDATES, filtered.shape[-1]))
+            probs = probs / probs.sum(axis=-1, keepdims=True)
+            pick = inverse_cdf(probs, mx.array(draw.draft_u[: filtered.shape[0]]))
+            proposals.append(mx.take_along_axis(ids, pick[:, None], axis=-1)[:, 0])
+            qs[i] = (ids, probs)
+        draft = Draft(mx.concatenate([anchor_ids, mx.stack(proposals).astype(mx.int32)], axis=1))
+        if any(q is not None for q in qs):
+            shape = next(q for q in qs if q is not None)[0].shape
+            draft.q_ids = mx.stack([q[0] if q else mx.zeros(shape, dtype=mx.uint32) for q in qs]).astype(mx.int32)
+            draft.q_probs = mx.stack([q[1] if q else mx.zeros(shape, dtype=mx.float32) for q in qs])
+        if top_k and any(t is not None for t in tops):
+            plain = top_k_sorted(mx.softmax(logits.astype(mx.float32), axis=-1), top_k)
+            pairs = [t if t is not None else (plain[0][i], plain[1][i]) for i, t in enumerate(tops)]
+            draft.top_ids, draft.top_probs = mx.stack([p[0] for p in pairs]), mx.stack([p[1] for p in pairs])
         return draft
 
-    def selector_walk(self, anchor_ids: mx.array, logits: mx.array, hidden: mx.array, draw: RowDraw | None) -> Draft:
-        """DFlash2: the selector's walk, greedy, or for a rejection row sampled from q_t = softmax(S_t(a, .) / T)
+    def selector_walk(self, anchor_ids: mx.array, logits: mx.array, hidden: mx.array,
+                      draws: list[RowDraw] | None) -> Draft:
+        """DFlash2: the selector's walk, greedy, or for rejection rows sampled from q_t = softmax(S_t(a, .) / T)
         with a key of the draft stream at the block's first position (q returned with the draft)."""
         spec = self.drafter.spec
         candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
                                                                          anchor_ids, spec.selector_top_k)
-        if draw is None or draw.rule != "rejection":
-            proposals, _ = select_walk(candidates, scores)
+        proposals, _ = select_walk(candidates, scores)
+        sampled = [i for i, d in enumerate(draws or ()) if d.rule == "rejection"]
+        if not sampled:
             return Draft(mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1))
-        t = draw.params.temperature
-        key = mx.random.key(noise_key(draw.sampling.seed, "draft", draw.position))
-        proposals, rows = select_walk(candidates, scores, t, key)
-        draft = Draft(mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1))
-        draft.q_ids, draft.q_probs = candidates, mx.softmax(rows / t, axis=-1)
+        rows = [proposals[i] for i in range(proposals.shape[0])]
+        q_probs = [mx.zeros(candidates.shape[1:], dtype=mx.float32)] * len(rows)
+        for i in sampled:
+            draw = draws[i]
+            t = draw.params.temperature
+            key = mx.random.key(noise_key(draw.sampling.seed, "draft", draw.position))
+            walk, scored = select_walk(candidates[i:i + 1], scores[i:i + 1], t, key)
+            rows[i], q_probs[i] = walk[0], mx.softmax(scored[0] / t, axis=-1)
+        draft = Draft(mx.concatenate([anchor_ids, mx.stack(rows).astype(mx.int32)], axis=1))
+        draft.q_ids, draft.q_probs = candidates, mx.stack(q_probs)
         return draft
 
     def crop(self, position: int) -> bool:
@@ -123,13 +151,25 @@ class MLXDraft:
     def state(self) -> list:
         return self.cache.state()
 
-    def spawn(self):
-        self.cache.merge(None)  # refuses in one line: MLX decodes one row
+    # ---- rows --------------------------------------------------------------------------------------------------------
+    def spawn(self) -> "MLXDraft":
+        """The same weights with an empty context cache (a row prefilled alone, then merged)."""
+        row = MLXDraft.__new__(MLXDraft)
+        row.__dict__.update(self.__dict__)
+        row.cache = DraftContextCache(self.drafter.spec, self.dtype, window=self.window)
+        return row
 
-    extract = spawn
-
-    def merge(self, other) -> None:
-        self.cache.merge(other)
+    def merge(self, other: "MLXDraft") -> None:
+        self.cache.merge(other.cache)
 
     def select(self, rows: list[int]) -> None:
-        pass  # one row
+        self.cache.select(rows)
+
+    def extract(self, row: int) -> "MLXDraft":
+        """Row's context alone (a prefix kept after the row leaves the batch)."""
+        out = self.spawn()
+        out.cache = self.cache.extract(row)
+        return out
+
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes()

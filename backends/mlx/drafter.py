@@ -43,13 +43,21 @@ class DraftAttention(nn.Module):
         v = self.v_proj(ctx).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return rope(k, offset=offset), v
 
-    def __call__(self, x, ctx, rope, start: int, cache, layer: int, counts: list[int]) -> mx.array:
+    def __call__(self, x, ctx, rope, at: tuple, cache, layer: int, counts: list[int]) -> mx.array:
+        """at = (the context's first position, the block's): ints, or arrays (rows,) when rows sit at different
+        positions or a row's context is shorter than the batch's."""
         b, t, _ = x.shape
-        n = ctx.shape[1]
-        # keys/values: context first, then the block, at contiguous absolute positions start..start+n+t-1
-        k, v = self.context_kv(mx.concatenate([ctx, x], axis=1), rope, start)
+        ctx_at, block_at = at
+        if ctx.shape[1] == 0:  # (a quantized matmul must not see an empty input)
+            k, v = self.context_kv(x, rope, block_at)
+        elif isinstance(ctx_at, int) and ctx_at + ctx.shape[1] == block_at:
+            # keys/values: context first, then the block, at contiguous absolute positions
+            k, v = self.context_kv(mx.concatenate([ctx, x], axis=1), rope, ctx_at)
+        else:
+            (kc, vc), (kb, vb) = self.context_kv(ctx, rope, ctx_at), self.context_kv(x, rope, block_at)
+            k, v = mx.concatenate([kc, kb], axis=2), mx.concatenate([vc, vb], axis=2)
         q = self.q_norm(self.q_proj(x).reshape(b, t, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = rope(q, offset=start + n)
+        q = rope(q, offset=block_at)
         k, v, mask = cache.write(layer, k, v, counts, t)  # mask: None (not causal, no sliding window) or boolean
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
@@ -74,8 +82,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
 
-    def __call__(self, x, ctx, rope, start, cache, layer, counts):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, start, cache, layer, counts)
+    def __call__(self, x, ctx, rope, at, cache, layer, counts):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, at, cache, layer, counts)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -114,9 +122,9 @@ class DFlash2Layer(DraftLayer):
         self.attention_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
         self.mlp_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
 
-    def __call__(self, x, ctx, rope, start, cache, layer, counts):
+    def __call__(self, x, ctx, rope, at, cache, layer, counts):
         inner, delta = self.attention_conv.prepare(self.input_layernorm(x))
-        attended = self.self_attn(inner, ctx, rope, start, cache, layer, counts)
+        attended = self.self_attn(inner, ctx, rope, at, cache, layer, counts)
         x = x + self.attention_conv.convolve(attended, delta, 1)
         inner, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.convolve(self.mlp(inner), delta, 1)

@@ -1,6 +1,7 @@
-"""Tree verification on an mlx-lm target without patching mlx-lm: for one forward, every attention's RoPE reads
-per-token positions (root position + depth) and the trunk's mask is the tree's ancestor mask; after the walk, the
-accepted path's K/V is gathered into place in each KVCache."""
+"""Explicit positions and masks on an mlx-lm target, without patching mlx-lm: for one forward, every attention's RoPE
+reads per-token positions and the trunk's mask is ours. Tree verification (ancestor masks, root position + depth) and
+rows sharing a cache (holes, each row at its own position) both run through it; after a tree walk, one row's
+accepted path is gathered into place in each KVCache."""
 
 from __future__ import annotations
 
@@ -8,31 +9,35 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import KVCache
-
-from dflash.core.tree import TreeInputs
 
 
 class _RopeAt(nn.Module):
-    """A layer's RoPE at explicit positions: the T tokens become T batch entries, each with its own offset."""
+    """A layer's RoPE at explicit positions: `starts` (rows,) when each row's positions are consecutive, else `flat`
+    (rows * T,): the T tokens of every row become batch entries, each with its own offset."""
 
-    def __init__(self, rope, positions: mx.array):
+    def __init__(self, rope, starts: mx.array | None, flat: mx.array):
         super().__init__()
-        self.rope, self.positions = rope, positions
+        self.rope, self.starts, self.flat = rope, starts, flat
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
-        # x (1, heads, T, D) -> (T, heads, 1, D): mx.fast.rope takes one offset per batch entry
-        return self.rope(x.transpose(2, 1, 0, 3), offset=self.positions).transpose(2, 1, 0, 3)
+        if self.starts is not None:
+            return self.rope(x, offset=self.starts)
+        b, h, t, d = x.shape  # (rows, heads, T, D) -> (rows * T, heads, 1, D)
+        y = self.rope(x.transpose(0, 2, 1, 3).reshape(b * t, h, 1, d), offset=self.flat)
+        return y.reshape(b, t, h, d).transpose(0, 2, 1, 3)
 
 
 def _attention(layer):
     return getattr(layer, "self_attn", None)
 
 
-def tree_refusal(runner, cache: list) -> str | None:
+def positions_refusal(runner, cache: list) -> str | None:
+    """Why this target cannot take explicit positions and masks (None: it can)."""
     if not runner.split:
-        return (f"{runner.model.model_type if hasattr(runner.model, 'model_type') else 'this family'}: tree "
-                "verification on MLX runs decoders whose trunk takes its mask from the cache (llama, mistral, "
+        return (f"{runner.model.model_type if hasattr(runner.model, 'model_type') else 'this family'}: explicit "
+                "positions on MLX run decoders whose trunk takes its mask from the cache (llama, mistral, "
                 "qwen2/qwen3 and their MoE variants)")
     if any(type(c) is not KVCache for c in cache):
         return "the target's mlx-lm cache is not a plain KVCache (quantized or rotating KV cache)"
@@ -42,14 +47,17 @@ def tree_refusal(runner, cache: list) -> str | None:
 
 
 @contextmanager
-def tree_positions(layers, cache: list, tree: TreeInputs):
-    offset, t = cache[0].offset, tree.width
-    positions = mx.array(offset + tree.depths[0], dtype=mx.int32)
-    mask = mx.concatenate([mx.ones((t, offset), dtype=mx.bool_), mx.array(tree.allowed[0])], axis=1)
+def explicit_positions(layers, cache: list, positions: np.ndarray, mask: np.ndarray):
+    """For one forward: token j of row i at positions[i, j], attending to the cache slots and new tokens where
+    mask[i, j] (rows, T, S + T) is True."""
+    consecutive = positions.shape[1] == 1 or bool((np.diff(positions, axis=1) == 1).all())
+    starts = mx.array(positions[:, 0], dtype=mx.int32) if consecutive else None
+    flat = mx.array(positions.reshape(-1), dtype=mx.int32)
     ropes = [_attention(layer).rope for layer in layers]
     for layer, rope in zip(layers, ropes):
-        _attention(layer).rope = _RopeAt(rope, positions)
-    cache[0].make_mask = lambda *args, **kwargs: mask[None, None]  # what the trunk asks its first cache for
+        _attention(layer).rope = _RopeAt(rope, starts, flat)
+    boolean = mx.array(mask)[:, None]
+    cache[0].make_mask = lambda *args, **kwargs: boolean  # what the trunk asks its first cache for
     try:
         yield
     finally:
@@ -59,7 +67,7 @@ def tree_positions(layers, cache: list, tree: TreeInputs):
 
 
 def keep_path(cache: list, slots: list[int], width: int) -> None:
-    """Keep `slots` (ascending, slot 0 = the root) of the last `width` positions, contiguously."""
+    """One row: keep `slots` (ascending, slot 0 = the root) of the last `width` positions, contiguously."""
     start = cache[0].offset - width
     idx = mx.array([start + s for s in slots], dtype=mx.int32)
     n = len(slots)

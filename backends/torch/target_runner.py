@@ -2,10 +2,8 @@
 
 One row runs on a plain transformers cache (DynamicCache, or a preallocated StaticCache for compiled decoding;
 sliding-window and linear-attention layers rewind through CacheRewind), with positions implied by the cache length.
-Several rows share one DynamicCache and advance at different rates: a cycle keeps its block's first max(keep) slots
-for every row and masks the slots a row did not accept ("holes"), like the left padding of a row that joined with a
-shorter prompt. Each row's tokens carry their true positions (explicit position_ids), so its attention and RoPE see
-what batch-1 decoding sees. When holes fill half the cache the valid slots are gathered to the right (compaction).
+Several rows share one DynamicCache and advance at different rates, laid out by dflash.core.rows.RowLayout (valid
+slots, holes, positions, compaction); their tokens go in with explicit position_ids and a 4D mask.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from transformers import DynamicCache, StaticCache
 
 from dflash.core.contract import Capabilities
 from dflash.core.errors import DFlashError
+from dflash.core.rows import RowLayout, visible
 from dflash.core.rules import SLIDING_TREE_REFUSAL
 from dflash.core.sampling import SamplingParams
 from dflash.core.tree import TreeInputs
@@ -23,13 +22,6 @@ from dflash.core.tree import TreeInputs
 from .rewind import CacheRewind, bounded_layers
 from .sampling import TorchSampler, gumbel, log_probs, rejection_tokens
 from .target import LayerCapture, target_info
-
-
-def _right_aligned(valid: torch.Tensor) -> torch.Tensor:
-    """Per row, the slot indices that gather its valid slots (in order) to the right end of a narrower buffer."""
-    width = int(valid.sum(1).max())
-    order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices  # invalid first, both in slot order
-    return order[:, order.shape[1] - width:]
 
 
 class TorchTarget:
@@ -48,8 +40,7 @@ class TorchTarget:
         self.rewind: CacheRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
         self.cache = self._new_cache()
         self.length = 0  # positions in the cache (one row)
-        self.valid: torch.Tensor | None = None  # (rows, slots) once rows share the cache; None for one row
-        self.positions: torch.Tensor | None = None  # (rows,) next position of each row, with `valid`
+        self.layout: RowLayout | None = None  # once rows share the cache
         # compile: the fixed-shape decode forwards (1 token, one block) go through torch.compile; prefill stays eager
         self._decode_model = model
         if compile:
@@ -129,7 +120,7 @@ class TorchTarget:
         t = ids.shape[1]
         if tree is not None:
             return self._forward_tree(ids, tree)
-        if self.valid is not None:
+        if self.layout is not None:
             return self._forward_rows(ids, last_only)
         if self.cache_len is not None and self.length + t > self.cache_len:
             raise DFlashError(f"context: {self.length + t} tokens exceed the static cache ({self.cache_len}); "
@@ -165,26 +156,18 @@ class TorchTarget:
         return None
 
     def _forward_tree(self, ids, tree: TreeInputs):
-        rows, t = ids.shape
-        dev = self.device
-        depth = torch.from_numpy(tree.depths).to(dev)
-        allowed = torch.from_numpy(tree.allowed).to(dev)  # (rows, t, t)
-        if self.valid is None:
-            context = torch.ones(rows, self.length, dtype=torch.bool, device=dev)
-            positions = self.length + depth
-        else:
-            context, positions = self.valid, self.positions[:, None] + depth
-        mask = torch.cat([context[:, None, :].expand(-1, t, -1), allowed], dim=2)[:, None]
+        t, dev = ids.shape[1], self.device
+        layout = self.layout if self.layout is not None else RowLayout(self.length)
+        positions, mask = (torch.from_numpy(a).to(dev) for a in layout.append_tree(tree.depths, tree.allowed,
+                                                                                    tree.real))
+        mask = mask[:, None]
         if self.additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask,
                                                                                      torch.finfo(self.dtype).min)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
                          use_cache=True, logits_to_keep=0)
-        if self.valid is None:
+        if self.layout is None:
             self.length += t
-        else:
-            self.valid = torch.cat([self.valid, torch.from_numpy(tree.real).to(dev)], dim=1)
-            self.positions = self.positions + t
         return out.logits, self.capture.pop() if self.capture is not None else None
 
     @staticmethod
@@ -200,7 +183,7 @@ class TorchTarget:
         if all(s == list(range(len(s))) for s in slots):
             self.keep([len(s) for s in slots], width)
             return
-        if self.valid is None:
+        if self.layout is None:
             start = self.length - width
             idx = start + torch.tensor(slots[0], device=self.device)
             for layer in self.cache.layers:
@@ -208,56 +191,32 @@ class TorchTarget:
                 layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, idx]], dim=2)
             self.length = start + len(slots[0])
             return
-        # rows: the kept slots stay where they are and the rest become holes (their RoPE positions are already
-        # the accepted path's: root at the row's position, depth d at position + d)
-        most = max(max(s) + 1 for s in slots)
-        if most < width:
-            self.cache.crop(-(width - most))
-        self.valid = self.valid[:, :self.valid.shape[1] - (width - most)].clone()
-        kept = torch.zeros(len(slots), most, dtype=torch.bool, device=self.device)
-        for i, s in enumerate(slots):
-            kept[i, s] = True
-        self.valid[:, self.valid.shape[1] - most:] = kept
-        self.positions = self.positions - width + torch.tensor([len(s) for s in slots], device=self.device)
-        self._compact_if_sparse()
+        self._drop(self.layout.keep_slots(slots, width))
 
     def _forward_rows(self, ids, last_only: bool):
-        rows, t = ids.shape
-        positions = self.positions[:, None] + torch.arange(t, device=self.device)
-        keys = torch.cat([self.valid, torch.ones(rows, t, dtype=torch.bool, device=self.device)], dim=1)
-        total = keys.shape[1]
-        q = torch.arange(total - t, total, device=self.device)[:, None]
-        k = torch.arange(total, device=self.device)[None]
-        # padding queries see themselves, so no softmax row is empty (an all-masked row would be NaN)
-        mask = ((keys[:, None, :] & (k <= q)) | (k == q))[:, None]
+        t = ids.shape[1]
+        positions, keys = (torch.from_numpy(a).to(self.device) for a in self.layout.append(t))
+        mask = visible(keys, t, lambda *a: torch.arange(*a, device=self.device))[:, None]
         if self.additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~mask, torch.finfo(self.dtype).min)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
                          use_cache=True, logits_to_keep=1 if last_only else 0)
-        self.valid, self.positions = keys, self.positions + t
         return out.logits, self.capture.pop() if self.capture is not None else None
 
     # ---- keep, trim, reset -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def keep(self, keeps: list[int], width: int) -> bool:
         """After a forward of `width` positions, row i keeps its first keeps[i]; False if the cache cannot."""
-        most = max(keeps)
-        if self.valid is None:
+        if self.layout is None:
+            most = max(keeps)
             return most == width or self.trim(width - most)
-        if most < width:
-            self.cache.crop(-(width - most))
-        self.valid = self.valid[:, :self.valid.shape[1] - (width - most)].clone()
-        slot = torch.arange(most, device=self.device)
-        kept = slot[None] < torch.tensor(keeps, device=self.device)[:, None]
-        self.valid[:, self.valid.shape[1] - most:] = kept
-        self.positions = self.positions - width + kept.sum(1)
-        self._compact_if_sparse()
+        self._drop(self.layout.keep(keeps, width))
         return True
 
     def trim(self, n: int) -> bool:
         """Forget the last n positions of one row; False if its layers cannot go back that far."""
-        if self.valid is not None:
+        if self.layout is not None:
             raise DFlashError("trim: rows sharing a cache are not rewound; retire rows instead")
         if self.rewind is None:
             self.cache.crop(-n)
@@ -271,7 +230,7 @@ class TorchTarget:
             self.cache.crop(-self.length)  # keep the static buffers (and any captured graphs) alive
         else:
             self.cache = self._new_cache()
-        self.length, self.valid, self.positions = 0, None, None
+        self.length, self.layout = 0, None
         self.samplers = self.samplers[:1]
 
     def close(self) -> None:
@@ -286,40 +245,36 @@ class TorchTarget:
         self.check_batchable()
         row = TorchTarget.__new__(TorchTarget)
         row.__dict__.update(self.__dict__)
-        row.cache, row.length, row.valid, row.positions = self._new_cache(), 0, None, None
+        row.cache, row.length, row.layout = self._new_cache(), 0, None
         row.samplers = self.samplers[:1]
         return row
 
     @torch.inference_mode()
     def merge(self, other: "TorchTarget") -> None:
         """Append other's row to this batch, the shorter side left-padded with masked slots."""
-        if self.valid is None:
-            self._to_rows()
-        other_valid = torch.ones(1, other.length, dtype=torch.bool, device=self.device)
-        width = max(self.valid.shape[1], other.length)
+        if self.layout is None:
+            self.check_batchable()
+            self.layout = RowLayout(self.length)
+        a, b = self.layout.merge(other.length)
         pad = lambda t, n: F.pad(t, (0, 0, n, 0)) if n else t  # noqa: E731  (left, along the slot axis)
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            a, b = width - mine.keys.shape[2], width - theirs.keys.shape[2]
             mine.keys = torch.cat([pad(mine.keys, a), pad(theirs.keys, b)])
             mine.values = torch.cat([pad(mine.values, a), pad(theirs.values, b)])
-        self.valid = torch.cat([F.pad(self.valid, (width - self.valid.shape[1], 0)),
-                                F.pad(other_valid, (width - other.length, 0))])
-        self.positions = torch.cat([self.positions, torch.tensor([other.length], device=self.device)])
         self.samplers = self.samplers + other.samplers
 
     @torch.inference_mode()
     def extract(self, i: int) -> "TorchTarget":
         """Row i alone on a cache of its own (its valid slots, in order): a prefix kept after it leaves the batch."""
         row = self.spawn()
-        if self.valid is None:
+        if self.layout is None:
             n, pick = self.length, (lambda t: t[:, :, :self.length].clone())  # noqa: E731
         else:
-            idx = self.valid[i].nonzero().squeeze(1)
+            idx = torch.from_numpy(self.layout.slots_of(i)).to(self.device)
             n, pick = idx.numel(), (lambda t: t[i:i + 1, :, idx])  # noqa: E731  (advanced indexing copies)
         for layer_idx, layer in enumerate(self.cache.layers):
             row.cache.update(pick(layer.keys), pick(layer.values), layer_idx)
         row.length = n
-        row.samplers = [self.samplers[i if self.valid is not None else 0]]
+        row.samplers = [self.samplers[i if self.layout is not None else 0]]
         return row
 
     def cache_bytes(self) -> int:
@@ -327,11 +282,10 @@ class TorchTarget:
                    if isinstance(t, torch.Tensor))
 
     def select(self, rows: list[int]) -> None:
-        if self.valid is None:
+        if self.layout is None:
             return  # one row, kept
-        idx = torch.tensor(rows, device=self.device)
-        self.cache.batch_select_indices(idx)
-        self.valid, self.positions = self.valid[idx], self.positions[idx]
+        self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
+        self.layout.select(rows)
         self.samplers = [self.samplers[i] for i in rows]
 
     # ---- internals ---------------------------------------------------------------------------------------------------
@@ -348,22 +302,18 @@ class TorchTarget:
         if refusal:
             raise DFlashError(refusal)
 
-    def _to_rows(self) -> None:
-        self.check_batchable()
-        self.valid = torch.ones(1, self.length, dtype=torch.bool, device=self.device)
-        self.positions = torch.tensor([self.length], device=self.device)
-
-    def _compact_if_sparse(self) -> None:
-        holes = self.valid.numel() - int(self.valid.sum())
-        if self.valid.shape[1] > 64 and 2 * holes > self.valid.numel():
-            self._compact()
-
-    def _compact(self) -> None:
-        idx = _right_aligned(self.valid)
+    def _drop(self, n: int) -> None:
+        """Forget the last n slots of every row (the layout already did), then compact if holes fill the cache."""
+        if n:
+            self.cache.crop(-n)
+        index = self.layout.compaction()
+        if index is None:
+            return
+        idx = torch.from_numpy(index).to(self.device)
         for layer in self.cache.layers:
             gather = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
-        self.valid = self.valid.gather(1, idx)
+        self.layout.compacted(index)
 
     def _new_cache(self):
         if self.cache_len is None:

@@ -29,6 +29,8 @@ class Metrics:
                                         registry=r)
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for a batch row", registry=r)
         self.batch_size = Gauge("dflash_batch_size", "Rows in the running batch", registry=r)
+        self.step_rows = Histogram("dflash_step_rows", "Rows decoded together per engine step",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.ttft = Histogram("dflash_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,
                               registry=r)
         self.itl = Histogram("dflash_inter_token_latency_seconds", "Time between tokens of a request (a cycle's gap "

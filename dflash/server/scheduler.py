@@ -140,6 +140,7 @@ class Scheduler:
                         self.batch.cancel(job.gen)
                 self._collect()
                 if self.live:
+                    self.metrics.step_rows.observe(len(self.batch))
                     for gen, inc in self.batch.step():  # a row whose step fails leaves alone (Batch._isolate)
                         self._deliver(self.live[id(gen)], inc)
                     self._collect()

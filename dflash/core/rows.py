@@ -1,0 +1,115 @@
+"""Rows sharing one target KV cache, framework-neutral: which slots of the shared cache each row may attend to, and the
+position its next token takes. Backends own the K/V buffers and do what the layout says (append, drop the last n
+slots, left-pad, gather); every backend's batched target runs on this one bookkeeping.
+
+Every forward appends the same number of slots to every row. A cycle keeps its block's first max(keep) slots for
+every row and marks the slots a row did not accept as holes, like the left padding of a row that joined with a
+shorter prompt; each row's tokens carry their true positions (explicit RoPE positions), so its attention sees what
+batch-1 decoding sees. When holes fill half the cache, the valid slots are gathered to the right (compaction).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+COMPACT_MIN_SLOTS = 64  # below this a compaction costs more than the holes it removes
+COMPACT_HOLES = 0.5  # compact once this fraction of the slots are holes
+
+
+def visible(keys, t: int, arange):
+    """The attention mask (rows, t, S) of a forward of t new slots after a cache whose slot validity is `keys`
+    (rows, S, the new slots included): causal over valid slots. A padding query sees itself, so no softmax row is
+    empty. Works on numpy, torch and mlx arrays alike (`arange` is the framework's)."""
+    total = keys.shape[1]
+    q = arange(total - t, total)[:, None]
+    k = arange(total)[None]
+    return (keys[:, None, :] & (k <= q)) | (k == q)
+
+
+class RowLayout:
+    """Slot validity (rows, slots) and next positions (rows,) of a shared cache; starts as one row of `length`."""
+
+    def __init__(self, length: int):
+        self.valid = np.ones((1, length), dtype=bool)
+        self.positions = np.array([length], dtype=np.int64)
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.valid.shape[1]
+
+    # ---- forwards --------------------------------------------------------------------------------------------------
+    def append(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """t new slots for every row: their positions (rows, t) and the keys' validity (rows, S + t) the mask needs."""
+        positions = self.positions[:, None] + np.arange(t)
+        self.valid = np.concatenate([self.valid, np.ones((self.rows, t), dtype=bool)], axis=1)
+        self.positions = self.positions + t
+        return positions, self.valid
+
+    def append_tree(self, depths: np.ndarray, allowed: np.ndarray, real: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A tree forward (dflash.core.tree.TreeInputs): slot j of row i at its next position + depth, seeing the
+        row's valid context and its ancestors. Returns (positions (rows, t), mask (rows, t, S + t))."""
+        t = depths.shape[1]
+        positions = self.positions[:, None] + depths
+        context = np.broadcast_to(self.valid[:, None, :], (self.rows, t, self.width))
+        mask = np.concatenate([context, allowed], axis=2)
+        self.valid = np.concatenate([self.valid, real], axis=1)
+        self.positions = self.positions + t
+        return positions, mask
+
+    # ---- what a cycle keeps ------------------------------------------------------------------------------------------
+    def keep(self, keeps: list[int], width: int) -> int:
+        """After a forward of `width` slots, row i keeps its first keeps[i]; returns how many trailing slots the
+        backend drops from its buffers (the slots no row kept)."""
+        most = max(keeps)
+        kept = np.arange(most)[None] < np.asarray(keeps)[:, None]
+        return self._keep(kept, width)
+
+    def keep_slots(self, slots: list[list[int]], width: int) -> int:
+        """After a tree forward of `width` slots, row i keeps slots[i] (the root and its accepted path) where they
+        are; their RoPE positions are already the path's (root at the row's position, depth d at position + d)."""
+        most = max(max(s) + 1 for s in slots)
+        kept = np.zeros((len(slots), most), dtype=bool)
+        for i, s in enumerate(slots):
+            kept[i, s] = True
+        return self._keep(kept, width)
+
+    def _keep(self, kept: np.ndarray, width: int) -> int:
+        drop = width - kept.shape[1]
+        self.valid = self.valid[:, :self.width - drop].copy()
+        self.valid[:, self.width - kept.shape[1]:] = kept
+        self.positions = self.positions - width + kept.sum(1)
+        return drop
+
+    def compaction(self) -> np.ndarray | None:
+        """When holes fill COMPACT_HOLES of a large cache: per row, the slots (rows, W) that gather its valid ones, in order,
+        to the right end of a buffer of width W; the backend gathers, then calls `compacted`. None: not worth it."""
+        holes = self.valid.size - int(self.valid.sum())
+        if self.width <= COMPACT_MIN_SLOTS or holes <= COMPACT_HOLES * self.valid.size:
+            return None
+        width = int(self.valid.sum(1).max())
+        order = np.argsort(self.valid.astype(np.int8), axis=1, kind="stable")  # invalid first, both in slot order
+        return order[:, self.width - width:]
+
+    def compacted(self, index: np.ndarray) -> None:
+        self.valid = np.take_along_axis(self.valid, index, axis=1)
+
+    # ---- rows --------------------------------------------------------------------------------------------------------
+    def merge(self, length: int) -> tuple[int, int]:
+        """Append a row of `length` valid slots; returns the left padding (mine, its) that aligns both to one width."""
+        width = max(self.width, length)
+        mine, theirs = width - self.width, width - length
+        self.valid = np.concatenate([np.pad(self.valid, ((0, 0), (mine, 0))),
+                                     np.pad(np.ones((1, length), dtype=bool), ((0, 0), (theirs, 0)))])
+        self.positions = np.append(self.positions, length)
+        return mine, theirs
+
+    def select(self, rows: list[int]) -> None:
+        self.valid, self.positions = self.valid[rows], self.positions[rows]
+
+    def slots_of(self, row: int) -> np.ndarray:
+        """Row's valid slots, in order (its cache alone, when it leaves the batch with its prefix kept)."""
+        return np.flatnonzero(self.valid[row])
