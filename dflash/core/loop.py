@@ -335,7 +335,7 @@ def generate(backend, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
 
 
 def generate_batch(backend, prompts: Sequence[Sequence[int]], **kwargs) -> list[GenerationResult]:
-    """Several prompts at once through one engine (PyTorch); each row accepts its own prefix per cycle and stops on
+    """Several prompts at once through one engine (any backend whose target batches); each row accepts its own prefix per cycle and stops on
     its own, so row i's greedy output is generate()'s for it."""
     if not prompts:
         return []

@@ -1,0 +1,98 @@
+"""Rows on MLX (backends/mlx/backend.py on dflash.core.rows.RowLayout): a batch on mlx-lm's KVCache gives every row its
+batch-1 greedy output, with holes and compaction, trees for several rows, rows joining and leaving, a kept prefix,
+greedy rows beside sampled ones; and the torch and MLX batches agree token for token in float32."""
+
+import pytest
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from dflash import backends  # noqa: E402
+from dflash.core import rows  # noqa: E402
+from dflash.core.loop import Batch, Generation, generate, generate_batch  # noqa: E402
+from dflash.core.rows import RowLayout  # noqa: E402
+from dflash.core.sampling import SamplingParams  # noqa: E402
+
+
+def load(pair, backend="mlx", **kw):
+    return backends.get(backend).load(*pair, dtype="float32", device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def mixed_prompts(prompts):
+    return [p[: 4 + 3 * i] for i, p in enumerate(prompts[:6])]  # 4 .. 19 tokens: real left padding
+
+
+@pytest.fixture(scope="module")
+def alone(trained_pair, mixed_prompts):
+    engine = load(trained_pair)
+    return [generate(engine, p, max_new_tokens=64).tokens for p in mixed_prompts]
+
+
+def test_every_row_equals_its_batch1_output(trained_pair, mixed_prompts, alone, monkeypatch):
+    compactions = []
+    monkeypatch.setattr(RowLayout, "compacted",
+                        lambda self, index, orig=RowLayout.compacted: (compactions.append(1), orig(self, index)))
+    monkeypatch.setattr(rows, "COMPACT_HOLES", 0.25)  # compaction happens whatever the acceptances were
+    got = generate_batch(load(trained_pair), mixed_prompts, max_new_tokens=64)
+    assert [g.tokens for g in got] == alone
+    taus = [g.mean_acceptance_length for g in got]
+    assert max(taus) > 2 and max(taus) > min(taus), taus  # rows accepted different prefixes: holes were made
+    assert compactions, "the batch never compacted its caches"
+
+
+def test_trees_for_several_rows(trained_pair, mixed_prompts, alone):
+    engine = load(trained_pair)
+    engine.set_verify("tree", budget=24)
+    got = generate_batch(engine, mixed_prompts[:4], max_new_tokens=64)
+    assert [g.tokens for g in got] == alone[:4]
+
+
+def test_rows_join_leave_and_keep_a_prefix(trained_pair, prompts):
+    """A row finishes and is kept while another runs on; a second turn from it reuses the kept prefix and equals a
+    fresh prefill."""
+    engine = load(trained_pair)
+    engine.enable_prefix_cache(64 << 20)
+    batch = Batch(engine)
+    first = Generation(engine, prompts[0], max_new_tokens=20)
+    other = Generation(engine, prompts[1], max_new_tokens=100)
+    batch.join(other)
+    batch.join(first)
+    while first.result is None:
+        batch.step()
+    assert len(engine.prefix_cache) == 1
+    turn2 = prompts[0] + first.result.tokens + prompts[2][:6]
+    second = Generation(engine, turn2, max_new_tokens=40)
+    batch.join(second)
+    assert engine.last_reused >= len(prompts[0])
+    while batch:
+        batch.step()
+    solo = load(trained_pair)
+    assert second.result.tokens == generate(solo, turn2, max_new_tokens=40).tokens
+    assert other.result.tokens == generate(solo, prompts[1], max_new_tokens=100).tokens
+
+
+def test_a_greedy_row_beside_sampled_rows_stays_greedy(trained_pair, mixed_prompts, alone):
+    engine = load(trained_pair)
+    batch = Batch(engine)
+    sampled = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0, top_p=0.9, seed=2)]
+    gens = [Generation(engine, mixed_prompts[0], max_new_tokens=64)]
+    gens += [Generation(engine, p, max_new_tokens=64, sampling=s) for p, s in zip(mixed_prompts[1:3], sampled)]
+    for g in gens:
+        batch.join(g)
+    while batch:
+        batch.step()
+    assert gens[0].result.tokens == alone[0]
+    assert all(len(g.result.tokens) == 64 for g in gens)
+
+
+@pytest.mark.parametrize("verify", ["chain", "tree"])
+def test_torch_and_mlx_batches_agree(trained_pair, mixed_prompts, verify):
+    outputs = []
+    for name in ("torch", "mlx"):
+        engine = load(trained_pair, name)
+        if verify == "tree":
+            engine.set_verify("tree", budget=24)
+        got = generate_batch(engine, mixed_prompts, max_new_tokens=48, trace=True)
+        outputs.append([(g.tokens, g.acceptance_lengths) for g in got])
+    assert outputs[0] == outputs[1]
