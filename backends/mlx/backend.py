@@ -136,8 +136,7 @@ class MLXTarget:
             trees = SLIDING_TREE_REFUSAL.format(model_type=self.info.model_type)
         else:
             trees = tree_refusal(self.runner, self.cache)
-        return Capabilities(batch_refusal=_ONE_ROW, tree_refusal=trees,
-                            rewind="any" if self.rewind is None else "last-forward")
+        return Capabilities(batch_refusal=_ONE_ROW, tree_refusal=trees)
 
     def keep_slots(self, slots: list[list[int]], width: int) -> None:
         (row,) = slots

@@ -80,7 +80,7 @@ class Engine:
 
     @property
     def capabilities(self) -> Capabilities:
-        """What this engine's target can do (batches, trees, how far back it rewinds), as its backend declares."""
+        """What this engine's target can do (batches, trees), as its backend declares."""
         return self.target.capabilities
 
     def set_sampling(self, params: SamplingParams) -> None:
