@@ -22,6 +22,7 @@ from pathlib import Path
 
 from . import cli
 from .core.errors import DFlashError
+from .core.plots import can_plot, pyplot, save
 
 HELP = {
     "target": "target model: local HF directory or hub id",
@@ -228,7 +229,7 @@ def run_training(cfg):
     check_pushable(cfg)
     result = train(cfg, hub.resolve(cfg.target, "--model"))
     if int(os.environ.get("RANK", "0")) == 0:
-        if cfg.plot:
+        if cfg.plot and can_plot("train"):
             plot_curves(Path(cfg.out) / "train_log.jsonl", Path(cfg.out) / "curves.png")
         if cfg.push_to_hub:
             push_to_hub(result.draft_dir, cfg.push_to_hub)
@@ -250,11 +251,7 @@ def check_pushable(cfg) -> None:
 
 def plot_curves(log_path: Path, png: Path) -> None:
     """curves.png: the training loss and the acceptance length of every evaluation, against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("--plot")
     rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     train_rows = [r for r in rows if "loss" in r]
     eval_rows = [r for r in rows if "tau" in r]
@@ -263,9 +260,7 @@ def plot_curves(log_path: Path, png: Path) -> None:
     axes[0].set(xlabel="step", ylabel="loss", title="training loss")
     axes[1].plot([r["step"] for r in eval_rows], [r["tau"] for r in eval_rows], marker="o")
     axes[1].set(xlabel="step", ylabel="tau", title="acceptance length (speculative loop, greedy)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save(fig, png, dpi=100)
 
 
 def push_to_hub(draft_dir: Path, repo: str) -> None:

@@ -28,7 +28,7 @@ class FakeTarget:
         self.rule, self.vocab = rule, vocab
         if bounded:
             self.capabilities = Capabilities(batch_refusal="a bounded fake target runs one row",
-                                             tree_refusal="a fake target verifies chains only", rewind="last-forward")
+                                             tree_refusal="a fake target verifies chains only")
 
     # arrays
     ids = staticmethod(lambda rows: np.array(rows, dtype=np.int64))

@@ -1,7 +1,7 @@
 """The backend contract (dflash/core/contract.py), checked the same way on every backend: the numpy fakes, torch and
 MLX. Each step of a cycle returns a value (draft -> Draft, verify -> Verified, commit(verified, keeps)), the caches
 follow the committed tokens, greedy output is the target's own, and what a backend declares in its capabilities
-(batches, trees, rewind) is what it does."""
+(batches, trees) is what it does."""
 
 import inspect
 
@@ -51,7 +51,7 @@ def test_primitives_have_every_member_of_the_contract(backend):
     make, _ = backend
     engine = make()
     caps = engine.capabilities
-    assert isinstance(caps, Capabilities) and caps.rewind in ("any", "last-forward")
+    assert isinstance(caps, Capabilities)
     optional = (set() if caps.batches else ROW_MEMBERS) | (set() if caps.trees else TREE_MEMBERS)
     for primitive, protocol in ((engine.target, Target), (engine.drafter, Drafter)):
         missing = sorted(m for m in members(protocol) - optional if not hasattr(primitive, m))

@@ -73,6 +73,20 @@ def test_a_target_that_cannot_rewind_starts_over():
     in_sync(e)
 
 
+def test_a_bounded_target_still_rewinds_within_its_last_forward():
+    """How far back a target goes is its trim's answer, not a declaration: inside its last forward even a bounded
+    target rewinds, so a prompt that diverges in the last committed token prefills only that token."""
+    e = engine(bounded=True)
+    generate(e, [5, 6, 7, 8], max_new_tokens=20)
+    cached = list(e.tokens)
+    assert 1 <= e.target.last < len(cached) - 4  # the last forward kept the newest tokens only
+    e.target.forwards.clear()
+    prompt = cached[:-1] + [(cached[-1] + 1) % 64]
+    r = generate(e, prompt, max_new_tokens=8)
+    assert e.target.forwards[0] == 1 and r.tokens == reference(prompt, 8)
+    in_sync(e)
+
+
 def test_batch_rows_equal_their_single_outputs_and_stop_alone():
     prompts = [[1, 2], [3, 4, 5, 6, 7], [9], [11, 12, 13]]
     eos = {reference(prompts[1], 24)[9]}  # a token row 1 emits: it (and maybe others) stop early

@@ -142,8 +142,7 @@ class TorchTarget:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(batch_refusal=self._batch_refusal(), tree_refusal=self._tree_refusal(),
-                            rewind="any" if self.rewind is None else "last-forward")
+        return Capabilities(batch_refusal=self._batch_refusal(), tree_refusal=self._tree_refusal())
 
     def _tree_refusal(self) -> str | None:
         if self.rewind is not None:

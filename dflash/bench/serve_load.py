@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
+from ..core.plots import can_plot, pyplot, save
 from .prompts import prompt_rows
 from .report import machine_info
 
@@ -173,11 +174,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("serve plot")
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
     for mode, by_c in speedups(report).items():
         axes[0].plot(list(by_c), list(by_c.values()), "o-", label=mode)
@@ -198,9 +195,7 @@ def plot(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv=None) -> int:
@@ -232,7 +227,8 @@ def main(argv=None) -> int:
             proc.terminate()
             proc.wait(60)
     atomic_write_text(out / "serve.md", markdown(report))
-    plot(report, out / "serve.png")
+    if can_plot("bench serve"):
+        plot(report, out / "serve.png")
     report["speedup"] = {m: {str(c): round(x, 3) for c, x in by_c.items()} for m, by_c in speedups(report).items()}
     atomic_write_text(out / "serve.json", json.dumps(report, indent=2) + "\n")
     print(json.dumps({"out": str(out), "speedup": report["speedup"]}))

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from .. import cli
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
+from ..core.plots import can_plot, pyplot, save
 from ..core.stats import mean_acceptance_length
 from .prompts import load_prompts
 
@@ -69,13 +70,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot("tree-curve plot")
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind, style in (("chain", "o-"), ("tree", "s-")):
         pts = [(r["verified_per_cycle"], r["tau"]) for r in report["rows"] if r["kind"] == kind]
@@ -85,9 +80,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel("tokens committed per cycle (tau)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv=None) -> int:
@@ -119,7 +112,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(str(out) + ".json", json.dumps(report, indent=2))
     atomic_write_text(str(out) + ".md", markdown(report))
-    plot(report, Path(str(out) + ".png"))
+    if can_plot("tree-curve"):
+        plot(report, Path(str(out) + ".png"))
     print(markdown(report))
     return 0
 

@@ -83,7 +83,6 @@ class Capabilities:
 
     batch_refusal: str | None = None  # rows sharing its caches: batches, continuous batching, kept prefixes
     tree_refusal: str | None = None  # a tree of drafts verified in one forward (positions + ancestor mask)
-    rewind: str = "any"  # how far its cache goes back: "any" position, or only within the "last-forward"
 
     @property
     def batches(self) -> bool:
@@ -120,7 +119,9 @@ class Target(Protocol):
     # the model and its cache
     def forward(self, ids, last_only: bool, tree: TreeInputs | None = None) -> tuple: ...  # -> (logits, features)
     def keep(self, keeps: list[int], width: int) -> bool: ...              # row i keeps its first keeps[i] of them
-    def trim(self, n: int) -> bool: ...                                    # one row: forget the last n (False: cannot)
+    # one row: forget the last n; False (nothing changed) past what its cache can go back to (bounded layers: the
+    # last forward), and the engine starts over: asking is cheap, and only the cache knows how far it reaches
+    def trim(self, n: int) -> bool: ...
     def reset(self) -> None: ...
     def close(self) -> None: ...
     def device_key(self) -> str: ...                                       # device, dtype, threads (costs.py)

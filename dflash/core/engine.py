@@ -23,6 +23,7 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
+from .admission import Admission
 from .budget import VERIFY_MODES, ChainBudget, Costs, TreePlanner
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
 from .errors import DFlashError
@@ -37,22 +38,6 @@ def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
     if max_context and len(prompt_ids) >= max_context:
         raise DFlashError(f"prompt: {len(prompt_ids)} tokens do not fit the target's context "
                           f"(max_position_embeddings {max_context})")
-
-
-class Admission:
-    """A row being prefilled into caches of its own before it joins the batch (Engine.begin_admit)."""
-
-    def __init__(self, row: "Engine", prompt_ids: list[int]):
-        self.row, self.prompt_tokens = row, len(prompt_ids)
-        self.started = time.perf_counter()
-        self.first: int | None = None  # its first token, once the whole prompt is in
-        self._chunks = row._prefill_chunks(prompt_ids)
-
-    def advance(self) -> bool:
-        """Prefill the next chunk; True once the prompt is in."""
-        if self.first is None:
-            self.first = next(self._chunks)
-        return self.first is not None
 
 
 class Engine:
@@ -95,7 +80,7 @@ class Engine:
 
     @property
     def capabilities(self) -> Capabilities:
-        """What this engine's target can do (batches, trees, how far back it rewinds), as its backend declares."""
+        """What this engine's target can do (batches, trees), as its backend declares."""
         return self.target.capabilities
 
     def set_sampling(self, params: SamplingParams) -> None:
@@ -147,7 +132,13 @@ class Engine:
             raise DFlashError(self.capabilities.batch_refusal)
         self.prefix_cache = PrefixCache(max_bytes) if max_bytes > 0 else None
 
-    def _keep_prefix(self, i: int) -> None:
+    def spawn(self) -> Engine:
+        """An engine on the same models with empty caches (a joining row's)."""
+        return Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None,
+                      block_size=self.block_size, prefill_chunk=self.prefill_chunk)
+
+    def keep_prefix(self, i: int) -> None:
+        """Row i's caches, copied out, go to the prefix cache (if one is on) for later prompts."""
         if self.prefix_cache is not None:
             row = Engine(self.target.extract(i), self.drafter.extract(i) if self.drafter else None,
                          block_size=self.block_size, prefill_chunk=self.prefill_chunk)
@@ -160,7 +151,7 @@ class Engine:
             return
         own = common_prefix(self.tokens, prompt_ids[:-1])
         if self.rows and len(self.tokens) - own >= self.prefix_cache.min_tokens:
-            self._keep_prefix(0)
+            self.keep_prefix(0)
         row = self.prefix_cache.take(prompt_ids, at_least=own)
         if row is not None:
             self.target, self.drafter, self.rows, self.pending = row.target, row.drafter, row.rows, None
@@ -198,56 +189,25 @@ class Engine:
         return self.end_admit(admission)
 
     def begin_admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
-                    chunk: int | None = None) -> "Admission":
+                    chunk: int | None = None) -> Admission:
         """admit() in steps, for a caller that interleaves a joining prompt with the batch's cycles: the prompt is
-        prefilled `chunk` tokens per Admission.advance() into caches of its own (nothing of the batch's is touched,
-        so a failure leaves the batch as it was), then end_admit merges it."""
+        prefilled `chunk` tokens per Admission.advance() into caches of its own (dflash/core/admission.py), then
+        end_admit merges it."""
         prompt_ids = list(prompt_ids)
         check_fits(prompt_ids, self.max_context)
-        row = self.prefix_cache.take(prompt_ids) if self.prefix_cache is not None else None
-        if row is None:
-            row = Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None,
-                         block_size=self.block_size, prefill_chunk=self.prefill_chunk)
-        row.prefill_chunk = chunk or self.prefill_chunk
-        row.logprobs, row.verify_mode = self.logprobs, self.verify_mode
-        row.set_sampling(sampling or self.sampling)
-        return Admission(row, prompt_ids)
+        return Admission(self, prompt_ids, sampling, chunk)
 
-    def end_admit(self, admission: "Admission", alone: bool = False) -> int:
+    def end_admit(self, admission: Admission, alone: bool = False) -> int:
         """Merge a prefilled row into the batch, target and drafter caches together or neither; `alone`: the batch
-        emptied meanwhile (a finished lone sequence may still be cached), so the row's caches become the engine's.
-        Returns its first token."""
-        row = admission.row
-        if admission.first is None:
-            raise DFlashError("end_admit: the row's prefill has not finished")
-        self.first_logprobs, self.last_reused = row.first_logprobs, row.last_reused
-        if alone or not self.rows:
-            if self.rows and not self.shared and self.prefix_cache is not None:
-                self._keep_prefix(0)  # (the finished sequence, for later prompts)
-            self.target, self.drafter, self.pending, self._copies = row.target, row.drafter, row.pending, []
-            self.rows, self.row_sampling, self.shared = row.rows, row.row_sampling, False
-            return admission.first
-        before = len(self.rows)
-        self.shared = True  # (from here on the caches are in rows mode, even if the drafter's merge fails)
-        self.target.merge(row.target)
-        if self.drafter is not None:
-            try:
-                self.drafter.merge(row.drafter)
-            except Exception:
-                self.target.select(list(range(before)))  # all or nothing: the target's new row goes again
-                raise
-            if self.pending is not None:
-                self.pending = Pending(self.target.pad_rows(self.pending.features, 1), self.pending.counts + [0])
-        self.rows.append(row.rows[0])
-        self.row_sampling.append(row.row_sampling[0])
-        return admission.first
+        emptied meanwhile, so the row's caches become the engine's. Returns its first token."""
+        return admission.join(alone)
 
     def _prefill_single(self, prompt_ids: list[int]) -> int:
-        for first in self._prefill_chunks(prompt_ids):
+        for first in self.prefill_chunks(prompt_ids):
             pass
         return first
 
-    def _prefill_chunks(self, prompt_ids: list[int]):
+    def prefill_chunks(self, prompt_ids: list[int]):
         """Prefill chunk by chunk: yields None after every chunk but the last, then the first token."""
         self._copies = []
         self.crop(common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
@@ -353,7 +313,7 @@ class Engine:
         if not keep and not self.shared:
             return  # a finished single sequence stays cached: the next prompt may reuse its prefix (a chat)
         for i in sorted(gone):
-            self._keep_prefix(i)
+            self.keep_prefix(i)
         if not keep:
             self.reset()
             return

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.plots import pyplot, save
 from .corpus import SourceFile
 from .prompts import KINDS, chat_example, functions
 
@@ -309,11 +310,7 @@ def main(argv=None) -> int:
 
 def plot_curve(log_path: str | Path, png: str | Path) -> None:
     """Training and held-out loss against tokens seen."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("reference pretraining plot")
     rows = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
     ev = [r for r in rows if "heldout_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -322,9 +319,7 @@ def plot_curve(log_path: str | Path, png: str | Path) -> None:
     ax.set(xlabel="tokens seen", ylabel="cross-entropy (nats/token)", title="reference target pretraining")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save(fig, png, dpi=100)
 
 
 if __name__ == "__main__":
