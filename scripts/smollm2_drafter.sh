@@ -45,9 +45,15 @@ cat "$DATA/chat_train_answers.jsonl" "$DATA/self_general_answers.jsonl" "$DATA/s
     > "$DATA/answers.jsonl"
 [ "${DATA_ONLY:-0}" = 1 ] && exit 0
 
-step "train the drafter (recipe: configs/smollm2_drafter.yaml; one thread)"
+# ARCH=dflash2: the same data, recipe and budget with DFlash2's convolutions and candidate selector (rank 64 keeps
+# the selector's two 49152-row codebooks at 12 MB in bfloat16)
+ARCH=${ARCH:-dflash}
+RUN=$WORK/run
+EXTRA=()
+if [ "$ARCH" = dflash2 ]; then RUN=$WORK/run_dflash2; EXTRA=(--arch dflash2 --selector-rank 64); fi
+step "train the $ARCH drafter (recipe: configs/smollm2_drafter.yaml; one thread)"
 python -m dflash.train --config configs/smollm2_drafter.yaml --model smollm2 --data "$DATA/answers.jsonl" \
-    --out "$WORK/run" --max-steps 280 --eval-every 140
+    --out "$RUN" --max-steps 280 --eval-every 140 "${EXTRA[@]}"
 step "export in bfloat16 for the package"
-python -m dflash.convert dtype --draft "$WORK/run/draft" --out "$WORK/draft_bf16" --dtype bfloat16
-step "done: $WORK/run/draft"
+python -m dflash.convert dtype --draft "$RUN/draft" --out "$RUN/draft_bf16" --dtype bfloat16
+step "done: $RUN/draft"
