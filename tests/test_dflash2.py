@@ -10,8 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dflash import backends  # noqa: E402
-from dflash.backends.torch.drafter import (CandidateSelector, DynamicConv, load_drafter, scale_logits,  # noqa: E402
-                                           select_walk)
+from dflash.backends.torch.drafter import CandidateSelector, DynamicConv, load_drafter, scale_logits  # noqa: E402
+from dflash.backends.torch.ops import TorchOps  # noqa: E402
+from dflash.core.proposals import walk  # noqa: E402
 from dflash.core.errors import DFlashError  # noqa: E402
 from dflash.core.loop import generate  # noqa: E402
 
@@ -76,7 +77,7 @@ def test_selector_walk_is_the_greedy_pair_score_walk():
             p.normal_()
         logits, hidden = torch.randn(3, 7, 100) * 3, torch.randn(3, 7, 32)
         anchor = torch.tensor([[5], [17], [99]])
-        tokens, _ = select_walk(*selector.pair_scores(logits, hidden, anchor, 16))
+        tokens, _ = walk(TorchOps, *selector.pair_scores(logits, hidden, anchor, 16))
         for r in range(3):
             assert tokens[r].tolist() == naive_walk(selector, logits[r], hidden[r], int(anchor[r, 0]), 16)
         assert not torch.equal(tokens, logits.argmax(-1))  # the pair term changes choices (not the plain argmax)
@@ -87,6 +88,7 @@ def test_mlx_selector_and_convolution_agree_with_torch():
     import numpy as np
 
     from dflash.backends.mlx import drafter as mlx_drafter
+    from dflash.backends.mlx.ops import MLXOps
 
     torch.manual_seed(1)
     selector, conv = CandidateSelector(32, 100, 8), DynamicConv(32, 2, 16)
@@ -100,8 +102,8 @@ def test_mlx_selector_and_convolution_agree_with_torch():
     logits, hidden, x = torch.randn(2, 7, 100) * 3, torch.randn(2, 7, 32), torch.randn(2, 7, 32)
     anchor = torch.tensor([[5], [17]])
     with torch.no_grad():
-        want = select_walk(*selector.pair_scores(logits, hidden, anchor, 16))[0]
-        got = mlx_drafter.select_walk(*m_selector.pair_scores(to_mx(logits), to_mx(hidden), to_mx(anchor), 16))[0]
+        want = walk(TorchOps, *selector.pair_scores(logits, hidden, anchor, 16))[0]
+        got = walk(MLXOps, *m_selector.pair_scores(to_mx(logits), to_mx(hidden), to_mx(anchor), 16))[0]
         assert np.array(got).tolist() == want.tolist()
         np.testing.assert_allclose(np.array(m_conv.prepare(to_mx(x))[0]), conv.prepare(x)[0].numpy(), rtol=1e-5,
                                    atol=1e-5)

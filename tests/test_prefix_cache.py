@@ -24,22 +24,20 @@ def test_lru_bound_longest_match_and_single_use():
     assert cache.take([3, 3, 3, 1], at_least=3) is None  # must beat what the caller already has
 
 
-@pytest.fixture(scope="module")
-def pair(trained_pair):
-    import torch
+@pytest.fixture(params=["torch", "mlx"])
+def load(request, trained_pair):
+    """() -> a fresh engine over the trained pair on each backend that batches."""
+    if request.param == "mlx":
+        pytest.importorskip("mlx_lm")
+    from dflash import backends
 
-    from dflash.backends.torch.drafter import load_drafter
-    from dflash.backends.torch.target import load_target
-
-    return load_target(trained_pair[0], torch.float32, "cpu"), load_drafter(trained_pair[1])
+    return lambda: backends.get(request.param).load(*trained_pair, dtype="float32", device="cpu")
 
 
-def test_second_turn_from_a_kept_row_equals_a_fresh_prefill(pair, prompts):
-    from dflash.backends.torch.backend import torch_engine
+def test_second_turn_from_a_kept_row_equals_a_fresh_prefill(load, prompts):
     from dflash.core.loop import Batch, Generation, generate
 
-    target, drafter = pair
-    be = torch_engine(target, drafter)
+    be = load()
     be.enable_prefix_cache(64 << 20)
     batch = Batch(be)
     first = Generation(be, prompts[0], max_new_tokens=20)
@@ -55,7 +53,7 @@ def test_second_turn_from_a_kept_row_equals_a_fresh_prefill(pair, prompts):
     assert be.last_reused >= len(prompts[0])
     while batch:
         batch.step()
-    solo = torch_engine(target, drafter)
+    solo = load()
     assert second.result.tokens == generate(solo, turn2, max_new_tokens=40).tokens
     assert other.result.tokens == generate(solo, prompts[1], max_new_tokens=120).tokens
     # alone again: the kept rows beat the engine's own last sequence

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from dflash.core import proposals
 from dflash.core.contract import Draft, Pending
-from dflash.core.sampling import RowDraw, noise_key
+from dflash.core.sampling import RowDraw
 
 from .draft_cache import DraftContextCache
-from .drafter import DFlashDrafter, scale_logits, select_walk, top_k_sorted
-from .sampling import MLXSampler, inverse_cdf
+from .drafter import DFlashDrafter, scale_logits
+from .ops import MLXOps
+from .sampling import MLXSampler
 
-Q_CANDIDATES = 64  # rejection: q is the draft's filtered distribution on its 64 most probable tokens, renormalised
+
+def _filtered(params, logits: mx.array) -> mx.array:
+    """One row's draft logits (P, V) under the row's sampling filters (mlx-lm's, in transformers' order)."""
+    return MLXSampler(params).filtered(logits)
 
 
 class MLXDraft:
@@ -76,70 +81,12 @@ class MLXDraft:
         hidden = self.drafter.norm(x)[:, 1:]
         logits = scale_logits(self.lm_head(hidden), *self.logit_scaling)
         if spec.is_dflash2:
-            draft = self.selector_walk(anchor_ids, logits, hidden, draws)
+            candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
+                                                                             anchor_ids, spec.selector_top_k)
+            draft = proposals.selector_walk(MLXOps, anchor_ids, candidates, scores, draws, logits, top_k)
         else:
-            draft = self.choose(anchor_ids, logits, draws, top_k)
-        if top_k and draft.top_ids is None:
-            draft.top_ids, draft.top_probs = top_k_sorted(mx.softmax(logits.astype(mx.float32), axis=-1), top_k)
+            draft = proposals.choose(MLXOps, anchor_ids, logits, draws, top_k, _filtered)
         mx.async_eval(draft.ids)  # the draft runs while Python builds the verify graph
-        return draft
-
-    def choose(self, anchor_ids: mx.array, logits: mx.array, draws: list[RowDraw] | None, top_k: int) -> Draft:
-        """[anchor, proposals] of a DFlash block, each row by its rule (backends/torch/draft_runner.py: the same):
-        greedy the argmax; match the argmax of the filtered logits plus the target's own noise; rejection a draw from
-        q, returned with the draft. Sampled rows rank their tree candidates by the same perturbed score."""
-        greedy = mx.argmax(logits, axis=-1)
-        if not draws or all(d.rule == "greedy" for d in draws):
-            return Draft(mx.concatenate([anchor_ids, greedy.astype(mx.int32)], axis=1))
-        proposals, tops, qs = [], [None] * len(draws), [None] * len(draws)
-        for i, draw in enumerate(draws):
-            if draw.rule == "greedy":
-                proposals.append(greedy[i])
-                continue
-            filtered = MLXSampler(draw.params).filtered(logits[i])
-            if draw.rule == "match":
-                perturbed = filtered + draw.gumbel[: filtered.shape[0]]
-                proposals.append(mx.argmax(perturbed, axis=-1))
-                if top_k:
-                    tops[i] = top_k_sorted(mx.softmax(perturbed, axis=-1), top_k)
-                continue
-            ids, probs = top_k_sorted(mx.softmax(filtered, axis=-1), min(Q_CANDIDATES, filtered.shape[-1]))
-            probs = probs / probs.sum(axis=-1, keepdims=True)
-            pick = inverse_cdf(probs, mx.array(draw.draft_u[: filtered.shape[0]]))
-            proposals.append(mx.take_along_axis(ids, pick[:, None], axis=-1)[:, 0])
-            qs[i] = (ids, probs)
-        draft = Draft(mx.concatenate([anchor_ids, mx.stack(proposals).astype(mx.int32)], axis=1))
-        if any(q is not None for q in qs):
-            shape = next(q for q in qs if q is not None)[0].shape
-            draft.q_ids = mx.stack([q[0] if q else mx.zeros(shape, dtype=mx.uint32) for q in qs]).astype(mx.int32)
-            draft.q_probs = mx.stack([q[1] if q else mx.zeros(shape, dtype=mx.float32) for q in qs])
-        if top_k and any(t is not None for t in tops):
-            plain = top_k_sorted(mx.softmax(logits.astype(mx.float32), axis=-1), top_k)
-            pairs = [t if t is not None else (plain[0][i], plain[1][i]) for i, t in enumerate(tops)]
-            draft.top_ids, draft.top_probs = mx.stack([p[0] for p in pairs]), mx.stack([p[1] for p in pairs])
-        return draft
-
-    def selector_walk(self, anchor_ids: mx.array, logits: mx.array, hidden: mx.array,
-                      draws: list[RowDraw] | None) -> Draft:
-        """DFlash2: the selector's walk, greedy, or for rejection rows sampled from q_t = softmax(S_t(a, .) / T)
-        with a key of the draft stream at the block's first position (q returned with the draft)."""
-        spec = self.drafter.spec
-        candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
-                                                                         anchor_ids, spec.selector_top_k)
-        proposals, _ = select_walk(candidates, scores)
-        sampled = [i for i, d in enumerate(draws or ()) if d.rule == "rejection"]
-        if not sampled:
-            return Draft(mx.concatenate([anchor_ids, proposals.astype(mx.int32)], axis=1))
-        rows = [proposals[i] for i in range(proposals.shape[0])]
-        q_probs = [mx.zeros(candidates.shape[1:], dtype=mx.float32)] * len(rows)
-        for i in sampled:
-            draw = draws[i]
-            t = draw.params.temperature
-            key = mx.random.key(noise_key(draw.sampling.seed, "draft", draw.position))
-            walk, scored = select_walk(candidates[i:i + 1], scores[i:i + 1], t, key)
-            rows[i], q_probs[i] = walk[0], mx.softmax(scored[0] / t, axis=-1)
-        draft = Draft(mx.concatenate([anchor_ids, mx.stack(rows).astype(mx.int32)], axis=1))
-        draft.q_ids, draft.q_probs = candidates, mx.stack(q_probs)
         return draft
 
     def crop(self, position: int) -> bool:

@@ -130,15 +130,6 @@ class DFlash2Layer(DraftLayer):
         return x + self.mlp_conv.convolve(self.mlp(inner), delta, 1)
 
 
-def top_k_sorted(values: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """The k largest along the last axis, largest first, and their indices: a partition, then a sort of k (a full
-    argsort of the vocabulary costs more than the draft forward on a CPU)."""
-    ids = mx.argpartition(-values, kth=k - 1, axis=-1)[..., :k]
-    top = mx.take_along_axis(values, ids, axis=-1)
-    order = mx.argsort(-top, axis=-1)
-    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(top, order, axis=-1)
-
-
 class CandidateSelector(nn.Module):
     """S_t(a, b) = U_t(b) + <A[a] * (W h_t), B[b]> over the top-k candidates of every position (DFlash2)."""
 
@@ -151,7 +142,7 @@ class CandidateSelector(nn.Module):
     def pair_scores(self, logits: mx.array, hidden: mx.array, anchor: mx.array, top_k: int):
         """logits (rows, P, V) float32, hidden (rows, P, H), anchor (rows, 1) -> candidates (rows, P, k) and
         scores (rows, P, k, k): [t, i, j] = S_t(i-th candidate of t-1, j-th of t); at t = 0 every i is the anchor."""
-        candidates, unary = top_k_sorted(logits, top_k)
+        unary, candidates = MLXOps.top_k(logits, top_k)
         rows = anchor.shape[0]
         predecessors = mx.concatenate([mx.broadcast_to(anchor[:, :, None], (rows, 1, top_k)), candidates[:, :-1]],
                                       axis=1)
@@ -159,26 +150,6 @@ class CandidateSelector(nn.Module):
         query = self.predecessor_codebook[predecessors].astype(mx.float32) * projected[:, :, None]
         keys = self.successor_codebook[candidates].astype(mx.float32)
         return candidates, unary[:, :, None, :] + query @ keys.swapaxes(-1, -2)
-
-
-def select_walk(candidates: mx.array, scores: mx.array, temperature: float = 0.0,
-                key: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """The walk from the anchor (lazy: nothing is read back): greedy takes argmax_j S_t(a, j); with a temperature,
-    draws j from softmax(S_t(a, .) / T) with `key`. Returns the tokens (rows, P) and each step's scores row."""
-    rows, positions, k = candidates.shape
-    choice = mx.zeros((rows, 1), dtype=mx.int32)
-    keys = mx.random.split(key, positions) if temperature > 0 else None
-    picks, chosen_rows = [], []
-    for t in range(positions):
-        row = mx.take_along_axis(scores[:, t], mx.broadcast_to(choice[:, :, None], (rows, 1, k)), axis=1)[:, 0]
-        if temperature > 0:
-            choice = mx.random.categorical(row / temperature, axis=-1, key=keys[t])[:, None].astype(mx.int32)
-        else:
-            choice = mx.argmax(row, axis=-1, keepdims=True).astype(mx.int32)
-        picks.append(choice)
-        chosen_rows.append(row)
-    index = mx.concatenate(picks, axis=1)
-    return mx.take_along_axis(candidates, index[:, :, None], axis=-1)[..., 0], mx.stack(chosen_rows, axis=1)
 
 
 def scale_logits(logits: mx.array, multiplier: float, softcap: float | None) -> mx.array:

@@ -1,8 +1,9 @@
 """The drafter's primitives for dflash.core.engine on torch: absorb context, propose a block, rewind, batch rows.
 
 A draft forward embeds [anchor, mask x (B-1)] for every row, runs the drafter over the row's context cache and
-returns the proposals (the argmax of the draft logits; for DFlash2, the candidate selector's walk), plus, when asked,
-the per-position top-k ids and probabilities (on the device: the engine reads nothing back here).
+returns the proposals by each row's rule (dflash.core.proposals: the argmax of the draft logits, a sample, or for
+DFlash2 the candidate selector's walk), plus, when asked, the per-position top-k ids and probabilities (on the
+device: the engine reads nothing back here).
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessorList
 
+from dflash.core import proposals
 from dflash.core.contract import Draft, Pending
 from dflash.core.errors import DFlashError
-from dflash.core.sampling import RowDraw, noise_key
+from dflash.core.sampling import RowDraw
 
 from .draft_cache import BlockOnlyContext, DraftContextCache, StaticDraftCache
-from .drafter import DFlashDrafter, rotate, scale_logits, select_walk
-from .sampling import inverse_cdf, warpers
-
-Q_CANDIDATES = 64  # rejection rows: q is the draft's warped distribution on its 64 most probable tokens, renormalised
+from .drafter import DFlashDrafter, rotate, scale_logits
+from .ops import TorchOps
+from .sampling import warpers
 
 
 def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftContextCache,
@@ -123,6 +124,11 @@ def static_draft(model: DFlashDrafter, block: torch.Tensor, features: torch.Tens
     return model(block, model.project_context(features), rope_q, rope_kv, attend)
 
 
+def _filtered(params, logits: torch.Tensor) -> torch.Tensor:
+    """One row's draft logits (P, V) under the row's sampling filters (transformers' warpers)."""
+    return LogitsProcessorList(warpers(params))(None, logits.float())
+
+
 class TorchDraft:
     """A DFlash drafter and its context cache, sharing the target's embedding and LM head."""
 
@@ -188,78 +194,17 @@ class TorchDraft:
             hidden = step(self.drafter, self.embed_block(block), pending.features, pending.counts,
                           self.cache)[:, 1:]
             logits = self.logits(hidden)
-        if self.drafter.spec.is_dflash2:
-            draft = self.selector_walk(anchor_ids, logits, hidden, draws)
-        else:
-            draft = self.choose(anchor_ids, logits, draws, top_k)
-        if top_k and draft.top_ids is None:
-            draft.top_probs, draft.top_ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
-        return draft
+        spec = self.drafter.spec
+        if spec.is_dflash2:
+            candidates, scores = self.drafter.candidate_selector.pair_scores(logits.float(), hidden, anchor_ids,
+                                                                             spec.selector_top_k)
+            return proposals.selector_walk(TorchOps, anchor_ids, candidates, scores, draws, logits, top_k)
+        return proposals.choose(TorchOps, anchor_ids, logits, draws, top_k, _filtered)
 
     def embed_block(self, block: torch.Tensor) -> torch.Tensor:
         x = self.embed(block)
         scale = self.drafter.spec.input_embedding_scale
         return x if scale is None else x * scale
-
-    def choose(self, anchor_ids: torch.Tensor, logits: torch.Tensor, draws: list[RowDraw] | None,
-               top_k: int) -> Draft:
-        """[anchor, proposals] of a DFlash block, each row by its rule (dflash.core.sampling): greedy the argmax; match
-        the argmax of the warped logits plus the target's own noise at each position (the token the target draws
-        whenever the draft's distribution equals its own); rejection a draw from q, returned with the draft.
-        Sampled rows rank their tree candidates by the same perturbed score."""
-        proposals = logits.argmax(dim=-1)
-        draft = Draft(None)
-        positions = logits.shape[1]
-        top = [None] * len(proposals) if top_k else None
-        for i, draw in enumerate(draws or ()):
-            if draw.rule == "greedy":
-                continue
-            warped = LogitsProcessorList(warpers(draw.params))(None, logits[i].float())
-            if draw.rule == "match":
-                perturbed = warped + draw.gumbel[:positions]
-                proposals[i] = perturbed.argmax(dim=-1)
-                if top_k:
-                    top[i] = torch.softmax(perturbed, dim=-1).topk(top_k, dim=-1)
-                continue
-            probs, ids = torch.softmax(warped, dim=-1).topk(min(Q_CANDIDATES, warped.shape[-1]), dim=-1)
-            probs = probs / probs.sum(-1, keepdim=True)
-            pick = inverse_cdf(probs, torch.tensor(draw.draft_u[:positions], device=probs.device))
-            proposals[i] = ids.gather(1, pick[:, None])[:, 0]
-            if draft.q_ids is None:
-                draft.q_ids = torch.zeros(len(proposals), *ids.shape, dtype=torch.long, device=probs.device)
-                draft.q_probs = torch.zeros(draft.q_ids.shape, dtype=torch.float32, device=probs.device)
-            draft.q_ids[i], draft.q_probs[i] = ids, probs
-        draft.ids = torch.cat([anchor_ids, proposals], dim=1)
-        if top_k and any(t is not None for t in top):
-            greedy = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
-            pairs = [t if t is not None else (greedy[0][i], greedy[1][i]) for i, t in enumerate(top)]
-            draft.top_probs, draft.top_ids = torch.stack([p for p, _ in pairs]), torch.stack([x for _, x in pairs])
-        return draft
-
-    def selector_walk(self, anchor_ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
-               draws: list[RowDraw] | None) -> Draft:
-        """DFlash2: the candidate selector's walk, greedy, or for rejection rows sampled from
-        q_t = softmax(S_t(a, .) / T) (q returned with the draft) with the draft stream's noise at the block's
-        first position."""
-        spec = self.drafter.spec
-        candidates, scores = self.drafter.candidate_selector.pair_scores(logits.float(), hidden, anchor_ids,
-                                                                         spec.selector_top_k)
-        tokens, rows = select_walk(candidates, scores)
-        q_probs = None
-        for i, draw in enumerate(draws or ()):
-            if draw.rule != "rejection":
-                continue
-            t = draw.params.temperature
-            generator = torch.Generator(device=self.device).manual_seed(
-                noise_key(draw.sampling.seed, "draft", draw.position))
-            tokens[i:i + 1], rows[i:i + 1] = select_walk(candidates[i:i + 1], scores[i:i + 1], t, generator)
-            if q_probs is None:
-                q_probs = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
-            q_probs[i] = torch.softmax(rows[i].float() / t, dim=-1)
-        draft = Draft(torch.cat([anchor_ids, tokens], dim=1))
-        if q_probs is not None:
-            draft.q_ids, draft.q_probs = candidates, q_probs
-        return draft
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return scale_logits(self.lm_head(hidden), *self.logit_scaling)

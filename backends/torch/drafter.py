@@ -163,25 +163,6 @@ class CandidateSelector(nn.Module):
         return logits.float().gather(-1, candidates) + pair
 
 
-def select_walk(candidates: torch.Tensor, scores: torch.Tensor, temperature: float = 0.0, generator=None):
-    """The walk from the anchor, on the device: greedy takes argmax_j S_t(a, j); with a temperature, draws j from
-    q_t = softmax(S_t(a, .) / T). Returns the tokens (rows, P) and each step's scores row (rows, P, k)."""
-    rows, positions, k = candidates.shape
-    choice = torch.zeros(rows, 1, dtype=torch.long, device=candidates.device)  # row 0 of step 0: the anchor
-    picks, chosen_rows = [], []
-    for t in range(positions):
-        row = scores[:, t].gather(1, choice[:, :, None].expand(-1, 1, k))[:, 0]
-        if temperature > 0:
-            probs = torch.softmax(row / temperature, dim=-1)
-            choice = torch.multinomial(probs, 1, generator=generator)
-        else:
-            choice = row.argmax(dim=-1, keepdim=True)
-        picks.append(choice)
-        chosen_rows.append(row)
-    index = torch.cat(picks, dim=1)
-    return candidates.gather(-1, index[:, :, None])[..., 0], torch.stack(chosen_rows, dim=1)
-
-
 def scale_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
     return rules.scale_logits(TorchOps, logits, multiplier, softcap)
 

@@ -1,4 +1,4 @@
-"""The array namespace dflash.core.rules runs on, over torch tensors."""
+"""The array namespace dflash.core.rules and dflash.core.proposals run on, over torch tensors."""
 
 from __future__ import annotations
 
@@ -43,3 +43,29 @@ class TorchOps:
     @staticmethod
     def token_ids(x):
         return x.long()
+
+    @staticmethod
+    def argmax(x, axis):
+        return x.argmax(dim=axis)
+
+    @staticmethod
+    def softmax(x, axis):
+        return torch.softmax(x.float(), dim=axis)
+
+    @staticmethod
+    def top_k(x, k):
+        return x.topk(k, dim=-1)
+
+    @staticmethod
+    def stack(parts, axis=0):
+        return torch.stack(parts, dim=axis)
+
+    @staticmethod
+    def broadcast_to(x, shape):
+        return x.expand(shape)
+
+    zeros_like = staticmethod(torch.zeros_like)
+
+    @staticmethod
+    def from_host(values, like):
+        return torch.tensor(values, dtype=torch.float32, device=like.device)

@@ -1,7 +1,8 @@
 """The sampling rules that are not array plumbing, written once over a small array namespace (`ArrayOps`) that
 each backend provides for its own arrays: the order of the sampling filters, the rejection rule with its residual
-draw (docs/sampling.md), the inverse-CDF draw, the drafter's logit scaling, and the refusals both backends give.
-tests/test_policy.py runs each rule on both backends side by side."""
+draw (docs/sampling.md), the inverse-CDF draw, the drafter's logit scaling, and the refusals both backends give
+(what a draft proposes: dflash/core/proposals.py). tests/test_policy.py runs each rule on both backends side by
+side."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ class ArrayOps(Protocol):
     def scatter(self, like, ids, values, axis: int): ...    # zeros shaped like `like`, `values` put at `ids`
     def concatenate(self, parts: list, axis: int): ...
     def token_ids(self, x): ...                              # as the integer type token ids have
+    def argmax(self, x, axis: int): ...                      # as token ids
+    def softmax(self, x, axis: int): ...                     # in float32
+    def top_k(self, x, k: int): ...                          # (values, ids) of the k largest, largest first
+    def stack(self, parts: list, axis: int = 0): ...
+    def broadcast_to(self, x, shape: tuple): ...
+    def zeros_like(self, x): ...
+    def from_host(self, values: list[float], like): ...     # float32, on like's device
 
 
 def filters(params: SamplingParams) -> list[tuple[str, float]]:
