@@ -22,7 +22,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
          target_config: dict | None = None):
     import mlx.core as mx
 
-    from dflash.core.spec import DraftSpec
+    from dflash.core.checkpoint import load_pair
 
     from .backend import mlx_engine
     from .drafter import load_drafter
@@ -31,15 +31,12 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
     device = resolve_device(device)
     mx.set_default_device(device)
     mx_dtype = resolve_dtype(dtype, device)
-    drafter = None
-    if draft_dir is not None:
-        spec = spec or DraftSpec.load(draft_dir)  # config errors before the (slow) target load
-        spec.check_public(f"--backend mlx ({draft_dir})")
-    model, config = load_target(target_dir, mx_dtype, trust_remote_code=trust_remote_code, checked=target_config)
-    if draft_dir is not None:
-        spec.validate_against(target_info(model, config), source=str(draft_dir))
-        # the drafter computes in the dtype the target's embeddings come out in
-        drafter = load_drafter(draft_dir, dtype=model_dtype(model), spec=spec)
+    # the drafter computes in the dtype the target's embeddings come out in
+    (model, config), drafter = load_pair(
+        draft_dir, spec,
+        lambda: load_target(target_dir, mx_dtype, trust_remote_code=trust_remote_code, checked=target_config),
+        lambda loaded: target_info(*loaded),
+        lambda loaded, spec: load_drafter(draft_dir, dtype=model_dtype(loaded[0]), spec=spec), backend="mlx")
     return mlx_engine(model, config, drafter, block_size=block_size, draft_window=draft_window,
                       prefill_chunk=prefill_chunk, validated=True)
 

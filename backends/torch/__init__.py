@@ -28,7 +28,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
          cache_len: int | None = None, compile: bool = False, spec=None, target_config: dict | None = None):
     """The engine over a target directory (+ drafter directory). `spec` / `target_config`: what the caller already
     read and checked (dflash.api.load does), so nothing is validated twice."""
-    from dflash.core.spec import DraftSpec
+    from dflash.core.checkpoint import load_pair
 
     from .backend import torch_engine
     from .drafter import load_drafter
@@ -36,12 +36,10 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
 
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    drafter = None
-    if draft_dir is not None:
-        spec = spec or DraftSpec.load(draft_dir)  # config errors before the (slow) target load
-    model = load_target(target_dir, torch_dtype, device, trust_remote_code=trust_remote_code, checked=target_config)
-    if draft_dir is not None:
-        spec.validate_against(target_info(model), source=str(draft_dir))
-        drafter = load_drafter(draft_dir, dtype=torch_dtype, device=device, spec=spec)
+    model, drafter = load_pair(
+        draft_dir, spec,
+        lambda: load_target(target_dir, torch_dtype, device, trust_remote_code=trust_remote_code,
+                            checked=target_config),
+        target_info, lambda model, spec: load_drafter(draft_dir, dtype=torch_dtype, device=device, spec=spec))
     return torch_engine(model, drafter, block_size=block_size, draft_window=draft_window, prefill_chunk=prefill_chunk,
                         cache_len=cache_len, compile=compile, validated=True)

@@ -224,3 +224,20 @@ def check_names_and_shapes(spec: DraftSpec, found: dict[str, tuple[int, ...]], s
         if tuple(found[k]) != shape:
             raise DFlashError(f"{source}: weight '{k}' has shape {list(found[k])}, expected {list(shape)} "
                               "(from config.json)")
+
+
+def load_pair(draft_dir, spec: DraftSpec | None, load_target, target_info, load_drafter, *,
+              backend: str | None = None):
+    """The load sequence every backend follows: the drafter's config is read and checked first (its errors come
+    before the slow target load), then the target, then the drafter against the target's shapes, then its weights.
+    load_target() -> target; target_info(target) -> TargetInfo; load_drafter(target, spec) -> drafter. `backend`: a backend
+    that runs public drafters only names itself in the refusal of an ablation drafter. Returns (target, drafter)."""
+    if draft_dir is not None:
+        spec = spec or DraftSpec.load(draft_dir)
+        if backend is not None:
+            spec.check_public(f"--backend {backend} ({draft_dir})")
+    target = load_target()
+    if draft_dir is None:
+        return target, None
+    spec.validate_against(target_info(target), source=str(draft_dir))
+    return target, load_drafter(target, spec)
