@@ -19,7 +19,7 @@ from dflash.core.contract import Capabilities
 from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
 from dflash.core.rows import RowLayout, visible
-from dflash.core.rules import SLIDING_TREE_REFUSAL
+from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
 from dflash.core.sampling import SamplingParams
 from dflash.core.spec import drafter_block_size
 from dflash.core.tree import TreeInputs
@@ -165,8 +165,7 @@ class MLXTarget:
 
     def _batch_refusal(self) -> str | None:
         if self.rewind is not None:
-            return ("--batch-size: batched decoding needs a full-attention target (this one has sliding-window or "
-                    "linear-attention layers); use --batch-size 1")
+            return SLIDING_BATCH_REFUSAL
         reason = positions_refusal(self.runner, self.cache)
         return None if reason is None else f"--batch-size: rows sharing a cache need explicit positions: {reason}"
 

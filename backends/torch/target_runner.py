@@ -15,7 +15,7 @@ from transformers import DynamicCache, StaticCache
 from dflash.core.contract import Capabilities
 from dflash.core.errors import DFlashError
 from dflash.core.rows import RowLayout, visible
-from dflash.core.rules import SLIDING_TREE_REFUSAL
+from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
 from dflash.core.sampling import SamplingParams
 from dflash.core.tree import TreeInputs
 
@@ -292,8 +292,7 @@ class TorchTarget:
         if self.cache_len is not None:
             return "--batch-size: batched decoding runs on the dynamic cache; drop --compile / cache_len"
         if self.rewind is not None:
-            return ("--batch-size: batched decoding needs a full-attention target (this one has sliding-window or "
-                    "linear-attention layers); use --batch-size 1")
+            return SLIDING_BATCH_REFUSAL
         return None
 
     def check_batchable(self) -> None:

@@ -12,6 +12,8 @@ from .sampling import SamplingParams
 
 SLIDING_TREE_REFUSAL = ("{model_type} has sliding-window or linear-attention layers, whose caches cannot keep a "
                         "tree's accepted path")
+SLIDING_BATCH_REFUSAL = ("--batch-size: batched decoding needs a full-attention target (this one has sliding-window "
+                         "or linear-attention layers); use --batch-size 1")
 
 
 class ArrayOps(Protocol):
