@@ -82,7 +82,8 @@ def test_predicate_equals_mlx_draft_cache(sliding, causal, window):
     for n_ctx in range(0, 14):
         cache.reserve(B)
         k_span, _, mask = cache.write(0, as_mx(position_keys(n_ctx, B)), as_mx(position_keys(n_ctx, B)), [0], B)
-        got = seen_keys(np.array(k_span)[0, 0, :, 0].tolist(), None if mask is None else np.array(mask).tolist(), B)
+        seen = None if mask is None else np.array(mask)[0, 0].tolist()
+        got = seen_keys(np.array(k_span)[0, 0, :, 0].tolist(), seen, B)
         assert got == expected_keys(n_ctx, rule), (n_ctx, rule)
         cache.reserve(1)
         cache.write(0, as_mx(position_keys(n_ctx, 1)), as_mx(position_keys(n_ctx, 1)), [1], 0)
