@@ -115,6 +115,8 @@ class Engine:
             if mode == "tree":
                 raise DFlashError(f"--verify tree: {reason}; use --verify chain or auto")
             self.verify_mode, self.verify_note = "chain", f"auto verifies the chain: {reason}"
+            # auto still chooses how much of the chain to verify, or a plain step, from the measured costs
+            self.chain_budget = ChainBudget(self.block_size, costs) if mode == "auto" and costs else None
             return
         if mode == "auto" and costs is None:
             raise DFlashError("--verify auto: needs the device's measured costs (dflash.core.costs.measured_costs)")
@@ -238,8 +240,9 @@ class Engine:
     def step(self, anchors: Sequence[int]) -> list[Step]:
         """One speculative cycle for every row (draft -> verify -> accept -> commit); row i's anchor is its last
         committed token."""
-        if self.chain_budget is not None and any(not r.greedy for r in self.row_sampling):
-            # sampled rows verify chains: auto chooses their length, or a plain step
+        if self.chain_budget is not None and (self.planner is None or any(not r.greedy for r in self.row_sampling)):
+            # chains only (sampled rows, a DFlash2 drafter, a target without trees): auto chooses their length, or a
+            # plain step
             start = time.perf_counter()
             length = self.chain_budget.length(rows=len(self.rows))
             steps = self._chain_step(anchors, top_k=0, length=length)
