@@ -107,16 +107,17 @@ class Engine:
             self.verify_mode = "chain"
             return
         reason = self.target.capabilities.tree_refusal
-        if mode == "auto" and getattr(self.drafter, "distribution", False):
+        selector = mode == "auto" and not reason and getattr(self.drafter, "distribution", False)
+        if selector:
             # DFlash2: its selector walk picks each proposal given the previous one; trees would branch over the
-            # raw top-k without it
-            reason = reason or "DFlash2's selector chooses the proposals"
+            # raw top-k without it. auto still chooses how much of the chain to verify, or a plain step (a target
+            # that refuses trees keeps its full chain: a static cache wants one verify shape)
+            reason = "DFlash2's selector chooses the proposals"
+            self.chain_budget = ChainBudget(self.block_size, costs) if costs else None
         if reason:
             if mode == "tree":
                 raise DFlashError(f"--verify tree: {reason}; use --verify chain or auto")
             self.verify_mode, self.verify_note = "chain", f"auto verifies the chain: {reason}"
-            # auto still chooses how much of the chain to verify, or a plain step, from the measured costs
-            self.chain_budget = ChainBudget(self.block_size, costs) if mode == "auto" and costs else None
             return
         if mode == "auto" and costs is None:
             raise DFlashError("--verify auto: needs the device's measured costs (dflash.core.costs.measured_costs)")
