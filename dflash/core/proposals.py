@@ -72,7 +72,7 @@ def selector_walk(ops: ArrayOps, anchor_ids, candidates, scores, draws, logits, 
         u = ops.from_host(draw.draft_u[:candidates.shape[1]], like=scores)[None]
         tokens, scored = walk(ops, candidates[i:i + 1], scores[i:i + 1], t, u)
         rows[i], q_probs[i] = tokens[0], ops.softmax(scored[0] / t, axis=-1)
-    zeros = ops.zeros_like(ops.softmax(scores[0, :, 0], axis=-1))
+    zeros = ops.zeros_like(q_probs[sampled[0]])  # (greedy rows: no q; their acceptance never reads it)
     draft = Draft(ops.concatenate([anchor_ids, ops.token_ids(ops.stack(rows))], axis=1))
     draft.q_ids, draft.q_probs = candidates, ops.stack([q if q is not None else zeros for q in q_probs])
     return _with_top(ops, draft, logits, top_k)
