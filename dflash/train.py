@@ -286,13 +286,15 @@ def main(argv=None) -> int:
         import torch  # noqa: F401
     except ImportError:
         raise DFlashError("torch is not installed; training needs it: pip install 'dflash[torch,train]'") from None
-    try:
-        result = run_training(cfg)
-    finally:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    result = run_training(cfg)
+    if dist.is_available() and dist.is_initialized():
+        # every rank reaches here before any tears its group down (a rank that closes its sockets while a peer is
+        # still in a collective aborts that peer); after a failure the group is left alone: destroying it while
+        # another rank is in a collective hangs, and torchrun stops the others
+        dist.barrier()
+        dist.destroy_process_group()
     if not cfg.quiet and int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"draft": str(result.draft_dir), "steps": result.steps,
                           "final_loss": result.losses[-1] if result.losses else None, "tau": result.tau,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,11 +44,27 @@ def losses(out) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+TEARDOWN_ABORT = "terminate called without an active exception"  # a rank's native abort at gloo teardown (rare, CI)
+
+
 def torchrun(args, timeout=240):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "dflash.train"] + args
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0 and TEARDOWN_ABORT in r.stderr and finished(args):
+        # a rank aborted in native code after the run had exported its drafter: the run is repeated from scratch
+        # with the same seeds, once; a failure before the export is never retried
+        shutil.rmtree(out_of(args))
+        r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def out_of(args) -> str:
+    return args[args.index("--out") + 1]
+
+
+def finished(args) -> bool:
+    return os.path.isfile(os.path.join(out_of(args), "draft", "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
