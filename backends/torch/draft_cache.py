@@ -21,9 +21,19 @@ class DraftContextCache(ContextCache):
         self.rules = layer_rules(spec)
         self.layout = ContextLayout(capacity, window)
         shape = (spec.num_hidden_layers, 1, spec.num_key_value_heads, capacity, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # the buffers hold room for more rows than the batch has (grown by doubling), so that a joining row is one
+        # row's copy and a leaving one moves only the rows after it; k and v are the live rows' views
+        self._k = torch.zeros(shape, dtype=dtype, device=device)
+        self._v = torch.zeros(shape, dtype=dtype, device=device)
         self._masks: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._k[:, :len(self.layout.lengths)]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._v[:, :len(self.layout.lengths)]
 
     def reserve(self, n: int) -> None:
         shift, capacity = self.layout.plan_reserve(n)
@@ -31,9 +41,9 @@ class DraftContextCache(ContextCache):
             used = self.layout.slot(max(self.layout.lengths))
             self.k[:, :, :, :used - shift] = self.k[:, :, :, shift:used].clone()
             self.v[:, :, :, :used - shift] = self.v[:, :, :, shift:used].clone()
-        if capacity > self.k.shape[3]:
-            pad = capacity - self.k.shape[3]
-            self.k, self.v = F.pad(self.k, (0, 0, 0, pad)), F.pad(self.v, (0, 0, 0, pad))
+        if capacity > self._k.shape[3]:
+            pad = capacity - self._k.shape[3]
+            self._k, self._v = F.pad(self._k, (0, 0, 0, pad)), F.pad(self._v, (0, 0, 0, pad))
         self.layout.apply_reserve(shift, capacity)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, counts: list[int], block: int):
@@ -83,21 +93,46 @@ class DraftContextCache(ContextCache):
 
     def reset(self) -> None:
         super().reset()
-        self.k, self.v = self.k[:, :1], self.v[:, :1]  # one row again (a batch may have been merged in)
+        self._k, self._v = self._k[:, :1], self._v[:, :1]  # one row again (a batch may have been merged in)
 
     def select(self, rows: list[int]) -> None:
-        idx = torch.tensor(rows, device=self.k.device)
-        self.k, self.v = self.k[:, idx], self.v[:, idx]
+        """Keep these rows, in this order: rows before the first change stay where they are."""
+        first = next((i for i, r in enumerate(rows) if r != i), len(rows))
+        if first < len(rows):
+            idx = torch.tensor(rows[first:], device=self._k.device)
+            self._k[:, first:len(rows)] = self._k[:, idx]
+            self._v[:, first:len(rows)] = self._v[:, idx]
         self.layout.lengths = [self.layout.lengths[i] for i in rows]
+
+    def extract(self, i: int) -> DraftContextCache:
+        """Row i alone, in buffers of its own sized to what it holds."""
+        used = max(self.layout.slot(self.layout.lengths[i]), 1)
+        row = DraftContextCache(self.spec, self._k.dtype, self._k.device, capacity=used, window=self.window)
+        row._k, row._v = self._k[:, i:i + 1, :, :used].clone(), self._v[:, i:i + 1, :, :used].clone()
+        row.layout.offset, row.layout.lengths = self.layout.offset, [self.layout.lengths[i]]
+        return row
+
+    @property
+    def nbytes(self) -> int:
+        """The buffers' bytes, spare rows included (what the cache holds on to)."""
+        return self._k.nbytes + self._v.nbytes
 
     def merge(self, other: "DraftContextCache") -> None:
         """Append other's rows (a row prefilled alone) to this batch."""
         if other.layout.offset != self.layout.offset:
             raise DFlashError("--draft-window: a windowed draft context cannot join a batch; drop --draft-window")
-        size = max(self.k.shape[3], other.k.shape[3])
-        fit = lambda t: F.pad(t, (0, 0, 0, size - t.shape[3]))  # noqa: E731
-        self.k = torch.cat([fit(self.k), fit(other.k)], dim=1)
-        self.v = torch.cat([fit(self.v), fit(other.v)], dim=1)
+        n, m, used = len(self.layout.lengths), len(other.layout.lengths), other.k.shape[3]
+        size = max(self._k.shape[3], used)
+        if n + m > self._k.shape[1] or size > self._k.shape[3]:  # no room: grow (rows by doubling), once
+            shape = list(self._k.shape)
+            shape[1], shape[3] = max(n + m, 2 * shape[1]), size
+            k, v = self._k.new_zeros(shape), self._v.new_zeros(shape)
+            k[:, :n, :, :self._k.shape[3]] = self._k[:, :n]
+            v[:, :n, :, :self._v.shape[3]] = self._v[:, :n]
+            self._k, self._v = k, v
+        # (slots past a row's length are never visible: what an earlier row left there stays unread)
+        self._k[:, n:n + m, :, :used] = other.k
+        self._v[:, n:n + m, :, :used] = other.v
         self.layout.capacity = size
         self.layout.lengths = self.layout.lengths + other.layout.lengths
 

@@ -229,12 +229,9 @@ class TorchDraft:
         """Row i's context alone (a prefix kept after the row leaves the batch)."""
         if self._compiled is not None or self.window is not None:
             raise DFlashError("prefix cache: a compiled or windowed draft context is not kept across requests")
-        row, c = self.spawn(), self.cache
-        used = max(c.layout.slot(c.layout.lengths[i]), 1)
-        row.cache.k, row.cache.v = c.k[:, i:i + 1, :, :used].clone(), c.v[:, i:i + 1, :, :used].clone()
-        row.cache.layout.capacity, row.cache.layout.offset = used, c.layout.offset
-        row.cache.layout.lengths = [c.layout.lengths[i]]
+        row = self.spawn()
+        row.cache = self.cache.extract(i)
         return row
 
     def cache_bytes(self) -> int:
-        return self.cache.k.nbytes + self.cache.v.nbytes
+        return self.cache.nbytes

@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--draft", help="drafter for the server (default: registry / bundled)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--requests", type=int, default=32, help="requests per concurrency level (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds per level, the modes alternating; throughput is the median round's (default: 1)")
     p.add_argument("--max-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--prompts", default="reference", help="reference, humaneval or a JSONL file with 'prompt'")
     p.add_argument("--modes", nargs="+", default=["dflash", "no-draft"], choices=list(MODES),
@@ -117,15 +119,24 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run_level(url: str, prompts: list[str], concurrency: int, n: int, max_tokens: int) -> dict:
+    """One round: n requests from `concurrency` clients; the responses and the round's wall time."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         out = list(pool.map(lambda i: one_request(url, prompts[i % len(prompts)], max_tokens), range(n)))
-    wall = time.perf_counter() - t0
+    return {"responses": out, "wall_seconds": time.perf_counter() - t0}
+
+
+def summarise(concurrency: int, rounds: list[dict]) -> dict:
+    """A level over its rounds: throughput is the median round's (a round disturbed by the machine does not move
+    it), latencies are percentiles over every request of every round."""
+    out = [r for rnd in rounds for r in rnd["responses"]]
     ok = [r for r in out if "error" not in r]
-    tokens = sum(r["tokens"] for r in ok)
+    rates = sorted(sum(r["tokens"] for r in rnd["responses"] if "error" not in r) / rnd["wall_seconds"]
+                   for rnd in rounds if rnd["wall_seconds"] > 0)
     taus = [r["tau"] for r in ok if r["tau"]]
-    return {"concurrency": concurrency, "requests": n, "failed": n - len(ok), "wall_seconds": wall,
-            "output_tokens": tokens, "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+    return {"concurrency": concurrency, "requests": len(out), "failed": len(out) - len(ok),
+            "wall_seconds": sum(rnd["wall_seconds"] for rnd in rounds), "output_tokens": sum(r["tokens"] for r in ok),
+            "tokens_per_second": rates[len(rates) // 2] if rates else 0.0, "round_tokens_per_second": rates,
             "ttft_p50": _pct([r["ttft"] for r in ok], 0.5), "ttft_p99": _pct([r["ttft"] for r in ok], 0.99),
             "itl_p50": _pct([r["itl"] for r in ok], 0.5), "itl_p99": _pct([r["itl"] for r in ok], 0.99),
             "gap_p99": _pct([r["gap"] for r in ok], 0.99), "tau": sum(taus) / len(taus) if taus else None}
@@ -142,12 +153,18 @@ def speedups(report: dict, base: str = "no-draft") -> dict[str, dict[int, float]
             for mode, levels in modes.items() if mode != base}
 
 
+def rounds_note(rounds: int) -> str:
+    return "" if rounds == 1 else (f" and round, {rounds} rounds with the modes alternating (throughput: the median "
+                                   "round's; latencies: over every round's requests)")
+
+
 def markdown(report: dict) -> str:
     modes = list(report["modes"])
     ratio = speedups(report)
     lines = ["# dflash.serve under load", "", f"`{report['command']}`", "",
              f"Machine: {report['machine']['cpu']} ({report['machine']['nproc']} CPUs), server threads "
-             f"{report['threads']}; {report['requests']} greedy requests of {report['max_tokens']} tokens per level. "
+             f"{report['threads']}; {report['requests']} greedy requests of {report['max_tokens']} tokens per level"
+             f"{rounds_note(report.get('rounds', 1))}. "
              "Speedup: output tokens per second over no-draft's at the same concurrency. ITL: per request, (last "
              "chunk - first chunk) / (tokens - 1); stall: the longest gap between two chunks of one request.", ""]
 
@@ -200,8 +217,8 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if any(c < 1 for c in args.concurrency) or args.requests < 1 or args.max_tokens < 1:
-        raise DFlashError("--concurrency / --requests / --max-tokens: expected integers >= 1")
+    if any(c < 1 for c in args.concurrency) or min(args.requests, args.max_tokens, args.rounds) < 1:
+        raise DFlashError("--concurrency / --requests / --max-tokens / --rounds: expected integers >= 1")
     prompts = [r["prompt"] for r in prompt_rows(args.prompts) if "prompt" in r]
     if not prompts:
         raise DFlashError(f"--prompts: {args.prompts} has no 'prompt' rows (completions need plain prompts)")
@@ -209,7 +226,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"command": "python -m dflash.bench serve " + " ".join(argv if argv is not None else sys.argv[2:]),
               "machine": machine_info(), "threads": args.threads, "requests": args.requests,
-              "max_tokens": args.max_tokens, "modes": {}}
+              "max_tokens": args.max_tokens, "rounds": args.rounds, "modes": {}}
     servers = {}
     try:
         for mode in args.modes:  # every mode's server is up at once: the levels interleave, drift hits all alike
@@ -217,8 +234,12 @@ def main(argv=None) -> int:
             run_level(servers[mode][1], prompts, 1, 1, 8)  # warm-up
             report["modes"][mode] = []
         for c in args.concurrency:
-            for mode, (_, url) in servers.items():
-                level = run_level(url, prompts, c, args.requests, args.max_tokens)
+            rounds = {mode: [] for mode in servers}
+            for _ in range(args.rounds):  # mode after mode, round after round: drift hits every mode alike
+                for mode, (_, url) in servers.items():
+                    rounds[mode].append(run_level(url, prompts, c, args.requests, args.max_tokens))
+            for mode in servers:
+                level = summarise(c, rounds[mode])
                 report["modes"][mode].append(level)
                 print(f"{mode} c={c}: {level['tokens_per_second']:.1f} tok/s, TTFT p50 "
                       f"{1000 * (level['ttft_p50'] or 0):.0f} ms, tau {level['tau'] or 0:.2f}", file=sys.stderr)

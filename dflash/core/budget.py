@@ -8,9 +8,11 @@ short chain, a wide tree or the root alone (an autoregressive step) are all answ
 drafted cycle is predicted to lose to a cycle without a draft forward, it stops drafting for a while (1, 2, 4 .. 16
 cycles, then a drafted cycle probes again), so a drafter that is almost always wrong costs little more than not
 drafting; the copied branch still runs in those cycles, since it costs no draft forward. For a batch the rule is
-the same over all rows at once: costs of r rows of n tokens each (measured at load), one global budget across rows
-(a row whose drafts are rarely accepted gets no nodes), and a pause skips the whole batch's draft forward. Whether
-a cycle runs on the chain's own path or a tree's is dflash/core/path_choice.py's estimate.
+the same over all rows at once: costs of r rows of n tokens each after the batch's context (measured at load at
+two context lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes), and a
+pause skips the whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. Every
+prediction goes through a CycleClock fitted online on the cycles' own wall times. Whether a cycle runs on the
+chain's own path or a tree's is dflash/core/path_choice.py's estimate.
 """
 
 from __future__ import annotations
@@ -40,18 +42,35 @@ def interpolate(points: Sequence[tuple[int, float]], x: float) -> float:
 
 @dataclass
 class Costs:
-    """Seconds on this device: one draft forward and one target forward of n tokens after a short context, for one
-    row (`draft`, `verify`) and, where the backend batches, for r rows of n tokens each (`batch`: r -> points,
+    """Seconds on this device: one draft forward and one target forward of n tokens after `context` cached positions,
+    for one row (`draft`, `verify`) and, where the backend batches, for r rows of n tokens each (`batch`: r -> points,
     `draft_batch`: r -> seconds), measured at a few r and n. Without batch points, r rows of n tokens cost what one
     row of r * n tokens does and r drafts cost r single ones (a CPU pays for every token; a GPU below its compute
-    knee does not, which only the batch points show)."""
+    knee does not, which only the batch points show). `longer` is the same profile after a longer context: every
+    token attends to every cached position, so at a serving load's contexts a forward can cost twice what it costs
+    after a short one; a cost at `context` positions is interpolated between the two (linear past the longer)."""
 
     draft: float
     verify: list[tuple[int, float]]  # (tokens, seconds), increasing tokens
     batch: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # rows -> (tokens per row, seconds)
     draft_batch: dict[int, float] = field(default_factory=dict)  # rows -> seconds of one draft forward
+    context: int = 64  # positions cached before the measured forwards
+    longer: Costs | None = None  # the same forwards after more cached positions
 
-    def verify_seconds(self, tokens: int, rows: int = 1) -> float:
+    def verify_seconds(self, tokens: int, rows: int = 1, context: float | None = None) -> float:
+        return self._at(context, lambda c: c._verify(tokens, rows))
+
+    def draft_seconds(self, rows: int = 1, context: float | None = None) -> float:
+        return self._at(context, lambda c: c._draft(rows))
+
+    def _at(self, context: float | None, seconds) -> float:
+        near = seconds(self)
+        if context is None or self.longer is None or context <= self.context:
+            return near
+        growth = max(seconds(self.longer) - near, 0.0) / (self.longer.context - self.context)
+        return near + growth * (context - self.context)
+
+    def _verify(self, tokens: int, rows: int) -> float:
         if rows == 1 or not self.batch:
             return interpolate(self.verify, rows * tokens)
         widest = min(points[-1][0] for points in self.batch.values())
@@ -61,7 +80,7 @@ class Costs:
             seconds += interpolate(self.verify, rows * tokens) - interpolate(self.verify, rows * widest)
         return seconds
 
-    def draft_seconds(self, rows: int = 1) -> float:
+    def _draft(self, rows: int) -> float:
         if rows == 1 or not self.draft_batch:
             return self.draft * rows
         return interpolate([(1, self.draft), *sorted(self.draft_batch.items())], rows)
@@ -69,14 +88,45 @@ class Costs:
     def to_json(self) -> dict:
         return {"draft_seconds": self.draft, "verify_seconds": [list(p) for p in self.verify],
                 "batch_verify_seconds": {str(r): [list(p) for p in pts] for r, pts in self.batch.items()},
-                "batch_draft_seconds": {str(r): t for r, t in self.draft_batch.items()}}
+                "batch_draft_seconds": {str(r): t for r, t in self.draft_batch.items()}, "context": self.context,
+                **({"longer": self.longer.to_json()} if self.longer is not None else {})}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Costs":
+    def from_json(cls, d: dict) -> Costs:
         points = lambda pts: [(int(n), float(t)) for n, t in pts]  # noqa: E731
         return cls(float(d["draft_seconds"]), points(d["verify_seconds"]),
                    {int(r): points(pts) for r, pts in d.get("batch_verify_seconds", {}).items()},
-                   {int(r): float(t) for r, t in d.get("batch_draft_seconds", {}).items()})
+                   {int(r): float(t) for r, t in d.get("batch_draft_seconds", {}).items()}, int(d.get("context", 64)),
+                   cls.from_json(d["longer"]) if "longer" in d else None)
+
+
+class CycleClock:
+    """What a cycle really takes, from what the profile says its forwards take: k * forwards + a, fitted online over
+    recent cycles by exponentially weighted least squares. k carries what the profile under-counts in proportion to
+    the work (more rows than its batches, a second thread of the process such as a server's event loop), a the host
+    work per cycle (the heap, the walk, sampling). While the cycles' forwards barely vary (one shape), a ridge towards
+    the prior k leaves the difference to a, as a plain mean of the excess; once shapes vary, the slope is measured."""
+
+    def __init__(self, smoothing: float = 0.1, ridge: float = 0.05, k: float = 1.0, a: float = 0.0):
+        self.smoothing, self.ridge, self.prior = smoothing, ridge, k
+        self.sums = [0.0] * 5  # decayed means of 1, x, x^2, y, x*y (x: the profile's seconds, y: the measured)
+        self.k, self.a = k, a
+
+    def __call__(self, forwards: float) -> float:
+        return max(self.k * forwards + self.a, 0.1 * forwards)
+
+    def observe(self, forwards: float, seconds: float) -> None:
+        x, y, s = forwards, seconds, self.smoothing
+        self.sums = [m + s * (v - m) for m, v in zip(self.sums, (1.0, x, x * x, y, x * y))]
+        w, sx, sxx, sy, sxy = self.sums
+        # minimise sum w (y - kx - a)^2 + r sxx (k - prior)^2:
+        # [[sxx (1 + r), sx], [sx, w]] [k, a] = [sxy + r sxx prior, sy]
+        a11, b1 = sxx * (1 + self.ridge), sxy + self.ridge * sxx * self.prior
+        det = a11 * w - sx * sx
+        if det <= 0:
+            return
+        self.k = max((w * b1 - sx * sy) / det, 0.0)
+        self.a = (a11 * sy - sx * b1) / det
 
 
 @dataclass
@@ -100,8 +150,8 @@ class TreePlanner:
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         self.choice = PathChoice(block_size)  # auto: the chain's path or a tree's, cycle by cycle
         self.last_drafted = True
-        # seconds a cycle takes beyond its forwards (host work: the heap, the walk, sampling), learnt online
-        self.overhead = {True: 0.0, False: 0.0}
+        self.clock = {True: CycleClock(), False: CycleClock()}  # drafted or not: the profile -> the wall clock
+        self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
 
     def path(self) -> str:
         """auto: "chain" or "tree" for this cycle (tree: always). While cycles without a draft forward win (a pause,
@@ -117,7 +167,8 @@ class TreePlanner:
         if self.costs is None or (kind == "tree" and not self.last_drafted):
             return  # (a cycle without a draft forward says nothing about either path's drafted cycles)
         rows = len(accepted)
-        model = self.costs.draft_seconds(rows) + self.costs.verify_seconds(self.block_size, rows)
+        model = (self.costs.draft_seconds(rows, self.context)
+                 + self.costs.verify_seconds(self.block_size, rows, self.context))
         self.choice.observe(kind, seconds, model)
 
     def drafts_this_cycle(self) -> bool:
@@ -157,17 +208,17 @@ class TreePlanner:
             self.choice.observe_tree(plan.on_chain, paths)
         if seconds is not None and self.costs is not None:
             rows, width = len(plan.trees), max(len(t.tokens) for t in plan.trees)
-            forwards = self.costs.verify_seconds(width, rows) + (self.costs.draft_seconds(rows) if plan.drafted
-                                                                  else 0.0)
-            extra = max(seconds - forwards, 0.0)
-            self.overhead[plan.drafted] += 0.1 * (extra - self.overhead[plan.drafted])
+            forwards = self.costs.verify_seconds(width, rows, self.context) + (
+                self.costs.draft_seconds(rows, self.context) if plan.drafted else 0.0)
+            self.clock[plan.drafted].observe(forwards, seconds)
 
     # ---- auto ------------------------------------------------------------------------------------------------------
     def _counts(self, candidates, drafted: bool) -> tuple[list[int], float]:
         values = [[c.value for c in cs] for cs in candidates]
-        rows = len(candidates)
-        fixed = (self.costs.draft_seconds(rows) if drafted else 0.0) + self.overhead[drafted]
-        return choose_counts(values, self.costs.verify_seconds, fixed, self.budget)
+        rows, clock = len(candidates), self.clock[drafted]
+        draft = self.costs.draft_seconds(rows, self.context) if drafted else 0.0
+        seconds = lambda n, r: clock(draft + self.costs.verify_seconds(n, r, self.context))  # noqa: E731
+        return choose_counts(values, seconds, 0.0, self.budget)
 
     def _update_pause(self, copies, drafted_rate: float) -> None:
         """Compare the predicted rate of drafted cycles with what the same cycles would give without the draft
@@ -190,15 +241,16 @@ class ChainBudget:
     """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies,
     and whether it drafts at all. Expected tokens of a chain of L proposals are 1 + sum_j prod_{i<=j} a_i with a_i
     the measured rate at which position i accepts when reached (an exponential average over recent cycles, under the
-    rule in use); seconds are T_draft + T_verify(L + 1) from the device profile plus a correction learnt online from
-    the cycles' own wall time (either sign: a profile measured while the machine was busy overstates). L = 0
-    is a plain target step without the draft forward; while it wins, drafting pauses for 1, 2, 4 .. 16 cycles
-    between probes, as the tree planner's pauses do."""
+    rule in use); seconds are T_draft + T_verify(L + 1) from the device profile, taken to the wall clock by a
+    CycleClock fitted on the cycles' own times (either way: a profile measured while the machine was busy
+    overstates). L = 0 is a plain target step without the draft forward; while it wins, drafting pauses for 1, 2,
+    4 .. 16 cycles between probes, as the tree planner's pauses do."""
 
     def __init__(self, block_size: int, costs: Costs, prior: float = 0.5, smoothing: float = 0.1):
         self.costs, self.smoothing = costs, smoothing
         self.rates = [prior] * (block_size - 1)
-        self.overhead = {True: 0.0, False: 0.0}
+        self.clock = {True: CycleClock(smoothing), False: CycleClock(smoothing)}
+        self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
         self.skip, self.backoff, self.probing = 0, 0, False
         self.since_plain = 0  # drafted cycles since the last plain one
 
@@ -209,10 +261,13 @@ class ChainBudget:
             tokens += reach
         return tokens
 
+    def forwards(self, length: int, rows: int = 1) -> float:
+        """The profile's seconds for a cycle verifying `length` proposals per row (0: no draft forward)."""
+        return self.costs.verify_seconds(length + 1, rows, self.context) + (
+            self.costs.draft_seconds(rows, self.context) if length else 0.0)
+
     def seconds(self, length: int, rows: int = 1) -> float:
-        drafted = length > 0
-        forwards = self.costs.verify_seconds(length + 1, rows) + (self.costs.draft_seconds(rows) if drafted else 0.0)
-        return max(forwards + self.overhead[drafted], 0.1 * forwards)
+        return self.clock[length > 0](self.forwards(length, rows))
 
     def length(self, can_pause: bool = True, rows: int = 1) -> int:
         """Proposals every one of `rows` rows verifies this cycle (0: no draft forward; only when `can_pause`). The
@@ -241,6 +296,4 @@ class ChainBudget:
                 self.rates[i] += s * ((1.0 if i < k else 0.0) - self.rates[i])
         drafted = length > 0
         self.since_plain = self.since_plain + 1 if drafted else 0
-        rows = max(len(accepted), 1)
-        forwards = self.costs.verify_seconds(length + 1, rows) + (self.costs.draft_seconds(rows) if drafted else 0.0)
-        self.overhead[drafted] += s * (seconds - forwards - self.overhead[drafted])
+        self.clock[drafted].observe(self.forwards(length, max(len(accepted), 1)), seconds)

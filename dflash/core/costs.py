@@ -24,9 +24,11 @@ from .io import cache_root
 from .tree import TreeInputs, chain_tree
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-BATCH_ROWS = (4, 16)  # batches measured too (where the backend batches): rows ...
+BATCH_ROWS = (4, 16, 32)  # batches measured too (where the backend batches): rows ... (32: if 16 rows are cheap)
 BATCH_TOKENS = (1, 2, 4, 8, 16)  # ... times tokens per row (at most the block, and what the single-row grid reached)
-CONTEXT = 64  # positions before the measured forwards
+CONTEXT = 64  # positions before the measured forwards ...
+LONGER_CONTEXT = 320  # ... and again after these (a serving load's rows: prompt + answer)
+WIDE_BATCH_SECONDS = 0.25  # 32 rows are measured when a block of 16 rows costs less
 NOTICE_SECONDS = 1.0  # a profile that takes longer says so in one line
 
 
@@ -37,7 +39,8 @@ def cache_dir() -> Path:
 def cost_key(engine) -> str:
     """Costs depend on shapes, backend, device, dtype and threads, not on the weights' values."""
     info, spec = engine.info, getattr(engine.drafter, "spec", None)
-    parts = ["batch", engine.name, info.model_type, info.hidden_size, info.num_hidden_layers, info.vocab_size,
+    parts = [BATCH_ROWS, BATCH_TOKENS, CONTEXT, LONGER_CONTEXT, engine.name,  # (a new grid measures anew)
+             info.model_type, info.hidden_size, info.num_hidden_layers, info.vocab_size,
              engine.block_size, engine.target.device_key()]
     if spec is not None:
         parts += [spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_context_layers]
@@ -70,16 +73,26 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True) -> Cos
 
 
 def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
+    """The profile after CONTEXT cached positions, and again after LONGER_CONTEXT (where the target's context
+    allows): the planner interpolates between the two for the rows' real lengths."""
+    costs = measure_at(engine, CONTEXT, max_tokens, repeats)
+    longer = min(LONGER_CONTEXT, (engine.max_context or LONGER_CONTEXT * 2) // 2)
+    if longer > CONTEXT:
+        costs.longer = measure_at(engine, longer, min(max_tokens, costs.verify[-1][0]), repeats)
+    return costs
+
+
+def measure_at(engine, context: int, max_tokens: int = 257, repeats: int = 5) -> Costs:
     """Seconds of one draft forward and of a target forward of n tokens (a chain-shaped tree: the tree path's own
-    mask and positions) for n on GRID up to max_tokens, stopping once n tokens cost 4 single-token steps and n
-    covers a block (beyond that no tree pays on this device); then the same for batches of BATCH_ROWS rows. Each
-    is the fastest of up to `repeats` timings: the cost without interference (other load shows in the planner's
-    online overhead instead); forwards slower than 20 ms are timed fewer times, so a large model on a CPU profiles
-    in seconds, not minutes."""
+    mask and positions) after `context` positions, for n on GRID up to max_tokens, stopping once n tokens cost 4
+    single-token steps and n covers a block (beyond that no tree pays on this device); then the same for batches of
+    BATCH_ROWS rows. Each is the fastest of up to `repeats` timings: the cost without interference (other load
+    shows in the planner's online clock instead); forwards slower than 20 ms are timed fewer times, so a large model
+    on a CPU profiles in seconds, not minutes."""
     target, drafter = engine.target, engine.drafter
     engine.reset()
     vocab = engine.info.vocab_size
-    prompt = [(31 * i + 7) % vocab for i in range(CONTEXT)]
+    prompt = [(31 * i + 7) % vocab for i in range(context)]
     engine.prefill([prompt])
     anchor = prompt[-1]
 
@@ -117,6 +130,8 @@ def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
     if batchable(target):
         widest = min(engine.block_size, verify[-1][0])
         for rows in BATCH_ROWS:
+            if rows > 16 and batch[16][-1][1] > WIDE_BATCH_SECONDS:
+                break  # (a large model on a CPU: 32 rows are extrapolated from 4 and 16)
             engine.prefill([prompt] * rows)
             points = []
             for n in (t for t in BATCH_TOKENS if t <= widest):
@@ -125,7 +140,7 @@ def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
             if drafter is not None:
                 draft_batch[rows] = fastest(draft_once, rows)
     engine.reset()
-    return Costs(draft, verify, batch, draft_batch)
+    return Costs(draft, verify, batch, draft_batch, context)
 
 
 def batchable(target) -> bool:

@@ -241,6 +241,10 @@ class Engine:
     def step(self, anchors: Sequence[int]) -> list[Step]:
         """One speculative cycle for every row (draft -> verify -> accept -> commit); row i's anchor is its last
         committed token."""
+        context = max(map(len, self.rows), default=0)  # what every verify token attends to (rows pad to the longest)
+        for budget in (self.planner, self.chain_budget):
+            if budget is not None:
+                budget.context = context
         if self.chain_budget is not None and (self.planner is None or any(not r.greedy for r in self.row_sampling)):
             # chains only (sampled rows, a DFlash2 drafter, a target without trees): auto chooses their length, or a
             # plain step

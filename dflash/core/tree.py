@@ -228,15 +228,18 @@ def choose_counts(values: Sequence[Sequence[float]], verify_seconds: Callable[[i
     rows = len(values)
     pool = sorted(((v, r, i) for r, vs in enumerate(values) for i, v in enumerate(vs[:cap])),
                   key=lambda x: (-x[0], x[2]))
+    seconds = [draft_seconds + verify_seconds(1, rows)]  # by width: the pool may hold thousands of candidates
     counts, width, expected = [0] * rows, 0, float(rows)
-    best = (list(counts), expected / (draft_seconds + verify_seconds(1, rows)))
+    best = (list(counts), expected / seconds[0])
     for v, r, i in pool:
         if i != counts[r]:
             continue  # each row keeps a prefix of its own order
         counts[r] += 1
-        width = max(width, counts[r])
+        if counts[r] > width:
+            width = counts[r]
+            seconds.append(draft_seconds + verify_seconds(width + 1, rows))
         expected += v
-        rate = expected / (draft_seconds + verify_seconds(width + 1, rows))
+        rate = expected / seconds[width]
         if rate > best[1]:
             best = (list(counts), rate)
     return best
