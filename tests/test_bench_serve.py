@@ -29,3 +29,17 @@ def test_speedup_per_concurrency_and_table(tmp_path):
 def test_defaults_sweep_to_32():
     args = serve_load.parse_args([])
     assert args.concurrency == [1, 2, 4, 8, 16, 32] and args.modes == ["dflash", "no-draft"]
+
+
+def test_a_level_over_rounds_takes_the_median_round_and_pools_latencies():
+    def response(tokens, itl, error=False):
+        return {"error": "x"} if error else {"tokens": tokens, "ttft": 0.1, "itl": itl, "gap": 0.2, "tau": 2.0}
+
+    rounds = [{"responses": [response(100, 0.01), response(100, 0.01)], "wall_seconds": 1.0},  # 200 tok/s
+              {"responses": [response(100, 0.02), response(100, 0.02)], "wall_seconds": 4.0},  # a disturbed round: 50
+              {"responses": [response(100, 0.01), response(0, 0.0, error=True)], "wall_seconds": 0.5}]  # 200
+    level = serve_load.summarise(8, rounds)
+    assert level["round_tokens_per_second"] == [50.0, 200.0, 200.0] and level["tokens_per_second"] == 200.0
+    assert level["requests"] == 6 and level["failed"] == 1 and level["output_tokens"] == 500
+    assert level["itl_p99"] == 0.02 and level["wall_seconds"] == 5.5
+    assert "3 rounds with the modes alternating" in serve_load.markdown(report() | {"rounds": 3})

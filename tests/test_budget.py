@@ -1,7 +1,7 @@
 """dflash.core.budget.ChainBudget: the length of a rejection chain under --verify auto, from acceptance measured under the
 rule in use and the device's costs."""
 
-from dflash.core.budget import ChainBudget, Costs
+from dflash.core.budget import ChainBudget, Costs, CycleClock
 
 # a CPU-like device: a verify of n tokens costs 1 + 0.25 (n - 1) target steps, a draft forward 0.5
 CPU = Costs(draft=0.5, verify=[(1, 1.0), (16, 4.75)])
@@ -43,3 +43,33 @@ def test_a_stale_profile_is_corrected_by_the_cycles_own_times():
         budget.observe(n, accepted, CPU.verify_seconds(n + 1) + (CPU.draft if n else 0.0))
     # real: one token per 1.0 plain, 1.3 tokens per 1.75 drafted: plain steps win
     assert budget.length(can_pause=True) == 0
+
+
+def test_the_cycle_clock_learns_a_scale_and_a_fixed_cost():
+    """Cycles that really take 2x the profile + 3 ms, as rows come and go (1 .. 32): the fit recovers both, up to
+    the ridge's small pull towards k = 1."""
+    clock = CycleClock()
+    for i in range(300):
+        profile = 0.005 * (1 + (7 * i) % 32)
+        clock.observe(profile, 2.0 * profile + 0.003)
+    assert abs(clock.k - 2.0) < 0.06 and abs(clock.a - 0.003) < 0.004
+    assert abs(clock(0.1) - 0.203) / 0.203 < 0.01  # (near the shapes seen, the prediction is close)
+
+
+def test_one_shape_leaves_the_difference_to_the_fixed_cost():
+    """A single row of one width: the slope cannot be told from the intercept, the ridge keeps k at its prior and
+    the excess goes to a (the behaviour of a plain mean of the overhead)."""
+    clock = CycleClock()
+    for _ in range(200):
+        clock.observe(0.010, 0.014)
+    assert abs(clock.k - 1.0) < 0.1 and abs(clock(0.010) - 0.014) < 0.0005
+
+
+def test_costs_grow_with_the_batch_context_between_the_two_profiles():
+    near = Costs(draft=0.5, verify=[(1, 1.0), (16, 4.0)], context=64)
+    near.longer = Costs(draft=0.7, verify=[(1, 2.0), (16, 6.0)], context=320)
+    assert near.verify_seconds(1) == near.verify_seconds(1, context=10) == 1.0  # flat below the short profile
+    assert near.verify_seconds(1, context=192) == 1.5  # halfway
+    assert near.verify_seconds(16, context=576) == 8.0  # linear past the longer one
+    assert abs(near.draft_seconds(context=320) - 0.7) < 1e-9
+    assert Costs.from_json(near.to_json()) == near  # the cache file holds both

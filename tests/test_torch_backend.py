@@ -8,10 +8,12 @@ import torch
 
 from dflash.backends.torch import load
 from dflash.backends.torch.backend import torch_engine
+from dflash.backends.torch.draft_cache import DraftContextCache
 from dflash.backends.torch.drafter import load_drafter, save_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core.errors import DFlashError
 from dflash.core.loop import generate
+from dflash.core.spec import DraftSpec
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +144,33 @@ def test_greedy_lossless_trained_drafter(trained, block_size):
     assert sum(lengths) / len(lengths) > (1.6 if block_size == 2 else 2.5)
     if block_size > 2:
         assert {1, block_size} <= set(lengths) and any(1 < n < block_size for n in lengths)
+
+
+def test_draft_cache_rows_join_into_spare_room_and_leave_in_order(random_draft_dir):
+    """The torch draft cache keeps spare rows: joins copy one row, leaves move only the rows after the first gone,
+    and every live row holds exactly what it held (the same as concatenating and indexing whole buffers)."""
+    spec = DraftSpec.load(random_draft_dir)
+
+    def row(seed: int, length: int, capacity: int) -> DraftContextCache:
+        c = DraftContextCache(spec, torch.float32, "cpu", capacity=capacity)
+        g = torch.Generator().manual_seed(seed)
+        c._k, c._v = torch.randn(c._k.shape, generator=g), torch.randn(c._v.shape, generator=g)
+        c.layout.lengths = [length]
+        return c
+
+    rows = [row(i, 5 + i, 8 if i % 2 else 16) for i in range(5)]
+    live = [(r.k[:, 0, :, :r.layout.lengths[0]].clone(), r.layout.lengths[0]) for r in rows]
+    batch = row(0, 5, 16)
+    for r in rows[1:]:
+        batch.merge(r)
+    assert batch._k.shape[1] >= 5 and batch.k.shape[1] == 5 and batch.lengths == [5, 6, 7, 8, 9]
+    batch.select([0, 2, 4])
+    live = [live[i] for i in (0, 2, 4)]
+    batch.merge(row(9, 3, 8))  # into a freed row: its stale slots past length 3 are never read
+    live.append((row(9, 3, 8).k[:, 0, :, :3].clone(), 3))
+    assert batch.lengths == [n for _, n in live] and batch._k.shape[1] == 8  # (spare rows: 1, 2, 4, 8)
+    for i, (k, n) in enumerate(live):
+        assert torch.equal(batch.k[:, i, :, :n], k)
+    alone = batch.extract(2)
+    assert alone.lengths == [live[2][1]] and torch.equal(alone.k[:, 0, :, :live[2][1]], live[2][0])
+    assert alone.nbytes < batch.nbytes

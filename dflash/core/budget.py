@@ -107,7 +107,7 @@ class CycleClock:
     work per cycle (the heap, the walk, sampling). While the cycles' forwards barely vary (one shape), a ridge towards
     the prior k leaves the difference to a, as a plain mean of the excess; once shapes vary, the slope is measured."""
 
-    def __init__(self, smoothing: float = 0.1, ridge: float = 0.05, k: float = 1.0, a: float = 0.0):
+    def __init__(self, smoothing: float = 0.1, ridge: float = 0.01, k: float = 1.0, a: float = 0.0):
         self.smoothing, self.ridge, self.prior = smoothing, ridge, k
         self.sums = [0.0] * 5  # decayed means of 1, x, x^2, y, x*y (x: the profile's seconds, y: the measured)
         self.k, self.a = k, a
