@@ -267,8 +267,7 @@ class Engine:
         # a matched row's draft reads the noise of every block position; otherwise only the verified ones are drawn
         drafts_read_noise = length != 0 and "match" in self.accept_rules
         draws = self._row_draws(self.block_size, noise=self.block_size if drafts_read_noise else verified)
-        if length == 0:
-            self._absorb_pending()
+        if length == 0:  # (the pending features wait for the next draft forward: see commit)
             draft = Draft(self.target.ids([[a] for a in anchors]))
         else:
             draft = self.draft(anchors, top_k, draws)
@@ -312,7 +311,19 @@ class Engine:
             row.extend(block[:k])
         if self.drafter is None:
             return
-        self.pending = Pending(self.target.head(verified.features, max(keeps)), keeps)
+        new = Pending(self.target.head(verified.features, max(keeps)), keeps)
+        self.pending = new if self.pending is None else self._join_pending(self.pending, new)
+
+    def _join_pending(self, old: Pending, new: Pending) -> Pending:
+        """A cycle without a draft forward leaves the features it committed pending after the earlier ones: the next
+        draft takes them all in one forward, so a plain step costs no drafter forward of its own."""
+        width = old.features.shape[1]
+        joined = self.target.cat([old.features, new.features])
+        counts = [a + b for a, b in zip(old.counts, new.counts)]
+        if all(a == width for a in old.counts):
+            return Pending(joined, counts)
+        slots = [list(range(a)) + [width + j for j in range(b)] for a, b in zip(old.counts, new.counts)]
+        return Pending(self.target.gather(joined, slots), counts)
 
     def retire(self, rows: Sequence[int]) -> None:
         """Drop finished rows (indices into the current rows) from every cache."""
@@ -391,8 +402,8 @@ class Engine:
         return tokens, (chosen, tops)
 
     def _absorb_pending(self) -> None:
-        """A cycle without a draft forward: the drafter takes the pending features into its context now (context
-        K/V needs no block), so every cycle starts with nothing pending, whatever each row committed."""
+        """A tree cycle without a draft forward (copied nodes only): the drafter takes the pending features into its
+        context first (context K/V needs no block), since that cycle's features are gathered by tree slot."""
         if self.drafter is not None:
             self.drafter.extend(self._take_pending())
 
