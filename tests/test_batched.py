@@ -298,3 +298,38 @@ def test_a_row_admitted_after_the_batch_emptied_runs_alone(pair, mixed_prompts):
     while batch:
         batch.step()
     assert gen.result.tokens == want and len(batch.engine.rows) == 1
+
+
+def test_plain_cycles_leave_features_pending_for_the_next_draft(pair, mixed_prompts):
+    """Rows that accepted different prefixes (ragged pending features), then plain cycles: the next draft proposes
+    exactly what it proposes when every plain cycle had the drafter read its features at once, and the committed
+    tokens are the target's own."""
+    target, drafter = pair
+    prompts = mixed_prompts[:4]
+
+    def run(eager: bool):
+        be = batched(target, drafter)
+        anchors = be.prefill(prompts)
+        out, ragged = [], []
+        for kind in ["draft", "draft", "plain", "plain", "plain", "draft", "plain", "draft"]:
+            if kind == "plain":
+                ragged.append(len(set(be.pending.counts)) > 1)
+            if kind == "plain" and eager:
+                be._absorb_pending()
+            steps = be._chain_step(anchors, top_k=0, length=0 if kind == "plain" else None)
+            out.append([s.drafted for s in steps])
+            anchors = [s.tokens[-1] for s in steps]
+            if kind == "plain" and not eager:
+                assert be.pending is not None and be.pending.counts  # the drafter has not read them yet
+        tokens = [list(r) for r in be.rows]
+        be.close()
+        assert any(ragged)  # (rows had accepted different prefixes when a plain cycle came)
+        return out, tokens
+
+    (deferred, rows_deferred), (eager, rows_eager) = run(eager=False), run(eager=True)
+    assert deferred == eager and rows_deferred == rows_eager
+    solo = single(target, drafter)
+    for prompt, row in zip(prompts, rows_deferred):
+        want = generate(solo, prompt, max_new_tokens=len(row) - len(prompt)).tokens
+        assert row[len(prompt):] == want[: len(row) - len(prompt)]
+    solo.close()
