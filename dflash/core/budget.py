@@ -5,7 +5,7 @@ budget of the most probable prefixes every cycle (the DDTree paper's). `--verify
 every row, the node count that maximises expected committed tokens per second on this device: expected tokens from
 the calibrated acceptance estimates of dflash.core.tree, seconds from the costs measured at load (dflash/core/costs.py). A
 short chain, a wide tree or the root alone (an autoregressive step) are all answers it can give. When even the best
-drafted cycle is predicted to lose to a cycle without a draft forward, it stops drafting for a while (1, 2, 4 .. 16
+drafted cycle is predicted to lose to a cycle without a draft forward, it stops drafting for a while (1, 2, 4 .. 64
 cycles, then a drafted cycle probes again), so a drafter that is almost always wrong costs little more than not
 drafting; the copied branch still runs in those cycles, since it costs no draft forward. For a batch the rule is
 the same over all rows at once: costs of r rows of n tokens each after the batch's context (measured at load at
@@ -26,6 +26,7 @@ from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates
 VERIFY_MODES = ("chain", "tree", "auto")
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
 PLAIN_EVERY = 32  # ChainBudget: drafted cycles in a row before a plain step is timed again
+MAX_PAUSE = 64  # the longest run of cycles without a draft forward between probes (a probe costs ~2 steps)
 
 
 def interpolate(points: Sequence[tuple[int, float]], x: float) -> float:
@@ -231,7 +232,7 @@ class TreePlanner:
         else:
             self.rates = [r + 0.3 * (x - r) for r, x in zip(self.rates, (drafted_rate, undrafted_rate))]
         if self.rates[1] > self.rates[0]:
-            self.backoff = min(max(1, 2 * self.backoff), 16)
+            self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
             self.skip = self.backoff
         else:
             self.backoff = 0
@@ -244,7 +245,7 @@ class ChainBudget:
     rule in use); seconds are T_draft + T_verify(L + 1) from the device profile, taken to the wall clock by a
     CycleClock fitted on the cycles' own times (either way: a profile measured while the machine was busy
     overstates). L = 0 is a plain target step without the draft forward; while it wins, drafting pauses for 1, 2,
-    4 .. 16 cycles between probes, as the tree planner's pauses do."""
+    4 .. 64 cycles between probes, as the tree planner's pauses do."""
 
     def __init__(self, block_size: int, costs: Costs, prior: float = 0.5, smoothing: float = 0.1):
         self.costs, self.smoothing = costs, smoothing
@@ -280,7 +281,7 @@ class ChainBudget:
             return 0
         plain_wins = self.expected(0) / self.seconds(0, rows) > self.expected(best) / self.seconds(best, rows)
         if plain_wins and not self.probing:
-            self.backoff = min(max(1, 2 * self.backoff), 16)
+            self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
             self.skip, self.probing = self.backoff - 1, True
             return 0
         self.probing = False
