@@ -3,8 +3,8 @@
 `--verify chain` verifies the drafter's B-1 proposals (the DFlash paper's decoding). `--verify tree` verifies a fixed
 budget of the most probable prefixes every cycle (the DDTree paper's). `--verify auto` chooses, every cycle and for
 every row, the node count that maximises expected committed tokens per second on this device: expected tokens from
-the calibrated acceptance estimates of dflash.core.tree, seconds from the costs measured at load (dflash/core/costs.py). A
-short chain, a wide tree or the root alone (an autoregressive step) are all answers it can give. When even the best
+the calibrated acceptance estimates of dflash.core.tree, seconds from the costs measured at load
+(dflash/core/costs.py). A short chain, a wide tree or the root alone (an autoregressive step) are all answers it can give. When even the best
 drafted cycle is predicted to lose to a cycle without a draft forward, it stops drafting for a while (1, 2, 4 .. 64
 cycles, then a drafted cycle probes again), so a drafter that is almost always wrong costs little more than not
 drafting; the copied branch still runs in those cycles, since it costs no draft forward. For a batch the rule is
