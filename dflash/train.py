@@ -303,4 +303,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main))
+    code = cli.run(main)
+    # Trained and exported (every file closed, the process group destroyed): skip the interpreter's teardown, which
+    # destroys torch's native thread pools under threads that may still run and once aborted a torchrun rank after
+    # its run had finished ("terminate called without an active exception", SIGABRT), as it did the server's
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
