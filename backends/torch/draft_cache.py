@@ -125,7 +125,9 @@ class DraftContextCache(ContextCache):
         size = max(self._k.shape[3], used)
         if n + m > self._k.shape[1] or size > self._k.shape[3]:  # no room: grow (rows by doubling), once
             shape = list(self._k.shape)
-            shape[1], shape[3] = max(n + m, 2 * shape[1]), size
+            if n + m > shape[1]:
+                shape[1] = max(n + m, 2 * shape[1])
+            shape[3] = size
             k, v = self._k.new_zeros(shape), self._v.new_zeros(shape)
             k[:, :n, :, :self._k.shape[3]] = self._k[:, :n]
             v[:, :n, :, :self._v.shape[3]] = self._v[:, :n]

@@ -4,11 +4,11 @@
 budget of the most probable prefixes every cycle (the DDTree paper's). `--verify auto` chooses, every cycle and for
 every row, the node count that maximises expected committed tokens per second on this device: expected tokens from
 the calibrated acceptance estimates of dflash.core.tree, seconds from the costs measured at load
-(dflash/core/costs.py). A short chain, a wide tree or the root alone (an autoregressive step) are all answers it can give. When even the best
-drafted cycle is predicted to lose to a cycle without a draft forward, it stops drafting for a while (1, 2, 4 .. 64
-cycles, then a drafted cycle probes again), so a drafter that is almost always wrong costs little more than not
-drafting; the copied branch still runs in those cycles, since it costs no draft forward. For a batch the rule is
-the same over all rows at once: costs of r rows of n tokens each after the batch's context (measured at load at
+(dflash/core/costs.py). A short chain, a wide tree or the root alone (an autoregressive step) are all answers it can
+give. When even the best drafted cycle is predicted to lose to a cycle without a draft forward, it stops drafting
+for a while (1, 2, 4 .. 64 cycles, then a drafted cycle probes again), so a drafter that is almost always wrong
+costs little more than not drafting; the copied branch still runs in those cycles, since it costs no draft forward.
+For a batch the rule is the same over all rows at once: costs of r rows of n tokens each after the batch's context (measured at load at
 two context lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes), and a
 pause skips the whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. Every
 prediction goes through a CycleClock fitted online on the cycles' own wall times. Whether a cycle runs on the

@@ -24,17 +24,16 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
     for index, row, anchor in zip(engine._copies, engine.rows, anchors):
         index.update(row + [anchor])
         copies.append(index.continuation(b - 1))
-    if not planner.drafts_this_cycle():
-        plan = planner.plan(anchors, copies=copies)
-        if all(len(t.tokens) == 1 for t in plan.trees):  # no copied node either: a plain step, without a tree mask
-            steps = engine._chain_step(anchors, top_k=0, length=0)
-            planner.observe(plan, [[] for _ in steps], time.perf_counter() - start)
-            engine.last_trees, engine.last_paths = plan.trees, [[] for _ in steps]
-            return steps
-        draws = engine._row_draws(b)
+    plan = None if planner.drafts_this_cycle() else planner.plan(anchors, copies=copies)
+    if plan is not None and all(len(t.tokens) == 1 for t in plan.trees):  # no draft, no copied node: a plain step
+        steps = engine._chain_step(anchors, top_k=0, length=0)
+        planner.observe(plan, [[] for _ in steps], time.perf_counter() - start)
+        engine.last_trees, engine.last_paths = plan.trees, [[] for _ in steps]
+        return steps
+    draws = engine._row_draws(b)
+    if plan is not None:
         engine._absorb_pending()
     else:
-        draws = engine._row_draws(b)
         draft = engine.drafter.propose(target.ids([[a] for a in anchors]), engine._take_pending(), b,
                                        planner.top_k, draws)
         plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
