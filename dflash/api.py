@@ -14,7 +14,7 @@ from typing import Sequence
 
 from . import backends, hub
 from .core import blas
-from .core.budget import VERIFY_MODES
+from .core.budget import ITL_LIMIT, VERIFY_MODES
 from .core.checkpoint import check_target_dir
 from .core.costs import measured_costs
 from .core.errors import DFlashError
@@ -82,15 +82,19 @@ class Pipeline:
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *, backend: str = "auto",
          no_draft: bool = False, dtype: str = "auto", device: str = "auto", block_size: int | None = None,
          draft_window: int | None = None, trust_remote_code: bool = False, verify: str = "auto",
-         tree_budget: int | None = None, copy_branch: bool = True) -> Pipeline:
+         tree_budget: int | None = None, copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT) -> Pipeline:
     """verify: chain (the drafter's B-1 proposals), tree (`tree_budget` nodes of the most probable prefixes each
     cycle) or auto (each cycle the node count that maximises tokens per second on this device, from costs measured
-    at load and cached; see dflash/core/budget.py)."""
+    at load and cached; see dflash/core/budget.py). itl_limit (auto): a cycle takes at most this many plain steps
+    per token any of its rows expects, so that in a batch a row whose drafts are rarely accepted is not slowed
+    down by the others' trees (None or 0: no limit)."""
     name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load
     if verify not in VERIFY_MODES:
         raise DFlashError(f"--verify: got {verify!r}, expected one of {', '.join(VERIFY_MODES)}")
     if tree_budget is not None and tree_budget < 1:
         raise DFlashError(f"--tree-budget: got {tree_budget}, expected >= 1 draft nodes")
+    if itl_limit is not None and itl_limit != 0 and not itl_limit >= 1:
+        raise DFlashError(f"--itl-limit: got {itl_limit}, expected 0 (no limit) or >= 1 plain steps per token")
     if model is not None:
         pair = hub.pair_for(str(model))  # refuse a known-unsupported family before downloading it
         if pair is not None and not no_draft and name not in pair.backends:
@@ -116,7 +120,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         costs = None
         if verify == "auto" and be.capabilities.trees:
             costs = measured_costs(be, max_tokens=(tree_budget or 256) + 1)
-        be.set_verify(verify, tree_budget, costs, copy_branch)
+        be.set_verify(verify, tree_budget, costs, copy_branch, itl_limit or None)
     return Pipeline(be, tokenizer, Path(target_dir), draft_dir, name)
 
 

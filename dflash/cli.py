@@ -10,6 +10,7 @@ import sys
 from . import backends
 from .api import load
 from .core import blas
+from .core.budget import ITL_LIMIT
 from .core.errors import DFlashError
 from .core.sampling import SamplingParams
 
@@ -30,6 +31,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default: block size - 1 for tree; auto: what the device profile allows)")
     p.add_argument("--no-copy-branch", dest="copy_branch", action="store_false",
                    help="trees without the branch copied from the context (prompt lookup)")
+    p.add_argument("--itl-limit", type=float, default=ITL_LIMIT,
+                   help="auto, batches: a cycle takes at most this many plain decoding steps per token the row "
+                   "least served by it expects, so one row's trees do not slow a row whose drafts are rarely "
+                   "accepted (0: no limit; default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda[:N], mps")
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
@@ -77,7 +82,7 @@ def load_pipeline(args):
     return load(args.model, args.draft, backend=args.backend, no_draft=args.no_draft, dtype=args.dtype,
                 device=args.device, block_size=args.block_size, draft_window=args.draft_window,
                 trust_remote_code=args.trust_remote_code, verify=args.verify, tree_budget=args.tree_budget,
-                copy_branch=args.copy_branch)
+                copy_branch=args.copy_branch, itl_limit=args.itl_limit)
 
 
 def run(main, argv=None) -> int:

@@ -1,7 +1,7 @@
 """dflash.core.budget.ChainBudget: the length of a rejection chain under --verify auto, from acceptance measured under the
 rule in use and the device's costs."""
 
-from dflash.core.budget import ChainBudget, Costs, CycleClock
+from dflash.core.budget import ChainBudget, Costs, CycleClock, TreePlanner
 
 # a CPU-like device: a verify of n tokens costs 1 + 0.25 (n - 1) target steps, a draft forward 0.5
 CPU = Costs(draft=0.5, verify=[(1, 1.0), (16, 4.75)])
@@ -73,3 +73,21 @@ def test_costs_grow_with_the_batch_context_between_the_two_profiles():
     assert near.verify_seconds(16, context=576) == 8.0  # linear past the longer one
     assert abs(near.draft_seconds(context=320) - 0.7) < 1e-9
     assert Costs.from_json(near.to_json()) == near  # the cache file holds both
+
+
+def test_a_row_whose_drafts_fail_is_not_slowed_by_the_others_trees():
+    """Two rows, one whose drafts the calibration trusts and one whose it does not, on the CPU-like device: a plain
+    step of two rows costs 1.25, the draft forward alone 1.0, so any drafted cycle makes the second row (expecting
+    ~1 token) wait over 1.5 plain steps per token. Without a limit the first row's tree is taken for throughput;
+    under the limit the cycle verifies the roots only and drafting pauses; and no whole-chain cycle is chosen."""
+    def planned(itl_limit):
+        planner = TreePlanner("auto", 4, 8, CPU, itl_limit=itl_limit)
+        top_ids = [[[5, 6]] * 3, [[7, 8]] * 3]
+        top_probs = [[[0.99, 0.01]] * 3, [[0.02, 0.01]] * 3]
+        return planner, planner.plan([1, 2], top_ids, top_probs, copies=[[], []])
+
+    unlimited, plan = planned(None)
+    assert len(plan.trees[0].tokens) > 1 and unlimited.chain_within
+    limited, plan = planned(1.5)
+    assert [len(t.tokens) for t in plan.trees] == [1, 1] and limited.skip > 0
+    assert not limited.chain_within and limited.path() == "tree"

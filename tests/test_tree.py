@@ -124,6 +124,22 @@ def test_choose_counts_trades_tokens_for_seconds():
     assert counts == [1, 1]
 
 
+def test_choose_counts_keeps_the_least_served_row_within_the_limit():
+    """A row whose drafts are accepted beside one whose are not: without a limit the good row's tree widens the
+    cycle until the other row waits 1.9 plain steps for each of its tokens; with a limit of 1.65 s per token of
+    the least-served row, the tree stops where that row's expected wait fits."""
+    seconds = lambda n, rows: 1.0 + 0.1 * n  # noqa: E731  (a plain step: seconds(1) = 1.1)
+    values = [[0.95] * 8, [0.01] * 8]
+    assert choose_counts(values, seconds, 0.0, 8)[0] == [8, 8]
+    counts, rate = choose_counts(values, seconds, 0.0, 8, limit=1.65)
+    width = max(counts)
+    least = 1.0 + 0.01 * counts[1]
+    assert seconds(width + 1, 2) <= 1.65 * least < seconds(width + 2, 2)
+    assert counts[0] == width and rate > 2 / 1.1
+    # nothing within the limit (the draft forward alone costs more): rate 0, so a pause follows
+    assert choose_counts([[0.2]], lambda n, rows: 1.0, 1.0, 4, limit=1.5) == ([0], 0.0)
+
+
 def test_costs_interpolate_and_extrapolate():
     c = Costs(0.1, [(1, 1.0), (3, 2.0), (5, 4.0)])
     assert c.verify_seconds(2) == 1.5 and c.verify_seconds(7) == 6.0 and c.verify_seconds(0) == 1.0

@@ -7,8 +7,9 @@ Per request:
 time to first token (request sent -> first text chunk), inter-token latency ((last chunk - first chunk) /
 (tokens - 1)), the longest gap between two of its chunks (a stall: a joining request's prefill shows here) and the
 server's tau; per level: output tokens per second over the level's wall time, and the speedup of each mode over
-no-draft at the same concurrency. Writes serve.json, serve.md (one row per concurrency, the modes side by side) and
-serve.png (speedup against concurrency, then throughput, TTFT and ITL) into --out.
+no-draft at the same concurrency. Writes serve.json (also every response: prompt, tokens, tau, TTFT, ITL, gap),
+serve.md (one row per concurrency, the modes side by side) and serve.png (speedup against concurrency, then
+throughput, TTFT and ITL) into --out.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def run_level(url: str, prompts: list[str], concurrency: int, n: int, max_tokens
     """One round: n requests from `concurrency` clients; the responses and the round's wall time."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        out = list(pool.map(lambda i: one_request(url, prompts[i % len(prompts)], max_tokens), range(n)))
+        out = list(pool.map(lambda i: {"prompt": i % len(prompts), **one_request(url, prompts[i % len(prompts)],
+                                                                                 max_tokens)}, range(n)))
     return {"responses": out, "wall_seconds": time.perf_counter() - t0}
 
 
@@ -139,7 +141,8 @@ def summarise(concurrency: int, rounds: list[dict]) -> dict:
             "tokens_per_second": rates[len(rates) // 2] if rates else 0.0, "round_tokens_per_second": rates,
             "ttft_p50": _pct([r["ttft"] for r in ok], 0.5), "ttft_p99": _pct([r["ttft"] for r in ok], 0.99),
             "itl_p50": _pct([r["itl"] for r in ok], 0.5), "itl_p99": _pct([r["itl"] for r in ok], 0.99),
-            "gap_p99": _pct([r["gap"] for r in ok], 0.99), "tau": sum(taus) / len(taus) if taus else None}
+            "gap_p99": _pct([r["gap"] for r in ok], 0.99), "tau": sum(taus) / len(taus) if taus else None,
+            "responses": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in out]}
 
 
 def speedups(report: dict, base: str = "no-draft") -> dict[str, dict[int, float]]:

@@ -27,6 +27,7 @@ VERIFY_MODES = ("chain", "tree", "auto")
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
 PLAIN_EVERY = 32  # ChainBudget: drafted cycles in a row before a plain step is timed again
 MAX_PAUSE = 64  # the longest run of cycles without a draft forward between probes (a probe costs ~2 steps)
+ITL_LIMIT = 1.5  # auto: a cycle takes at most this many plain steps per token its least-served row expects
 
 
 def interpolate(points: Sequence[tuple[int, float]], x: float) -> float:
@@ -142,9 +143,10 @@ class TreePlanner:
     """Builds each cycle's trees (one per row) and learns from what the target accepted."""
 
     def __init__(self, mode: str, block_size: int, budget: int, costs: Costs | None = None,
-                 copy_branch: bool = True):
+                 copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT):
         self.mode, self.block_size, self.budget, self.costs = mode, block_size, budget, costs
-        self.copy_branch = copy_branch
+        self.copy_branch, self.itl_limit = copy_branch, itl_limit
+        self.chain_within = True  # auto: whether the last drafted cycle's rows could wait for a whole chain
         self.top_k = min(MAX_TOP_K, budget)
         self.calibration = Calibration(block_size - 1)
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
@@ -157,7 +159,7 @@ class TreePlanner:
     def path(self) -> str:
         """auto: "chain" or "tree" for this cycle (tree: always). While cycles without a draft forward win (a pause,
         and its probes) the tree path runs: only it can pause, and only its plans tell when drafting pays again."""
-        if self.mode != "auto" or self.skip > 0 or self.backoff > 0:
+        if self.mode != "auto" or self.skip > 0 or self.backoff > 0 or not self.chain_within:
             return "tree"
         return self.choice.choose()
 
@@ -194,6 +196,7 @@ class TreePlanner:
             counts, rate = self._counts(candidates, drafted)
             if drafted:
                 self._update_pause(copies, rate)
+                self.chain_within = self._chain_within(candidates)
         trees = [to_tree(a, c[:n]) for a, c, n in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:n]] for c, n in zip(candidates, counts)]
         rank1 = lambda c: bool(c.ranks) and not any(c.ranks)  # noqa: E731  (the drafter's argmax at every depth)
@@ -219,7 +222,25 @@ class TreePlanner:
         rows, clock = len(candidates), self.clock[drafted]
         draft = self.costs.draft_seconds(rows, self.context) if drafted else 0.0
         seconds = lambda n, r: clock(draft + self.costs.verify_seconds(n, r, self.context))  # noqa: E731
-        return choose_counts(values, seconds, 0.0, self.budget)
+        return choose_counts(values, seconds, 0.0, self.budget, self._limit(rows))
+
+    def _limit(self, rows: int) -> float | None:
+        """Seconds a cycle may take per token its least-served row expects: itl_limit plain steps of this batch."""
+        if not self.itl_limit:
+            return None
+        return self.itl_limit * self.clock[False](self.costs.verify_seconds(1, rows, self.context))
+
+    def _chain_within(self, candidates) -> bool:
+        """Whether a chain cycle (every row verifies the drafter's B-1 rank-1 proposals) keeps within the limit: its
+        tokens per row expected from the same calibrated values as the tree's."""
+        limit = self._limit(len(candidates))
+        if limit is None:
+            return True
+        rows = len(candidates)
+        least = min(1.0 + sum(c.value for c in cs if c.ranks and not any(c.ranks)) for cs in candidates)
+        forwards = self.costs.draft_seconds(rows, self.context) + self.costs.verify_seconds(
+            self.block_size, rows, self.context)
+        return self.clock[True](forwards) <= limit * least
 
     def _update_pause(self, copies, drafted_rate: float) -> None:
         """Compare the predicted rate of drafted cycles with what the same cycles would give without the draft

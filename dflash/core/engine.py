@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from .admission import Admission
-from .budget import VERIFY_MODES, ChainBudget, Costs, TreePlanner
+from .budget import ITL_LIMIT, VERIFY_MODES, ChainBudget, Costs, TreePlanner
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
 from .errors import DFlashError
 from .prefix_cache import PrefixCache, keep_row
@@ -94,9 +94,10 @@ class Engine:
         return [r.rule for r in self.row_sampling]
 
     def set_verify(self, mode: str = "chain", budget: int | None = None, costs: Costs | None = None,
-                   copy_branch: bool = True) -> None:
+                   copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT) -> None:
         """chain: verify the B-1 proposals. tree: a tree of `budget` nodes every cycle. auto: each cycle, the node
-        count that maximises committed tokens per second under `costs` (chain when that is best)."""
+        count that maximises committed tokens per second under `costs` (chain when that is best), in cycles that
+        take at most `itl_limit` plain steps per token any row expects (None: no limit)."""
         if mode not in VERIFY_MODES:
             raise DFlashError(f"--verify: got {mode!r}, expected one of {', '.join(VERIFY_MODES)}")
         if budget is not None and budget < 1:
@@ -124,7 +125,7 @@ class Engine:
         if budget is None:  # tree: the chain's verify tokens; auto: as many as the measured costs reach
             budget = self.block_size - 1 if mode == "tree" else max(self.block_size - 1,
                                                                    min(256, costs.verify[-1][0] - 1))
-        self.planner = TreePlanner(mode, self.block_size, budget, costs, copy_branch)
+        self.planner = TreePlanner(mode, self.block_size, budget, costs, copy_branch, itl_limit)
         self.top_k = self.planner.top_k
         self.chain_budget = ChainBudget(self.block_size, costs) if mode == "auto" else None
 

@@ -220,17 +220,21 @@ def chain_tree(anchor: int, proposals: Sequence[int]) -> Tree:
 
 
 def choose_counts(values: Sequence[Sequence[float]], verify_seconds: Callable[[int, int], float],
-                  draft_seconds: float, cap: int) -> tuple[list[int], float]:
+                  draft_seconds: float, cap: int, limit: float | None = None) -> tuple[list[int], float]:
     """How many of each row's sorted candidates to verify: the global prefix (by value across rows, each row
     keeping a prefix of its own) that maximises expected committed tokens per second. One forward verifies every
-    row's root + nodes, padded to the widest row: verify_seconds(width + 1, rows). Returns the per-row counts and
-    the predicted tokens per second."""
+    row's root + nodes, padded to the widest row: verify_seconds(width + 1, rows). `limit`: the most seconds a
+    cycle may take per token its least-served row expects (a row whose nodes are rarely accepted still waits for
+    the whole cycle); plans over it are not taken. Returns the per-row counts and the predicted tokens per second
+    (0.0 when no plan is within the limit)."""
     rows = len(values)
     pool = sorted(((v, r, i) for r, vs in enumerate(values) for i, v in enumerate(vs[:cap])),
                   key=lambda x: (-x[0], x[2]))
     seconds = [draft_seconds + verify_seconds(1, rows)]  # by width: the pool may hold thousands of candidates
     counts, width, expected = [0] * rows, 0, float(rows)
-    best = (list(counts), expected / seconds[0])
+    row_expected, least = [1.0] * rows, 1.0  # per row: 1 (the bonus) + its chosen nodes' values; their minimum
+    within = lambda: limit is None or seconds[width] <= limit * least  # noqa: E731
+    best = (list(counts), expected / seconds[0] if within() else 0.0)
     for v, r, i in pool:
         if i != counts[r]:
             continue  # each row keeps a prefix of its own order
@@ -239,8 +243,12 @@ def choose_counts(values: Sequence[Sequence[float]], verify_seconds: Callable[[i
             width = counts[r]
             seconds.append(draft_seconds + verify_seconds(width + 1, rows))
         expected += v
+        was_least = row_expected[r] == least
+        row_expected[r] += v
+        if was_least:
+            least = min(row_expected)
         rate = expected / seconds[width]
-        if rate > best[1]:
+        if rate > best[1] and within():
             best = (list(counts), rate)
     return best
 
