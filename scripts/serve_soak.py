@@ -5,6 +5,7 @@ one the same request got alone at the start (nothing failed, nothing garbled), e
 expected status, and the server's RSS must stay flat after the warm-up (the first minute).
 
     OMP_NUM_THREADS=1 python scripts/serve_soak.py --minutes 10 --concurrency 16 [--out soak.json]
+    python scripts/serve_soak.py --minutes 3 --concurrency 4 --server-arg=--backend --server-arg=mlx
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", help="write the figures here as JSON")
+    p.add_argument("--server-arg", action="append", default=[], help="extra dflash.serve flag (repeatable)")
     args = p.parse_args()
 
     with socket.socket() as s:
@@ -91,7 +93,7 @@ def main() -> int:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "dflash.serve", "--port", str(port), "--max-batch",
-                             str(args.concurrency), "--log-level", "warning"],
+                             str(args.concurrency), "--log-level", "warning", *args.server_arg],
                             env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
     try:
         for _ in range(600):
@@ -141,7 +143,8 @@ def main() -> int:
             t.join()
         warm = [m for s, m in rss if s >= 60] or [m for _, m in rss]
         health = httpx.get(url + "/health").json()
-        report = {"minutes": args.minutes, "concurrency": args.concurrency, **counts, "errors": errors[:10],
+        report = {"minutes": args.minutes, "concurrency": args.concurrency, "server_args": args.server_arg,
+                  **counts, "errors": errors[:10],
                   "rss_mb_after_warmup": warm[0], "rss_mb_end": warm[-1], "rss_mb_max": max(warm),
                   "rss_samples": rss, "running_after": health["running"], "waiting_after": health["waiting"]}
     finally:

@@ -61,9 +61,12 @@ class MLXTarget:
         return x.tolist()
 
     def settle(self, drafter=None, *arrays) -> None:
-        """Evaluate the lazy graph: the caches (and the given arrays) become concrete, which bounds its memory."""
+        """Evaluate the lazy graph: the caches (and the given arrays) become concrete, which bounds its memory. The
+        prefill's transient buffers then go back to the system, not to MLX's pool, as mlx-lm does after each
+        prefill chunk: a server's joins and leaves change every buffer's shape, so the pool would keep growing."""
         state = [c.state for c in self.cache] + (drafter.state() if drafter is not None else [])
         mx.eval(*arrays, state)
+        mx.clear_cache()
 
     @staticmethod
     def take_rows(features: mx.array, rows: list[int]) -> mx.array:
@@ -221,6 +224,7 @@ class MLXTarget:
             c.keys, c.values = c.keys[idx], c.values[idx]
         self.layout.select(rows)
         self.samplers = [self.samplers[i] for i in rows]
+        mx.clear_cache()  # (the rows that left: see settle)
 
     def extract(self, i: int) -> "MLXTarget":
         """Row i alone on a cache of its own (its valid slots, in order): a prefix kept after it leaves the batch."""
@@ -233,6 +237,7 @@ class MLXTarget:
         for mine, theirs in zip(row.cache, self.cache):
             mine.keys, mine.values = pick(theirs.keys), pick(theirs.values)
             mine.offset = mine.keys.shape[2]
+        mx.eval([c.state for c in row.cache])  # its own buffers now: unevaluated, it would pin the whole batch's
         row.samplers = [self.samplers[i if self.layout is not None else 0]]
         return row
 

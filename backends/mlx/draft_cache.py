@@ -86,6 +86,7 @@ class DraftContextCache(ContextCache):
         used = max(self.layout.slot(self.layout.lengths[row]), 1)
         out.k = [mx.array(a[row:row + 1, :, :used]) for a in self.k]
         out.v = [mx.array(a[row:row + 1, :, :used]) for a in self.v]
+        mx.eval(out.k, out.v)  # copies now: unevaluated, they would pin the whole batch's buffers
         out.layout.capacity, out.layout.offset = used, self.layout.offset
         out.layout.lengths = [self.layout.lengths[row]]
         return out
