@@ -12,7 +12,9 @@ For a batch the rule is the same over all rows at once: costs of r rows of n tok
 two context lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes), and a
 pause skips the whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. Every
 prediction goes through a CycleClock fitted online on the cycles' own wall times. Whether a cycle runs on the
-chain's own path or a tree's is dflash/core/path_choice.py's estimate.
+chain's own path or a tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the whole
+cycle, so a plan is taken only while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served
+row expects (docs/trees.md, "Latency limit").
 """
 
 from __future__ import annotations
