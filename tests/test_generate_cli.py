@@ -77,6 +77,8 @@ def test_chat_template(tiny_target_dir, random_draft_dir):
     (["--prompt-ids", "1,x"], "--prompt-ids"),
     (["--prompt-ids", "99999"], "--prompt-ids"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--itl-limit", "0.5"], "--itl-limit"),
+    (["--itl-limit", "nan"], "--itl-limit"),
 ])
 def test_bad_flags_one_line(tiny_target_dir, random_draft_dir, args, needle):
     base = ["--model", tiny_target_dir, "--draft", random_draft_dir]
