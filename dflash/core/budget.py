@@ -2,19 +2,19 @@
 
 `--verify chain` verifies the drafter's B-1 proposals (the DFlash paper's decoding). `--verify tree` verifies a fixed
 budget of the most probable prefixes every cycle (the DDTree paper's). `--verify auto` chooses, every cycle and for
-every row, the node count that maximises expected committed tokens per second on this device: expected tokens from
-the calibrated acceptance estimates of dflash.core.tree, seconds from the costs measured at load
-(dflash/core/costs.py). A short chain, a wide tree or the root alone (an autoregressive step) are all answers it can
-give. When even the best drafted cycle is predicted to lose to a cycle without a draft forward, it stops drafting
-for a while (1, 2, 4 .. 64 cycles, then a drafted cycle probes again), so a drafter that is almost always wrong
-costs little more than not drafting; the copied branch still runs in those cycles, since it costs no draft forward.
-For a batch the rule is the same over all rows at once: costs of r rows of n tokens each after the batch's context (measured at load at
-two context lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes), and a
-pause skips the whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. Every
-prediction goes through a CycleClock fitted online on the cycles' own wall times. Whether a cycle runs on the
-chain's own path or a tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the whole
-cycle, so a plan is taken only while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served
-row expects (docs/trees.md, "Latency limit").
+every row, the node count that maximises expected committed tokens per second on this device: expected tokens from the
+calibrated acceptance estimates of dflash.core.tree, seconds from the costs measured at load (dflash/core/costs.py). A
+short chain, a wide tree or the root alone (an autoregressive step) are all answers it can give. When even the best
+drafted cycle is predicted to lose to a cycle without a draft forward, it stops drafting for a while (1, 2, 4 .. 64
+cycles, then a drafted cycle probes again), so a drafter that is almost always wrong costs little more than not
+drafting; the copied branch still runs in those cycles, since it costs no draft forward. For a batch the rule is the
+same over all rows at once: costs of r rows of n tokens each after the batch's context (measured at load at two context
+lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes), and a pause skips the
+whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. Every prediction goes
+through a CycleClock fitted online on the cycles' own wall times. Whether a cycle runs on the chain's own path or a
+tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the whole cycle, so a plan is taken only
+while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served row expects (docs/trees.md, "Latency
+limit").
 """
 
 from __future__ import annotations
@@ -66,6 +66,10 @@ class Costs:
 
     def draft_seconds(self, rows: int = 1, context: float | None = None) -> float:
         return self._at(context, lambda c: c._draft(rows))
+
+    def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None) -> float:
+        """A cycle's forwards: the draft forward when `drafted`, then a target forward of `tokens` per row."""
+        return self.verify_seconds(tokens, rows, context) + (self.draft_seconds(rows, context) if drafted else 0.0)
 
     def _at(self, context: float | None, seconds) -> float:
         near = seconds(self)
@@ -172,8 +176,7 @@ class TreePlanner:
         if self.costs is None or (kind == "tree" and not self.last_drafted):
             return  # (a cycle without a draft forward says nothing about either path's drafted cycles)
         rows = len(accepted)
-        model = (self.costs.draft_seconds(rows, self.context)
-                 + self.costs.verify_seconds(self.block_size, rows, self.context))
+        model = self.costs.cycle_seconds(self.block_size, rows, True, self.context)
         self.choice.observe(kind, seconds, model)
 
     def drafts_this_cycle(self) -> bool:
@@ -214,23 +217,21 @@ class TreePlanner:
             self.choice.observe_tree(plan.on_chain, paths)
         if seconds is not None and self.costs is not None:
             rows, width = len(plan.trees), max(len(t.tokens) for t in plan.trees)
-            forwards = self.costs.verify_seconds(width, rows, self.context) + (
-                self.costs.draft_seconds(rows, self.context) if plan.drafted else 0.0)
+            forwards = self.costs.cycle_seconds(width, rows, plan.drafted, self.context)
             self.clock[plan.drafted].observe(forwards, seconds)
 
     # ---- auto ------------------------------------------------------------------------------------------------------
     def _counts(self, candidates, drafted: bool) -> tuple[list[int], float]:
         values = [[c.value for c in cs] for cs in candidates]
         rows, clock = len(candidates), self.clock[drafted]
-        draft = self.costs.draft_seconds(rows, self.context) if drafted else 0.0
-        seconds = lambda n, r: clock(draft + self.costs.verify_seconds(n, r, self.context))  # noqa: E731
+        seconds = lambda n, r: clock(self.costs.cycle_seconds(n, r, drafted, self.context))  # noqa: E731
         return choose_counts(values, seconds, 0.0, self.budget, self._limit(rows))
 
     def _limit(self, rows: int) -> float | None:
         """Seconds a cycle may take per token its least-served row expects: itl_limit plain steps of this batch."""
         if not self.itl_limit:
             return None
-        return self.itl_limit * self.clock[False](self.costs.verify_seconds(1, rows, self.context))
+        return self.itl_limit * self.clock[False](self.costs.cycle_seconds(1, rows, False, self.context))
 
     def _chain_within(self, candidates) -> bool:
         """Whether a chain cycle (every row verifies the drafter's B-1 rank-1 proposals) keeps within the limit: its
@@ -240,9 +241,7 @@ class TreePlanner:
             return True
         rows = len(candidates)
         least = min(1.0 + sum(c.value for c in cs if c.ranks and not any(c.ranks)) for cs in candidates)
-        forwards = self.costs.draft_seconds(rows, self.context) + self.costs.verify_seconds(
-            self.block_size, rows, self.context)
-        return self.clock[True](forwards) <= limit * least
+        return self.clock[True](self.costs.cycle_seconds(self.block_size, rows, True, self.context)) <= limit * least
 
     def _update_pause(self, copies, drafted_rate: float) -> None:
         """Compare the predicted rate of drafted cycles with what the same cycles would give without the draft
@@ -287,8 +286,7 @@ class ChainBudget:
 
     def forwards(self, length: int, rows: int = 1) -> float:
         """The profile's seconds for a cycle verifying `length` proposals per row (0: no draft forward)."""
-        return self.costs.verify_seconds(length + 1, rows, self.context) + (
-            self.costs.draft_seconds(rows, self.context) if length else 0.0)
+        return self.costs.cycle_seconds(length + 1, rows, length > 0, self.context)
 
     def seconds(self, length: int, rows: int = 1) -> float:
         return self.clock[length > 0](self.forwards(length, rows))
