@@ -40,12 +40,13 @@ def main() -> int:
                                   threads=1)
     log = Path(args.out).with_suffix(".server.log") if args.out else Path("/dev/null")
     proc, url = start_server(server_args, "dflash", log)
+    client = httpx.Client(timeout=600)  # one connection pool, as an application keeps
     rows = []
     try:
         def served(prompt: str) -> tuple[float, int, str]:
             t0 = time.perf_counter()
-            r = httpx.post(url + "/v1/completions", timeout=600,
-                           json={"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0})
+            r = client.post(url + "/v1/completions",
+                            json={"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0})
             seconds = time.perf_counter() - t0
             body = r.json()
             return seconds, body["usage"]["completion_tokens"], body["choices"][0]["text"]
@@ -65,6 +66,7 @@ def main() -> int:
             print(f"{i}: server {rows[-1]['server_ms_per_token']:.2f} ms/token, generate "
                   f"{rows[-1]['generate_ms_per_token']:.2f}", file=sys.stderr)
     finally:
+        client.close()
         proc.terminate()
         proc.wait(60)
     ratios = [r["server_ms_per_token"] / r["generate_ms_per_token"] for r in rows]

@@ -86,16 +86,14 @@ def start_server(args, mode: str, log_path: Path):
     raise DFlashError(f"dflash.serve ({mode}) not ready after 600 s; see {log_path}")
 
 
-def one_request(url: str, prompt: str, max_tokens: int) -> dict:
-    import httpx
-
+def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
     gap = 0.0
     usage, stats = {}, {}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}"}
         for line in r.iter_lines():
@@ -120,11 +118,16 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run_level(url: str, prompts: list[str], concurrency: int, n: int, max_tokens: int) -> dict:
-    """One round: n requests from `concurrency` clients; the responses and the round's wall time."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        out = list(pool.map(lambda i: {"prompt": i % len(prompts), **one_request(url, prompts[i % len(prompts)],
-                                                                                 max_tokens)}, range(n)))
+    """One round: n requests from `concurrency` clients; the responses and the round's wall time. The clients share
+    one connection pool, as an application's HTTP client does (a new httpx client per request cost 37 ms per
+    request on this machine, a kept connection 1.7 ms: it showed in every TTFT)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    with httpx.Client(timeout=600, limits=limits) as client, ThreadPoolExecutor(concurrency) as pool:
+        t0 = time.perf_counter()
+        out = list(pool.map(lambda i: {"prompt": i % len(prompts),
+                                       **one_request(client, url, prompts[i % len(prompts)], max_tokens)}, range(n)))
     return {"responses": out, "wall_seconds": time.perf_counter() - t0}
 
 
