@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .path_choice import PathChoice
-from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates, to_tree
+from .tree import Calibration, Candidate, Tree, best_first, choose_counts, merge_candidates, to_tree
 
 VERIFY_MODES = ("chain", "tree", "auto")
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
@@ -106,6 +106,11 @@ class Costs:
                    {int(r): points(pts) for r, pts in d.get("batch_verify_seconds", {}).items()},
                    {int(r): float(t) for r, t in d.get("batch_draft_seconds", {}).items()}, int(d.get("context", 64)),
                    cls.from_json(d["longer"]) if "longer" in d else None)
+
+
+def _rank1(c: Candidate) -> bool:
+    """A node of the drafter's own chain: its argmax at every depth (copied nodes have no ranks)."""
+    return bool(c.ranks) and not any(c.ranks)
 
 
 class CycleClock:
@@ -198,14 +203,14 @@ class TreePlanner:
         if self.mode == "tree":
             counts = [min(self.budget, len(c)) for c in candidates]
         else:
-            counts, rate = self._counts(candidates, drafted)
+            limit = self._limit(rows)
+            counts, rate = self._counts(candidates, drafted, limit)
             if drafted:
-                self._update_pause(copies, rate)
-                self.chain_within = self._chain_within(candidates)
+                self._update_pause(copies, rate, limit)
+                self.chain_within = self._chain_within(candidates, limit)
         trees = [to_tree(a, c[:n]) for a, c, n in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:n]] for c, n in zip(candidates, counts)]
-        rank1 = lambda c: bool(c.ranks) and not any(c.ranks)  # noqa: E731  (the drafter's argmax at every depth)
-        on_chain = [[True] + [rank1(x) for x in c[:n]] for c, n in zip(candidates, counts)]
+        on_chain = [[True] + [_rank1(x) for x in c[:n]] for c, n in zip(candidates, counts)]
         return Plan(trees, qs, drafted, on_chain)
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
@@ -221,11 +226,11 @@ class TreePlanner:
             self.clock[plan.drafted].observe(forwards, seconds)
 
     # ---- auto ------------------------------------------------------------------------------------------------------
-    def _counts(self, candidates, drafted: bool) -> tuple[list[int], float]:
+    def _counts(self, candidates, drafted: bool, limit: float | None) -> tuple[list[int], float]:
         values = [[c.value for c in cs] for cs in candidates]
-        rows, clock = len(candidates), self.clock[drafted]
+        clock = self.clock[drafted]
         seconds = lambda n, r: clock(self.costs.cycle_seconds(n, r, drafted, self.context))  # noqa: E731
-        return choose_counts(values, seconds, 0.0, self.budget, self._limit(rows))
+        return choose_counts(values, seconds, 0.0, self.budget, limit)
 
     def _limit(self, rows: int) -> float | None:
         """Seconds a cycle may take per token its least-served row expects: itl_limit plain steps of this batch."""
@@ -233,22 +238,21 @@ class TreePlanner:
             return None
         return self.itl_limit * self.clock[False](self.costs.cycle_seconds(1, rows, False, self.context))
 
-    def _chain_within(self, candidates) -> bool:
+    def _chain_within(self, candidates, limit: float | None) -> bool:
         """Whether a chain cycle (every row verifies the drafter's B-1 rank-1 proposals) keeps within the limit: its
         tokens per row expected from the same calibrated values as the tree's."""
-        limit = self._limit(len(candidates))
         if limit is None:
             return True
         rows = len(candidates)
-        least = min(1.0 + sum(c.value for c in cs if c.ranks and not any(c.ranks)) for cs in candidates)
+        least = min(1.0 + sum(c.value for c in cs if _rank1(c)) for cs in candidates)
         return self.clock[True](self.costs.cycle_seconds(self.block_size, rows, True, self.context)) <= limit * least
 
-    def _update_pause(self, copies, drafted_rate: float) -> None:
+    def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:
         """Compare the predicted rate of drafted cycles with what the same cycles would give without the draft
         forward (the copied branch alone), both smoothed over recent cycles so that one unsure draft does not stop
         a good drafter: pause drafting, for longer each time, while not drafting wins."""
         undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
-        _, undrafted_rate = self._counts(undrafted, drafted=False)
+        _, undrafted_rate = self._counts(undrafted, False, limit)
         if self.rates is None:
             self.rates = [drafted_rate, undrafted_rate]
         else:
