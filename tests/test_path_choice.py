@@ -13,7 +13,7 @@ def test_the_faster_path_is_kept_and_the_other_probed_ever_more_rarely():
         path = planner.path()
         seen.append(path)
         if path == "tree":
-            planner.choice.tokens = [4.0, 3.0]
+            planner.choice.gains = [4.0, 3.0]
         planner.observe_speed(path, [1], 2 * model if path == "tree" else model)
     assert seen[:3] == ["tree"] * 3 and seen[3:6] == ["chain"] * 3  # each path's first cycles, then estimates
     late = seen[100:]
@@ -22,27 +22,34 @@ def test_the_faster_path_is_kept_and_the_other_probed_ever_more_rarely():
     assert TreePlanner("tree", 4, 8).path() == "tree"
 
 
-def test_a_tree_cycle_tells_what_the_chain_would_have_committed():
-    """The chain accepts the accepted path's leading rank-1 nodes; past the tree's rank-1 nodes, its expected
-    continuation comes from the per-depth rates."""
+def test_each_drafted_plan_says_what_its_trees_and_the_chain_are_expected_to_commit():
+    """From the same calibrated values: the chosen nodes for the tree, the drafter's rank-1 node at every depth for
+    the chain (whether or not the tree keeps them)."""
     planner = TreePlanner("auto", 4, 8, Costs(draft=0.0, verify=[(1, 1.0), (512, 1.0)]), copy_branch=False)
+    planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
+    tree, chain = planner.choice.tokens
     plan = planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
-    tree, flags = plan.trees[0], plan.on_chain[0]
-    rank1 = [i for i in range(1, len(tree.tokens)) if flags[i]]
-    assert [tree.tokens[i] for i in rank1] == [5, 5, 5]
-    off = next(i for i in range(1, len(tree.tokens)) if tree.depths[i] == 1 and tree.tokens[i] == 6)
-    for path, chain in (([off], 1.0), (rank1[:1], 2.0), (rank1, 4.0)):
-        choice = PathChoice(4)
-        choice.observe_tree([flags], [path])
-        assert choice.tokens == [1.0 + len(path), chain]
-    choice = PathChoice(4, prior=0.5)
-    choice.observe_tree([[True, True]], [[1]])  # one rank-1 node verified and accepted: the rest is expected
-    assert choice.tokens[1] == 2.0 + choice.rates[1] + choice.rates[1] * choice.rates[2]
+    assert planner.choice.tokens == [0.9 * tree + tree, 0.9 * chain + chain]  # the same plan again, decayed sums
+    nodes = plan.trees[0]
+    assert tree == 1.0 + sum(nodes.values[1:])
+    rank1 = [i for i in range(1, len(nodes.tokens)) if nodes.tokens[i] == 5 and all(
+        nodes.tokens[j] == 5 for j in _ancestors(nodes, i))]
+    assert len(rank1) == 3 and chain == 1.0 + sum(nodes.values[i] for i in rank1)
+    assert tree > chain  # eight nodes keep the whole chain and branch besides it
+    fixed = TreePlanner("tree", 4, 8)
+    fixed.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
+    assert fixed.choice.tokens == [0.0, 0.0]  # (a fixed mode chooses nothing)
 
 
-def test_chain_rates_are_learnt_from_chain_cycles():
-    choice = PathChoice(4)
-    for _ in range(200):
-        choice.observe_chain([1], verified=3)  # the first proposal always accepted, the second never
-    assert choice.rates[0] > 0.99 and choice.rates[1] < 0.01 and choice.rates[2] == 0.5  # (depth 3 never reached)
-    assert choice.continuation(1) < 0.01
+def _ancestors(tree, i):
+    while tree.parents[i] != 0:
+        i = tree.parents[i]
+        yield i
+
+
+def test_the_gain_is_the_ratio_of_expected_tokens():
+    choice = PathChoice(decay=1.0)
+    choice.observe_plan([8.0], [8.0])  # an easy stretch: both commit 8
+    choice.observe_plan([3.0], [1.0])  # a hard one: the tree 3, the chain 1
+    choice.factor = {"chain": 1.0, "tree": 1.1}
+    assert abs(choice.ratio() - 11 / 9 / 1.1) < 1e-12

@@ -113,6 +113,11 @@ def _rank1(c: Candidate) -> bool:
     return bool(c.ranks) and not any(c.ranks)
 
 
+def _chain_tokens(candidates: Sequence[Candidate]) -> float:
+    """Tokens a chain cycle is expected to commit: 1 + the calibrated values of the drafter's rank-1 nodes."""
+    return 1.0 + sum(c.value for c in candidates if _rank1(c))
+
+
 class CycleClock:
     """What a cycle really takes, from what the profile says its forwards take: k * forwards + a, fitted online over
     recent cycles by exponentially weighted least squares. k carries what the profile under-counts in proportion to
@@ -147,7 +152,6 @@ class Plan:
     trees: list[Tree]
     qs: list[list[float]]  # per row and node: the surrogate probability (0 for copied-only nodes)
     drafted: bool
-    on_chain: list[list[bool]] = field(default_factory=list)  # per row and node: the drafter's rank-1 chain
 
 
 class TreePlanner:
@@ -162,7 +166,7 @@ class TreePlanner:
         self.calibration = Calibration(block_size - 1)
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
-        self.choice = PathChoice(block_size)  # auto: the chain's path or a tree's, cycle by cycle
+        self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
         self.last_drafted = True
         self.clock = {True: CycleClock(), False: CycleClock()}  # drafted or not: the profile -> the wall clock
         self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
@@ -176,8 +180,6 @@ class TreePlanner:
 
     def observe_speed(self, kind: str, accepted: Sequence[int], seconds: float) -> None:
         """One cycle on the chain's path or a tree's took `seconds`; row r accepted accepted[r] draft tokens."""
-        if kind == "chain":
-            self.choice.observe_chain(accepted, self.block_size - 1)
         if self.costs is None or (kind == "tree" and not self.last_drafted):
             return  # (a cycle without a draft forward says nothing about either path's drafted cycles)
         rows = len(accepted)
@@ -208,18 +210,18 @@ class TreePlanner:
             if drafted:
                 self._update_pause(copies, rate, limit)
                 self.chain_within = self._chain_within(candidates, limit)
+        if drafted and self.mode == "auto":  # what this cycle's trees and the chain are each expected to commit
+            self.choice.observe_plan([1.0 + sum(x.value for x in c[:n]) for c, n in zip(candidates, counts)],
+                                     [_chain_tokens(c) for c in candidates])
         trees = [to_tree(a, c[:n]) for a, c, n in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:n]] for c, n in zip(candidates, counts)]
-        on_chain = [[True] + [_rank1(x) for x in c[:n]] for c, n in zip(candidates, counts)]
-        return Plan(trees, qs, drafted, on_chain)
+        return Plan(trees, qs, drafted)
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
         for tree, qs, path in zip(plan.trees, plan.qs, paths):
             self.calibration.observe(tree, qs, list(path))
         self.last_drafted = plan.drafted
-        if plan.drafted and plan.on_chain:
-            self.choice.observe_tree(plan.on_chain, paths)
         if seconds is not None and self.costs is not None:
             rows, width = len(plan.trees), max(len(t.tokens) for t in plan.trees)
             forwards = self.costs.cycle_seconds(width, rows, plan.drafted, self.context)
@@ -244,7 +246,7 @@ class TreePlanner:
         if limit is None:
             return True
         rows = len(candidates)
-        least = min(1.0 + sum(c.value for c in cs if _rank1(c)) for cs in candidates)
+        least = min(_chain_tokens(cs) for cs in candidates)
         return self.clock[True](self.costs.cycle_seconds(self.block_size, rows, True, self.context)) <= limit * least
 
     def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:
