@@ -23,28 +23,32 @@ def test_the_faster_path_is_kept_and_the_other_probed_ever_more_rarely():
 
 
 def test_each_drafted_plan_says_what_its_trees_and_the_chain_are_expected_to_commit():
-    """From the same calibrated values: the chosen nodes for the tree, the drafter's rank-1 node at every depth for
-    the chain (whether or not the tree keeps them)."""
+    """From the same calibration: the chosen nodes' values for the tree; for the chain, the drafter's rank-1 node at
+    every depth (whether or not the tree keeps them), valued the way the tree's nodes are."""
     planner = TreePlanner("auto", 4, 8, Costs(draft=0.0, verify=[(1, 1.0), (512, 1.0)]), copy_branch=False)
-    planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
-    tree, chain = planner.choice.tokens
     plan = planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
-    assert planner.choice.tokens == [0.9 * tree + tree, 0.9 * chain + chain]  # the same plan again, decayed sums
+    tree, chain = planner.choice.tokens
     nodes = plan.trees[0]
     assert tree == 1.0 + sum(nodes.values[1:])
-    rank1 = [i for i in range(1, len(nodes.tokens)) if nodes.tokens[i] == 5 and all(
-        nodes.tokens[j] == 5 for j in _ancestors(nodes, i))]
-    assert len(rank1) == 3 and chain == 1.0 + sum(nodes.values[i] for i in rank1)
-    assert tree > chain  # eight nodes keep the whole chain and branch besides it
+    scale = planner.calibration.scale
+    assert chain == 1.0 + 0.6 * scale(1) + 0.36 * scale(2) + 0.216 * scale(3)
+    assert len(nodes.tokens) == 7 and tree > chain  # six nodes keep the whole chain and branch besides it
+    planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
+    assert planner.choice.tokens[1] == 0.9 * chain + chain  # decaying sums
     fixed = TreePlanner("tree", 4, 8)
     fixed.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
     assert fixed.choice.tokens == [0.0, 0.0]  # (a fixed mode chooses nothing)
 
 
-def _ancestors(tree, i):
-    while tree.parents[i] != 0:
-        i = tree.parents[i]
-        yield i
+def test_auto_enumerates_twice_the_nodes_it_last_verified():
+    costs = Costs(draft=0.0, verify=[(1, 1.0), (512, 1.0)])  # verifying is free: every candidate is taken
+    planner = TreePlanner("auto", 4, 100, costs, copy_branch=False)
+    assert planner.reach == 6
+    top_ids, top_probs = [[list(range(8))] * 3], [[[0.125] * 8] * 3]
+    assert len(planner.plan([0], top_ids, top_probs).trees[0].tokens) == 1 + 6
+    assert planner.reach == 12
+    assert len(planner.plan([0], top_ids, top_probs).trees[0].tokens) == 1 + 12
+    assert len(TreePlanner("tree", 4, 100).plan([0], top_ids, top_probs).trees[0].tokens) == 1 + 100
 
 
 def test_the_gain_is_the_ratio_of_expected_tokens():

@@ -19,6 +19,7 @@ limit").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -108,14 +109,15 @@ class Costs:
                    cls.from_json(d["longer"]) if "longer" in d else None)
 
 
-def _rank1(c: Candidate) -> bool:
-    """A node of the drafter's own chain: its argmax at every depth (copied nodes have no ranks)."""
-    return bool(c.ranks) and not any(c.ranks)
-
-
-def _chain_tokens(candidates: Sequence[Candidate]) -> float:
-    """Tokens a chain cycle is expected to commit: 1 + the calibrated values of the drafter's rank-1 nodes."""
-    return 1.0 + sum(c.value for c in candidates if _rank1(c))
+def _chain_tokens(top_probs: Sequence[Sequence[float]], calibration: Calibration) -> float:
+    """Tokens a chain cycle is expected to commit: 1 + the calibrated values of the drafter's rank-1 nodes at every
+    depth (valued as merge_candidates values them: q times the depth's scale, capped by the parent's value)."""
+    total, q, value = 1.0, 1.0, math.inf
+    for depth, probs in enumerate(top_probs, start=1):
+        q *= probs[0]
+        value = min(value, q * calibration.scale(depth))
+        total += value
+    return total
 
 
 class CycleClock:
@@ -163,6 +165,9 @@ class TreePlanner:
         self.copy_branch, self.itl_limit = copy_branch, itl_limit
         self.chain_within = True  # auto: whether the last drafted cycle's rows could wait for a whole chain
         self.top_k = min(MAX_TOP_K, budget)
+        # auto: draft candidates enumerated per row, twice the most any row verified last cycle (a tree of 17 nodes
+        # no longer enumerates, calibrates and sorts 256 candidates per cycle; a plan that uses them all doubles it)
+        self.reach = min(budget, 2 * (block_size - 1))
         self.calibration = Calibration(block_size - 1)
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
@@ -198,9 +203,10 @@ class TreePlanner:
         rows = len(anchors)
         copies = list(copies) if self.copy_branch and copies else [[] for _ in range(rows)]
         drafted = top_ids is not None
+        n = self.budget if self.mode == "tree" else self.reach
         candidates = []
         for r in range(rows):
-            draft = best_first(top_ids[r], top_probs[r], self.budget, self.block_size - 1) if drafted else []
+            draft = best_first(top_ids[r], top_probs[r], n, self.block_size - 1) if drafted else []
             candidates.append(merge_candidates(draft, copies[r][: self.block_size - 1], self.calibration))
         if self.mode == "tree":
             counts = [min(self.budget, len(c)) for c in candidates]
@@ -208,13 +214,15 @@ class TreePlanner:
             limit = self._limit(rows)
             counts, rate = self._counts(candidates, drafted, limit)
             if drafted:
+                chains = [_chain_tokens(p[: self.block_size - 1], self.calibration) for p in top_probs]
                 self._update_pause(copies, rate, limit)
-                self.chain_within = self._chain_within(candidates, limit)
-        if drafted and self.mode == "auto":  # what this cycle's trees and the chain are each expected to commit
-            self.choice.observe_plan([1.0 + sum(x.value for x in c[:n]) for c, n in zip(candidates, counts)],
-                                     [_chain_tokens(c) for c in candidates])
-        trees = [to_tree(a, c[:n]) for a, c, n in zip(anchors, candidates, counts)]
-        qs = [[1.0] + [x.q for x in c[:n]] for c, n in zip(candidates, counts)]
+                self.chain_within = self._chain_within(chains, limit)
+                # what this cycle's trees and the chain are each expected to commit
+                self.choice.observe_plan([1.0 + sum(x.value for x in c[:k]) for c, k in zip(candidates, counts)],
+                                         chains)
+                self.reach = min(self.budget, max(2 * max(counts), 2 * (self.block_size - 1)))
+        trees = [to_tree(a, c[:k]) for a, c, k in zip(anchors, candidates, counts)]
+        qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]
         return Plan(trees, qs, drafted)
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
@@ -240,13 +248,12 @@ class TreePlanner:
             return None
         return self.itl_limit * self.clock[False](self.costs.cycle_seconds(1, rows, False, self.context))
 
-    def _chain_within(self, candidates, limit: float | None) -> bool:
+    def _chain_within(self, chains: Sequence[float], limit: float | None) -> bool:
         """Whether a chain cycle (every row verifies the drafter's B-1 rank-1 proposals) keeps within the limit: its
-        tokens per row expected from the same calibrated values as the tree's."""
+        tokens per row (`chains`) expected from the same calibrated values as the tree's."""
         if limit is None:
             return True
-        rows = len(candidates)
-        least = min(_chain_tokens(cs) for cs in candidates)
+        rows, least = len(chains), min(chains)
         return self.clock[True](self.costs.cycle_seconds(self.block_size, rows, True, self.context)) <= limit * least
 
     def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:
