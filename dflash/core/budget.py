@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from .path_choice import PathChoice
-from .tree import Calibration, Candidate, Tree, best_first, choose_counts, merge_candidates, to_tree
+from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates, to_tree
 
 VERIFY_MODES = ("chain", "tree", "auto")
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
