@@ -10,8 +10,8 @@ export OMP_NUM_THREADS=1
 WORK=${1:-runs/smollm2_drafter}
 DATA=$WORK/data
 BENCH=dflash/bench/prompts/chat.jsonl
-GENERAL=${GENERAL_PROMPTS:-192}   # self-written prompts under the template's own system turn
-CODE=${CODE_PROMPTS:-160}         # self-written prompts under a programming-assistant system turn
+GENERAL=${GENERAL_PROMPTS:-900}   # self-written prompts under the template's own system turn
+CODE=${CODE_PROMPTS:-729}         # self-written prompts under a programming-assistant system turn
 ANSWER_TOKENS=${ANSWER_TOKENS:-256}
 mkdir -p "$DATA"
 step() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
@@ -51,9 +51,9 @@ ARCH=${ARCH:-dflash}
 RUN=$WORK/run
 EXTRA=()
 if [ "$ARCH" = dflash2 ]; then RUN=$WORK/run_dflash2; EXTRA=(--arch dflash2 --selector-rank 64); fi
-step "train the $ARCH drafter (recipe: configs/smollm2_drafter.yaml; one thread)"
-python -m dflash.train --config configs/smollm2_drafter.yaml --model smollm2 --data "$DATA/answers.jsonl" \
-    --out "$RUN" --max-steps 280 --eval-every 140 "${EXTRA[@]}"
+step "train the $ARCH drafter (recipe: configs/smollm2_drafter.yaml; every core)"
+OMP_NUM_THREADS=$(nproc) python -m dflash.train --config configs/smollm2_drafter.yaml --model smollm2 \
+    --data "$DATA/answers.jsonl" --out "$RUN" "${EXTRA[@]}"
 step "export in bfloat16 for the package"
 python -m dflash.convert dtype --draft "$RUN/draft" --out "$RUN/draft_bf16" --dtype bfloat16
 step "done: $RUN/draft"
