@@ -307,12 +307,12 @@ class ChainBudget:
     def length(self, can_pause: bool = True, rows: int = 1) -> int:
         """Proposals every one of `rows` rows verifies this cycle (0: no draft forward; only when `can_pause`). The
         cycle after a pause drafts (a probe), so the acceptance estimates stay current."""
+        if can_pause and (self.skip > 0 or self.since_plain >= PLAIN_EVERY):
+            self.skip = max(self.skip - 1, 0)  # a pause; or a plain step now and then, to keep its time known
+            return 0
         best = max(range(1, len(self.rates) + 1), key=lambda n: self.expected(n) / self.seconds(n, rows))
         if not can_pause:
             return best
-        if self.skip > 0 or self.since_plain >= PLAIN_EVERY:  # (a plain step now and then keeps its time known)
-            self.skip = max(self.skip - 1, 0)
-            return 0
         plain_wins = self.expected(0) / self.seconds(0, rows) > self.expected(best) / self.seconds(best, rows)
         if plain_wins and not self.probing:
             self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
