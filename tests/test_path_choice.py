@@ -13,7 +13,7 @@ def test_the_faster_path_is_kept_and_the_other_probed_ever_more_rarely():
         path = planner.path()
         seen.append(path)
         if path == "tree":
-            planner.choice.gains = [4.0, 3.0]
+            planner.choice.tokens = [4.0, 3.0]
         planner.observe_speed(path, [1], 2 * model if path == "tree" else model)
     assert seen[:3] == ["tree"] * 3 and seen[3:6] == ["chain"] * 3  # each path's first cycles, then estimates
     late = seen[100:]
