@@ -91,3 +91,52 @@ def test_a_row_whose_drafts_fail_is_not_slowed_by_the_others_trees():
     limited, plan = planned(1.5)
     assert [len(t.tokens) for t in plan.trees] == [1, 1] and limited.skip > 0
     assert not limited.chain_within and limited.path() == "tree"
+
+
+# a batch-heavy CPU: a draft forward fills every position of every row, so at 16 rows a block of 16 costs more than
+# the verify it feeds, and a short block a quarter of it
+HEAVY = Costs(draft=0.2, verify=[(1, 1.0), (64, 2.0)], batch={16: [(1, 1.0), (4, 2.0), (16, 5.0)]},
+              draft_batch={16: 4.0}, draft_blocks={4: {1: 0.1, 16: 1.0}, 8: {1: 0.14, 16: 2.0},
+                                                   16: {1: 0.2, 16: 4.0}})
+
+
+def test_a_shorter_draft_costs_its_share_of_the_measured_blocks():
+    assert HEAVY.draft_seconds(16) == 4.0 and HEAVY.draft_seconds(16, block=16) == 4.0
+    assert HEAVY.draft_seconds(16, block=4) == 1.0 and abs(HEAVY.draft_seconds(16, block=6) - 1.5) < 1e-9
+    assert abs(HEAVY.draft_seconds(1, block=8) - 0.14) < 1e-9
+    assert HEAVY.cycle_seconds(4, 16, True, block=4) == 2.0 + 1.0
+    assert Costs(draft=0.5, verify=[(1, 1.0)]).draft_seconds(block=4) == 0.5  # no block points: the whole block
+    assert Costs.from_json(HEAVY.to_json()) == HEAVY
+
+
+def _confident_chain(rows: int, depth: int = 15, k: int = 2):
+    """rows drafts whose rank-1 proposal is almost surely right at every depth."""
+    return [[list(range(3, 3 + k))] * depth] * rows, [[[0.9] + [0.05] * (k - 1)] * depth] * rows
+
+
+def test_auto_drafts_a_short_block_where_the_draft_forward_is_most_of_the_cycle():
+    planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
+    assert planner.blocks == [4, 8, 16] and planner.draft_block == 16
+    blocks = []
+    for _ in range(60):  # every cycle drafts the block chosen after the last one
+        blocks.append(planner.plan([0] * 16, *_confident_chain(16, planner.draft_block - 1)).block)
+        planner.skip = 0
+    # 16 rows: a draft of 16 positions does not pay; it is tried again ever more rarely
+    assert blocks[:3] == [16, 4, 8] and blocks[-20:].count(16) <= 1 and planner.draft_block < 16
+    assert planner.path() == "tree"  # (the chain's own path drafts the whole block)
+    single = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
+    for _ in range(12):
+        single.plan([0], *_confident_chain(1, single.draft_block - 1))
+    assert single.draft_block == 16  # one row: the whole block costs little more than a short one
+
+
+def test_a_plan_that_reaches_the_short_blocks_end_tries_the_next_one_up():
+    planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
+    planner.draft_block = planner.drafted_block = 4
+    planner.plan([0] * 16, *_confident_chain(16, 3))  # every row's chain uses all 3 positions
+    assert planner.draft_block == 8
+
+
+def test_a_rejection_chain_drafts_only_the_positions_it_verifies():
+    budget = ChainBudget(16, HEAVY)
+    assert budget.forwards(3, rows=16) == HEAVY.verify_seconds(4, 16) + 1.0  # the draft of 4 positions

@@ -22,6 +22,9 @@ def test_measured_once_then_read_from_the_cache(tiny_target_dir, random_draft_di
     assert all(a[1] <= b[1] for a, b in zip(first.verify, first.verify[1:]))  # monotone
     assert sorted(first.batch) == list(costs.BATCH_ROWS) and sorted(first.draft_batch) == list(costs.BATCH_ROWS)
     assert [n for n, _ in first.batch[4]] == [1, 2, 4, 8]  # tokens per row up to the block
+    # shorter drafts at every measured row count; the whole block's are the draft points above
+    assert sorted(first.draft_blocks) == [2, 4, 8] and first.draft_blocks[8] == {1: first.draft, **first.draft_batch}
+    assert all(sorted(points) == [1, *costs.BATCH_ROWS] for points in first.draft_blocks.values())
     assert backend.rows == [] and backend.pending is None  # the engine is left empty
     (path,) = (tmp_path / "costs").glob("*.json")
     assert "torch" in json.loads(path.read_text())["device"]

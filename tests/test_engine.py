@@ -141,3 +141,18 @@ def test_a_second_batch_after_the_first():
     assert [g.tokens for g in first + second] == [reference(p, 12) for p in ([1, 2], [3, 4, 5], [6], [7, 8],
                                                                               [9, 10, 11])]
     in_sync(e)
+
+
+def test_a_short_chain_drafts_only_the_positions_it_verifies():
+    """--verify auto's chains of L proposals (rejection rows) fill L + 1 draft positions, not the whole block: the
+    drafter's work grows with them. The committed tokens are the target's either way."""
+    e = engine(good=7, block_size=8)
+    blocks = []
+    propose = e.drafter.propose
+    e.drafter.propose = lambda ids, pending, block_size, *a: blocks.append(block_size) or propose(ids, pending,
+                                                                                                  block_size, *a)
+    first = e.prefill([[1, 2, 3]])[0]
+    steps = e._chain_step([first], top_k=0, length=3)
+    assert blocks == [4] and len(steps[0].tokens) == 4 and steps[0].verified == 3
+    assert e.rows[0][3:] == reference([1, 2, 3], 4)[:4]
+    in_sync(e)

@@ -10,7 +10,9 @@ cycles, then a drafted cycle probes again), so a drafter that is almost always w
 drafting; the copied branch still runs in those cycles, since it costs no draft forward. For a batch the rule is the
 same over all rows at once: costs of r rows of n tokens each after the batch's context (measured at load at two context
 lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes), and a pause skips the
-whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. Every prediction goes
+whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. The draft forward itself fills 2, 4, 8
+or all B positions: the drafter's work grows with them, and where deep nodes do not pay (a CPU at high load) the
+block whose best plan is fastest, its own draft forward counted, is drafted. Every prediction goes
 through a CycleClock fitted online on the cycles' own wall times. Whether a cycle runs on the chain's own path or a
 tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the whole cycle, so a plan is taken only
 while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served row expects (docs/trees.md, "Latency
@@ -30,6 +32,8 @@ VERIFY_MODES = ("chain", "tree", "auto")
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
 PLAIN_EVERY = 32  # ChainBudget: drafted cycles in a row before a plain step is timed again
 MAX_PAUSE = 64  # the longest run of cycles without a draft forward between probes (a probe costs ~2 steps)
+BLOCK_SMOOTHING = 0.2  # auto: weight of a cycle's predicted rate in each draft block's smoothed one
+BLOCK_MARGIN = 0.1  # auto: how much faster a shorter draft block must be predicted to be to replace the drafted one
 ITL_LIMIT = 1.5  # auto: a cycle takes at most this many plain steps per token its least-served row expects
 
 
@@ -61,16 +65,31 @@ class Costs:
     draft_batch: dict[int, float] = field(default_factory=dict)  # rows -> seconds of one draft forward
     context: int = 64  # positions cached before the measured forwards
     longer: Costs | None = None  # the same forwards after more cached positions
+    # draft forwards of fewer positions than the block: block -> rows -> seconds (the largest block: the full one).
+    # The drafter's work grows with the positions it fills; without points a shorter draft costs a full one
+    draft_blocks: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def verify_seconds(self, tokens: int, rows: int = 1, context: float | None = None) -> float:
         return self._at(context, lambda c: c._verify(tokens, rows))
 
-    def draft_seconds(self, rows: int = 1, context: float | None = None) -> float:
-        return self._at(context, lambda c: c._draft(rows))
+    def draft_seconds(self, rows: int = 1, context: float | None = None, block: int | None = None) -> float:
+        """One draft forward of `block` positions (default: the whole block) for `rows` rows."""
+        return self._at(context, lambda c: c._draft(rows)) * self._block_share(block, rows)
 
-    def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None) -> float:
-        """A cycle's forwards: the draft forward when `drafted`, then a target forward of `tokens` per row."""
-        return self.verify_seconds(tokens, rows, context) + (self.draft_seconds(rows, context) if drafted else 0.0)
+    def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
+                      block: int | None = None) -> float:
+        """A cycle's forwards: the draft forward (of `block` positions) when `drafted`, then a target forward of
+        `tokens` per row."""
+        draft = self.draft_seconds(rows, context, block) if drafted else 0.0
+        return self.verify_seconds(tokens, rows, context) + draft
+
+    def _block_share(self, block: int | None, rows: int) -> float:
+        """A draft of `block` positions over one of the whole block, at `rows` rows (measured at a few blocks)."""
+        if block is None or not self.draft_blocks or block >= max(self.draft_blocks):
+            return 1.0
+        at = {b: interpolate(sorted(points.items()), rows) for b, points in self.draft_blocks.items()}
+        full = at[max(at)]
+        return interpolate([(b, at[b] / full) for b in sorted(at)], block)
 
     def _at(self, context: float | None, seconds) -> float:
         near = seconds(self)
@@ -98,6 +117,8 @@ class Costs:
         return {"draft_seconds": self.draft, "verify_seconds": [list(p) for p in self.verify],
                 "batch_verify_seconds": {str(r): [list(p) for p in pts] for r, pts in self.batch.items()},
                 "batch_draft_seconds": {str(r): t for r, t in self.draft_batch.items()}, "context": self.context,
+                "draft_block_seconds": {str(b): {str(r): t for r, t in pts.items()}
+                                        for b, pts in self.draft_blocks.items()},
                 **({"longer": self.longer.to_json()} if self.longer is not None else {})}
 
     @classmethod
@@ -106,7 +127,9 @@ class Costs:
         return cls(float(d["draft_seconds"]), points(d["verify_seconds"]),
                    {int(r): points(pts) for r, pts in d.get("batch_verify_seconds", {}).items()},
                    {int(r): float(t) for r, t in d.get("batch_draft_seconds", {}).items()}, int(d.get("context", 64)),
-                   cls.from_json(d["longer"]) if "longer" in d else None)
+                   cls.from_json(d["longer"]) if "longer" in d else None,
+                   {int(b): {int(r): float(t) for r, t in pts.items()}
+                    for b, pts in d.get("draft_block_seconds", {}).items()})
 
 
 def _chain_tokens(top_probs: Sequence[Sequence[float]], calibration: Calibration) -> float:
@@ -154,6 +177,7 @@ class Plan:
     trees: list[Tree]
     qs: list[list[float]]  # per row and node: the surrogate probability (0 for copied-only nodes)
     drafted: bool
+    block: int  # positions of the cycle's draft forward
 
 
 class TreePlanner:
@@ -172,21 +196,31 @@ class TreePlanner:
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
-        self.last_drafted = True
+        self.last_drafted, self.last_block = True, block_size
         self.clock = {True: CycleClock(), False: CycleClock()}  # drafted or not: the profile -> the wall clock
         self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
+        # auto: positions of the next draft forward (the measured shorter blocks, or the whole block)
+        self.blocks = sorted({b for b in (costs.draft_blocks if costs else ()) if b < block_size} | {block_size})
+        self.draft_block = self.drafted_block = block_size
+        self.block_rates: dict[int, float] = {}  # auto: smoothed predicted tokens/s of each block's best plan
+        # drafted cycles before a block is tried again from the one below, and that wait's next length
+        self.deepen_wait, self.deepen_after = {b: 0 for b in self.blocks}, {b: 1 for b in self.blocks}
 
     def path(self) -> str:
         """auto: "chain" or "tree" for this cycle (tree: always). While cycles without a draft forward win (a pause,
-        and its probes) the tree path runs: only it can pause, and only its plans tell when drafting pays again."""
+        and its probes), and while a shorter draft block wins, the tree path runs: only it can pause or draft fewer
+        positions, and only its plans tell when drafting pays again."""
         if self.mode != "auto" or self.skip > 0 or self.backoff > 0 or not self.chain_within:
             return "tree"
+        if self.draft_block < self.block_size:
+            return "tree"  # (the chain drafts the whole block)
         return self.choice.choose()
 
     def observe_speed(self, kind: str, accepted: Sequence[int], seconds: float) -> None:
         """One cycle on the chain's path or a tree's took `seconds`; row r accepted accepted[r] draft tokens."""
-        if self.costs is None or (kind == "tree" and not self.last_drafted):
-            return  # (a cycle without a draft forward says nothing about either path's drafted cycles)
+        if self.costs is None or (kind == "tree" and (not self.last_drafted or self.last_block < self.block_size)):
+            return  # (a cycle without a draft forward, or a shorter one, says nothing about either path's chain-sized
+            # drafted cycles)
         rows = len(accepted)
         model = self.costs.cycle_seconds(self.block_size, rows, True, self.context)
         self.choice.observe(kind, seconds, model)
@@ -212,9 +246,11 @@ class TreePlanner:
             counts = [min(self.budget, len(c)) for c in candidates]
         else:
             limit = self._limit(rows)
-            counts, rate = self._counts(candidates, drafted, limit)
+            block = len(top_ids[0]) + 1 if drafted else None
+            counts, rate = self._counts(candidates, drafted, limit, block)
             if drafted:
                 chains = [_chain_tokens(p[: self.block_size - 1], self.calibration) for p in top_probs]
+                self.draft_block, rate = self._next_block(candidates, counts, rate, limit, block)
                 self._update_pause(copies, rate, limit)
                 self.chain_within = self._chain_within(chains, limit)
                 # what this cycle's trees and the chain are each expected to commit
@@ -223,24 +259,58 @@ class TreePlanner:
                 self.reach = min(self.budget, max(2 * max(counts), 2 * (self.block_size - 1)))
         trees = [to_tree(a, c[:k]) for a, c, k in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]
-        return Plan(trees, qs, drafted)
+        return Plan(trees, qs, drafted, len(top_ids[0]) + 1 if drafted else self.block_size)
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
         for tree, qs, path in zip(plan.trees, plan.qs, paths):
             self.calibration.observe(tree, qs, list(path))
-        self.last_drafted = plan.drafted
+        self.last_drafted, self.last_block = plan.drafted, plan.block
         if seconds is not None and self.costs is not None:
             rows, width = len(plan.trees), max(len(t.tokens) for t in plan.trees)
-            forwards = self.costs.cycle_seconds(width, rows, plan.drafted, self.context)
+            forwards = self.costs.cycle_seconds(width, rows, plan.drafted, self.context, plan.block)
             self.clock[plan.drafted].observe(forwards, seconds)
 
     # ---- auto ------------------------------------------------------------------------------------------------------
-    def _counts(self, candidates, drafted: bool, limit: float | None) -> tuple[list[int], float]:
+    def _counts(self, candidates, drafted: bool, limit: float | None,
+                block: int | None = None) -> tuple[list[int], float]:
         values = [[c.value for c in cs] for cs in candidates]
         clock = self.clock[drafted]
-        seconds = lambda n, r: clock(self.costs.cycle_seconds(n, r, drafted, self.context))  # noqa: E731
+        seconds = lambda n, r: clock(self.costs.cycle_seconds(n, r, drafted, self.context, block))  # noqa: E731
         return choose_counts(values, seconds, 0.0, self.budget, limit)
+
+    def _next_block(self, candidates, counts, rate: float, limit: float | None, block: int) -> tuple[int, float]:
+        """The next draft's positions, and the rate this cycle's plan predicts for them: the measured block whose best
+        plan over recent cycles' candidates (draft nodes past its positions dropped; rates smoothed) is fastest with
+        its own draft forward; at high load on a device that pays for every position, that is often a few positions.
+        When the drafted block wins and its plan reaches its last position, the next block up is tried (again after
+        2, 4 .. 64 drafted cycles while such tries lose)."""
+        rates = {block: rate}
+        for b in self.blocks:
+            if b >= block:
+                break
+            kept = [[c for c in cs if c.copied or len(c.tokens) < b] for cs in candidates]
+            rates[b] = self._counts(kept, True, limit, b)[1]
+        for b, r in rates.items():  # smoothed: one cycle's text says little about which depth pays
+            old = self.block_rates.get(b)
+            self.block_rates[b] = r if old is None else old + BLOCK_SMOOTHING * (r - old)
+        best = max(rates, key=self.block_rates.__getitem__)
+        if self.block_rates[best] < (1 + BLOCK_MARGIN) * self.block_rates[block]:
+            best = block  # (a shorter block must win clearly: it gives up deep nodes and the chain's own path)
+        best_rate = rates[best]
+        wait, after = self.deepen_wait, self.deepen_after
+        for b in wait:
+            wait[b] = max(wait[b] - 1, 0)
+        if block > self.drafted_block:  # this cycle tried a deeper block: it lost (wait longer next time) or held
+            after[block] = min(2 * after[block], MAX_PAUSE) if best < block else 1
+            wait[block] = after[block] if best < block else 0
+        self.drafted_block = block
+        deepest = max((len(c.tokens) for cs, k in zip(candidates, counts) for c in cs[:k] if not c.copied), default=0)
+        deeper = self.blocks[self.blocks.index(block) + 1] if block < self.block_size else None
+        if best == block and deeper and deepest >= block - 1 and not wait[deeper]:
+            if self._counts(candidates, True, limit, deeper)[1] > 0:  # (not when its draft alone breaks the limit)
+                best = deeper
+        return best, best_rate
 
     def _limit(self, rows: int) -> float | None:
         """Seconds a cycle may take per token its least-served row expects: itl_limit plain steps of this batch."""
@@ -277,7 +347,8 @@ class ChainBudget:
     """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies,
     and whether it drafts at all. Expected tokens of a chain of L proposals are 1 + sum_j prod_{i<=j} a_i with a_i
     the measured rate at which position i accepts when reached (an exponential average over recent cycles, under the
-    rule in use); seconds are T_draft + T_verify(L + 1) from the device profile, taken to the wall clock by a
+    rule in use); seconds are T_draft(L + 1 positions) + T_verify(L + 1) from the device profile (the draft fills
+    only the positions verified), taken to the wall clock by a
     CycleClock fitted on the cycles' own times (either way: a profile measured while the machine was busy
     overstates). L = 0 is a plain target step without the draft forward; while it wins, drafting pauses for 1, 2,
     4 .. 64 cycles between probes, as the tree planner's pauses do."""
@@ -299,7 +370,7 @@ class ChainBudget:
 
     def forwards(self, length: int, rows: int = 1) -> float:
         """The profile's seconds for a cycle verifying `length` proposals per row (0: no draft forward)."""
-        return self.costs.cycle_seconds(length + 1, rows, length > 0, self.context)
+        return self.costs.cycle_seconds(length + 1, rows, length > 0, self.context, length + 1)
 
     def seconds(self, length: int, rows: int = 1) -> float:
         return self.clock[length > 0](self.forwards(length, rows))

@@ -26,6 +26,7 @@ from .tree import TreeInputs, chain_tree
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 BATCH_ROWS = (4, 16, 32)  # batches measured too (where the backend batches): rows ... (32: if 16 rows are cheap)
 BATCH_TOKENS = (1, 2, 4, 8, 16)  # ... times tokens per row (at most the block, and what the single-row grid reached)
+DRAFT_BLOCKS = (2, 4, 8)  # shorter draft forwards measured too (auto drafts fewer positions where depth does not pay)
 CONTEXT = 64  # positions before the measured forwards ...
 LONGER_CONTEXT = 320  # ... and again after these (a serving load's rows: prompt + answer)
 WIDE_BATCH_SECONDS = 0.25  # 32 rows are measured when a block of 16 rows costs less
@@ -39,7 +40,7 @@ def cache_dir() -> Path:
 def cost_key(engine) -> str:
     """Costs depend on shapes, backend, device, dtype and threads, not on the weights' values."""
     info, spec = engine.info, getattr(engine.drafter, "spec", None)
-    parts = [BATCH_ROWS, BATCH_TOKENS, CONTEXT, LONGER_CONTEXT, engine.name,  # (a new grid measures anew)
+    parts = [BATCH_ROWS, BATCH_TOKENS, DRAFT_BLOCKS, CONTEXT, LONGER_CONTEXT, engine.name,  # (a new grid: anew)
              info.model_type, info.hidden_size, info.num_hidden_layers, info.vocab_size,
              engine.block_size, engine.target.device_key()]
     if spec is not None:
@@ -75,18 +76,19 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True) -> Cos
 def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
     """The profile after CONTEXT cached positions, and again after LONGER_CONTEXT (where the target's context
     allows): the planner interpolates between the two for the rows' real lengths."""
-    costs = measure_at(engine, CONTEXT, max_tokens, repeats)
+    costs = measure_at(engine, CONTEXT, max_tokens, repeats, draft_blocks=True)
     longer = min(LONGER_CONTEXT, (engine.max_context or LONGER_CONTEXT * 2) // 2)
     if longer > CONTEXT:
         costs.longer = measure_at(engine, longer, min(max_tokens, costs.verify[-1][0]), repeats)
     return costs
 
 
-def measure_at(engine, context: int, max_tokens: int = 257, repeats: int = 5) -> Costs:
+def measure_at(engine, context: int, max_tokens: int = 257, repeats: int = 5, draft_blocks: bool = False) -> Costs:
     """Seconds of one draft forward and of a target forward of n tokens (a chain-shaped tree: the tree path's own
     mask and positions) after `context` positions, for n on GRID up to max_tokens, stopping once n tokens cost 4
     single-token steps and n covers a block (beyond that no tree pays on this device); then the same for batches of
-    BATCH_ROWS rows. Each is the fastest of up to `repeats` timings: the cost without interference (other load
+    BATCH_ROWS rows; with `draft_blocks`, draft forwards of DRAFT_BLOCKS positions at every measured row count too.
+    Each is the fastest of up to `repeats` timings: the cost without interference (other load
     shows in the planner's online clock instead); forwards slower than 20 ms are timed fewer times, so a large model
     on a CPU profiles in seconds, not minutes."""
     target, drafter = engine.target, engine.drafter
@@ -106,9 +108,9 @@ def measure_at(engine, context: int, max_tokens: int = 257, repeats: int = 5) ->
         target.keep([0] * rows, n)
         return seconds
 
-    def draft_once(rows: int = 1) -> float:
+    def draft_once(rows: int = 1, block: int = engine.block_size) -> float:
         start = time.perf_counter()
-        out = drafter.propose(target.ids([[anchor]] * rows), None, engine.block_size, MAX_TOP_K)
+        out = drafter.propose(target.ids([[anchor]] * rows), None, block, MAX_TOP_K)
         target.to_host(out.top_ids)
         return time.perf_counter() - start
 
@@ -126,6 +128,8 @@ def measure_at(engine, context: int, max_tokens: int = 257, repeats: int = 5) ->
         if seconds > 4 * verify[0][1] and n >= engine.block_size:
             break
     draft = fastest(draft_once) if drafter is not None else 0.0
+    shorter = [b for b in DRAFT_BLOCKS if b < engine.block_size] if draft_blocks and drafter is not None else []
+    blocks = {b: {1: fastest(draft_once, 1, b)} for b in shorter}
     batch, draft_batch = {}, {}
     if batchable(target):
         widest = min(engine.block_size, verify[-1][0])
@@ -139,8 +143,12 @@ def measure_at(engine, context: int, max_tokens: int = 257, repeats: int = 5) ->
             batch[rows] = points
             if drafter is not None:
                 draft_batch[rows] = fastest(draft_once, rows)
+            for b in shorter:
+                blocks[b][rows] = fastest(draft_once, rows, b)
     engine.reset()
-    return Costs(draft, verify, batch, draft_batch, context)
+    if blocks:
+        blocks[engine.block_size] = {1: draft, **draft_batch}
+    return Costs(draft, verify, batch, draft_batch, context, draft_blocks=blocks)
 
 
 def batchable(target) -> bool:

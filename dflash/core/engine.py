@@ -20,7 +20,6 @@ to the target, so it sits at position n:
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Sequence
 
 from .admission import Admission
@@ -270,10 +269,8 @@ class Engine:
         draws = self._row_draws(self.block_size, noise=self.block_size if drafts_read_noise else verified)
         if length == 0:  # (the pending features wait for the next draft forward: see commit)
             draft = Draft(self.target.ids([[a] for a in anchors]))
-        else:
-            draft = self.draft(anchors, top_k, draws)
-            if length is not None and length < self.block_size - 1:
-                draft = replace(draft, ids=self.target.head(draft.ids, length + 1))
+        else:  # (a draft of `length` proposals fills just those positions: the drafter's work grows with them)
+            draft = self.draft(anchors, top_k, draws, block=verified)
         result = self.verify(draft, draws)
         steps = [Step(t[: accepted_length(d, t) + 1], d, len(d), length != 0)
                  for d, t in zip(result.proposals, result.tokens)]
@@ -284,12 +281,13 @@ class Engine:
         return steps
 
     def draft(self, anchors: Sequence[int], top_k: int | None = None,
-              draws: list[RowDraw] | None = None) -> Draft:
-        """Each row's block [anchor, proposals] (the anchor alone without a drafter), from the features pending."""
+              draws: list[RowDraw] | None = None, block: int | None = None) -> Draft:
+        """Each row's block [anchor, proposals] of `block` positions (default: the block size; the anchor alone
+        without a drafter), from the features pending."""
         anchor_ids = self.target.ids([[a] for a in anchors])
         if self.drafter is None:
             return Draft(anchor_ids)
-        return self.drafter.propose(anchor_ids, self._take_pending(), self.block_size,
+        return self.drafter.propose(anchor_ids, self._take_pending(), block or self.block_size,
                                     self.top_k if top_k is None else top_k, draws)
 
     def verify(self, draft: Draft, draws: list[RowDraw] | None = None) -> Verified:

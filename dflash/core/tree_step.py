@@ -34,8 +34,8 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
     if plan is not None:
         engine._absorb_pending()
     else:
-        draft = engine.drafter.propose(target.ids([[a] for a in anchors]), engine._take_pending(), b,
-                                       planner.top_k, draws)
+        draft = engine.drafter.propose(target.ids([[a] for a in anchors]), engine._take_pending(),
+                                       planner.draft_block, planner.top_k, draws)
         plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
     inputs = TreeInputs.of(plan.trees)
     ids = target.ids(inputs.ids.tolist())
