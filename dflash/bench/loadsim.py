@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 
 from ..core.budget import Costs
-from ..core.costs import BATCH_TOKENS, GRID
+from ..core.costs import BATCH_TOKENS, DRAFT_BLOCKS, GRID
 from ..core.tree import best_first, choose_counts
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -64,12 +64,14 @@ def roofline_costs(device: Device = H200, shape: Shape = QWEN3_8B, block_size: i
     def verify(rows: int, n: int) -> float:
         return forward_seconds(device, shape.target_params, rows * n, rows * kv)
 
-    def draft(rows: int) -> float:
-        return forward_seconds(device, shape.draft_params + shape.head_params, rows * (block_size - 1))
+    def draft(rows: int, block: int = block_size) -> float:
+        return forward_seconds(device, shape.draft_params + shape.head_params, rows * (block - 1))
 
     tokens = [t for t in BATCH_TOKENS if t <= block_size]
+    blocks = [b for b in DRAFT_BLOCKS if b < block_size] + [block_size]
     return Costs(draft(1), [(n, verify(1, n)) for n in GRID],
-                 {r: [(n, verify(r, n)) for n in tokens] for r in rows_grid}, {r: draft(r) for r in rows_grid})
+                 {r: [(n, verify(r, n)) for n in tokens] for r in rows_grid}, {r: draft(r) for r in rows_grid},
+                 draft_blocks={b: {r: draft(r, b) for r in (1, *rows_grid)} for b in blocks})
 
 
 def synthetic_draft(block_size: int = 16, top1: float = 0.86, k: int = 8):
@@ -79,18 +81,25 @@ def synthetic_draft(block_size: int = 16, top1: float = 0.86, k: int = 8):
 
 
 def choose(rows: int, costs: Costs, block_size: int = 16, budget: int = 256) -> dict:
-    """auto's choice for `rows` identical rows: nodes per row (0 and no draft forward: a plain step), expected
-    tokens per row per cycle, cycle seconds, and the speedup over a plain batched step."""
+    """auto's choice for `rows` identical rows: the draft block (positions its draft forward fills), nodes per row
+    (0 and no draft forward: a plain step), expected tokens per row per cycle, cycle seconds, and the speedup over
+    a plain batched step."""
     ids, probs = synthetic_draft(block_size)
-    values = [c.q for c in best_first(ids, probs, budget, block_size - 1)]
-    counts, rate = choose_counts([values] * rows, costs.verify_seconds, costs.draft_seconds(rows), budget)
+    candidates = best_first(ids, probs, budget, block_size - 1)
+    best = None
+    for block in sorted(costs.draft_blocks) or [block_size]:
+        values = [c.q for c in candidates if len(c.tokens) < block]
+        counts, rate = choose_counts([values] * rows, costs.verify_seconds,
+                                     costs.draft_seconds(rows, block=block), budget)
+        if best is None or rate > best[2]:
+            best = (block, values, rate, counts[0])
+    block, values, rate, nodes = best
     plain = rows / costs.verify_seconds(1, rows)
-    nodes = counts[0]
     if plain >= rate:
-        return {"concurrency": rows, "nodes": 0, "draft": False, "tokens": 1.0,
+        return {"concurrency": rows, "block": 0, "nodes": 0, "draft": False, "tokens": 1.0,
                 "cycle_ms": 1e3 * costs.verify_seconds(1, rows), "speedup": 1.0}
     tokens = 1.0 + sum(values[:nodes])
-    return {"concurrency": rows, "nodes": nodes, "draft": True, "tokens": tokens,
+    return {"concurrency": rows, "block": block, "nodes": nodes, "draft": True, "tokens": tokens,
             "cycle_ms": 1e3 * rows * tokens / rate, "speedup": rate / plain}
 
 
@@ -108,11 +117,11 @@ def simulate(concurrency=CONCURRENCY, device: Device = H200, shape: Shape = QWEN
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| concurrency | auto: nodes per row | expected tokens per row and cycle | cycle (ms) | auto speedup | "
-             "chain speedup |", "|---|---|---|---|---|---|"]
+    lines = ["| concurrency | auto: draft block | nodes per row | expected tokens per row and cycle | cycle (ms) | "
+             "auto speedup | chain speedup |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        nodes = r["nodes"] if r["draft"] else "plain step"
-        lines.append(f"| {r['concurrency']} | {nodes} | {r['tokens']:.2f} | {r['cycle_ms']:.1f} | "
+        nodes, block = (r["nodes"], r["block"]) if r["draft"] else ("plain step", "-")
+        lines.append(f"| {r['concurrency']} | {block} | {nodes} | {r['tokens']:.2f} | {r['cycle_ms']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['chain_speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
 
