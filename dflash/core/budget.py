@@ -10,10 +10,10 @@ cycles, then a drafted cycle probes again), so a drafter that is almost always w
 drafting; the copied branch still runs in those cycles, since it costs no draft forward. For a batch the rule is the
 same over all rows at once: costs of r rows of n tokens each after the batch's context (measured at load at two context
 lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes), and a pause skips the
-whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. The draft forward itself fills 2, 4, 8
-or all B positions: the drafter's work grows with them, and where deep nodes do not pay (a CPU at high load) the
-block whose best plan is fastest, its own draft forward counted, is drafted. Every prediction goes
-through a CycleClock fitted online on the cycles' own wall times. Whether a cycle runs on the chain's own path or a
+whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. The draft forward itself
+fills 2, 4, 8 or all B positions: the drafter's work grows with them, and where deep nodes do not pay (a CPU at high
+load) the block whose best plan is fastest, its own draft forward counted, is drafted. Every prediction goes through a
+CycleClock fitted online on the cycles' own wall times. Whether a cycle runs on the chain's own path or a
 tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the whole cycle, so a plan is taken only
 while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served row expects (docs/trees.md, "Latency
 limit").
@@ -348,9 +348,8 @@ class ChainBudget:
     and whether it drafts at all. Expected tokens of a chain of L proposals are 1 + sum_j prod_{i<=j} a_i with a_i
     the measured rate at which position i accepts when reached (an exponential average over recent cycles, under the
     rule in use); seconds are T_draft(L + 1 positions) + T_verify(L + 1) from the device profile (the draft fills
-    only the positions verified), taken to the wall clock by a
-    CycleClock fitted on the cycles' own times (either way: a profile measured while the machine was busy
-    overstates). L = 0 is a plain target step without the draft forward; while it wins, drafting pauses for 1, 2,
+    only the positions verified), taken to the wall clock by a CycleClock fitted on the cycles' own times (either
+    way: a profile measured while the machine was busy overstates). L = 0 is a plain target step without the draft forward; while it wins, drafting pauses for 1, 2,
     4 .. 64 cycles between probes, as the tree planner's pauses do."""
 
     def __init__(self, block_size: int, costs: Costs, prior: float = 0.5, smoothing: float = 0.1):
