@@ -349,8 +349,8 @@ class ChainBudget:
     the measured rate at which position i accepts when reached (an exponential average over recent cycles, under the
     rule in use); seconds are T_draft(L + 1 positions) + T_verify(L + 1) from the device profile (the draft fills
     only the positions verified), taken to the wall clock by a CycleClock fitted on the cycles' own times (either
-    way: a profile measured while the machine was busy overstates). L = 0 is a plain target step without the draft forward; while it wins, drafting pauses for 1, 2,
-    4 .. 64 cycles between probes, as the tree planner's pauses do."""
+    way: a profile measured while the machine was busy overstates). L = 0 is a plain target step without the draft
+    forward; while it wins, drafting pauses for 1, 2, 4 .. 64 cycles between probes, as the tree planner's pauses do."""
 
     def __init__(self, block_size: int, costs: Costs, prior: float = 0.5, smoothing: float = 0.1):
         self.costs, self.smoothing = costs, smoothing
