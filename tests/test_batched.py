@@ -9,10 +9,12 @@ from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core import rows
+from dflash.core.budget import Costs
 from dflash.core.rows import RowLayout
 from dflash.core.errors import DFlashError
 from dflash.core.loop import Batch, Generation, generate, generate_batch
 from dflash.core.sampling import SamplingParams, accepted_length
+from dflash.core.tree_step import tree_step
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +317,7 @@ def test_plain_cycles_leave_features_pending_for_the_next_draft(pair, mixed_prom
             if kind == "plain":
                 ragged.append(len(set(be.pending.counts)) > 1)
             if kind == "plain" and eager:
-                be._absorb_pending()
+                be.drafter.extend(be._take_pending())
             steps = be._chain_step(anchors, top_k=0, length=0 if kind == "plain" else None)
             out.append([s.drafted for s in steps])
             anchors = [s.tokens[-1] for s in steps]
@@ -333,3 +335,36 @@ def test_plain_cycles_leave_features_pending_for_the_next_draft(pair, mixed_prom
         want = generate(solo, prompt, max_new_tokens=len(row) - len(prompt)).tokens
         assert row[len(prompt):] == want[: len(row) - len(prompt)]
     solo.close()
+
+
+def test_cycles_of_copied_nodes_alone_leave_features_pending_for_the_next_draft(pair):
+    """--verify auto's cycles without a draft forward that verify the branch copied from the context: their accepted
+    paths' features wait behind the earlier pending ones, and the next draft proposes exactly what it proposes when
+    the drafter read them after every such cycle."""
+    target, drafter = pair
+    starts = [list(range(10 * i, 10 * i + 6)) for i in (1, 2, 3)]
+    # each prompt holds its own greedy continuation once already: prompt lookup has something to copy
+    repeating = [p + generate(single(target, drafter), p, max_new_tokens=12).tokens + p for p in starts]
+
+    def run(eager: bool):
+        be = batched(target, drafter)
+        be.set_verify("auto", costs=Costs(draft=0.3, verify=[(1, 1.0), (512, 1.3)]))  # verifying is nearly free
+        anchors = be.prefill(repeating)
+        out, copied = [], 0
+        for kind in ["copy", "draft", "copy", "copy", "draft"]:
+            be.planner.skip = 1 if kind == "copy" else 0  # (a pause: this cycle runs without a draft forward)
+            if kind == "copy" and eager:
+                be.drafter.extend(be._take_pending())
+            steps = tree_step(be, anchors)
+            if kind == "copy":
+                copied += any(len(t.tokens) > 1 for t in be.last_trees)
+                if eager:
+                    be.drafter.extend(be._take_pending())
+            out.append([s.drafted for s in steps])
+            anchors = [s.tokens[-1] for s in steps]
+        tokens = [list(r) for r in be.rows]
+        be.close()
+        return out, tokens, copied
+
+    (deferred, rows_deferred, copied), (eager, rows_eager, _) = run(eager=False), run(eager=True)
+    assert copied and deferred == eager and rows_deferred == rows_eager

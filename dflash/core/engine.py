@@ -314,8 +314,9 @@ class Engine:
         self.pending = new if self.pending is None else self._join_pending(self.pending, new)
 
     def _join_pending(self, old: Pending, new: Pending) -> Pending:
-        """A cycle without a draft forward leaves the features it committed pending after the earlier ones: the next
-        draft takes them all in one forward, so a plain step costs no drafter forward of its own."""
+        """A cycle without a draft forward (a plain step, or copied nodes alone) leaves the features it committed pending
+        after the earlier ones: the next draft takes them all in one forward, so such a cycle costs no drafter forward
+        of its own."""
         width = old.features.shape[1]
         joined = self.target.cat([old.features, new.features])
         counts = [a + b for a, b in zip(old.counts, new.counts)]
@@ -399,12 +400,6 @@ class Engine:
         chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
         tops = [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)]
         return tokens, (chosen, tops)
-
-    def _absorb_pending(self) -> None:
-        """A tree cycle without a draft forward (copied nodes only): the drafter takes the pending features into its
-        context first (context K/V needs no block), since that cycle's features are gathered by tree slot."""
-        if self.drafter is not None:
-            self.drafter.extend(self._take_pending())
 
     def _take_pending(self) -> Pending | None:
         pending, self.pending = self.pending, None

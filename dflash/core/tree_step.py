@@ -31,9 +31,7 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
         engine.last_trees, engine.last_paths = plan.trees, [[] for _ in steps]
         return steps
     draws = engine._row_draws(b)
-    if plan is not None:
-        engine._absorb_pending()
-    else:
+    if plan is None:
         draft = engine.drafter.propose(target.ids([[a] for a in anchors]), engine._take_pending(),
                                        planner.draft_block, planner.top_k, draws)
         plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
@@ -63,6 +61,8 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
         row.extend([anchor] + step.drafted)
     if features is None:
         return steps  # (a drafter that reads no target features)
-    engine.pending = Pending(target.gather(features, slots), [len(s) for s in slots])
+    # (after a cycle without a draft forward, the features wait behind the earlier pending ones for the next draft)
+    new = Pending(target.gather(features, slots), [len(s) for s in slots])
+    engine.pending = new if engine.pending is None else engine._join_pending(engine.pending, new)
     return steps
 
