@@ -196,7 +196,7 @@ class TreePlanner:
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
-        self.last_drafted, self.last_block = True, block_size
+        self.last_drafted = True
         self.clock = {True: CycleClock(), False: CycleClock()}  # drafted or not: the profile -> the wall clock
         self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
         # auto: positions of the next draft forward (the measured shorter blocks, or the whole block)
@@ -218,7 +218,7 @@ class TreePlanner:
 
     def observe_speed(self, kind: str, accepted: Sequence[int], seconds: float) -> None:
         """One cycle on the chain's path or a tree's took `seconds`; row r accepted accepted[r] draft tokens."""
-        if self.costs is None or (kind == "tree" and (not self.last_drafted or self.last_block < self.block_size)):
+        if self.costs is None or (kind == "tree" and (not self.last_drafted or self.drafted_block < self.block_size)):
             return  # (a cycle without a draft forward, or a shorter one, says nothing about either path's chain-sized
             # drafted cycles)
         rows = len(accepted)
@@ -237,6 +237,7 @@ class TreePlanner:
         rows = len(anchors)
         copies = list(copies) if self.copy_branch and copies else [[] for _ in range(rows)]
         drafted = top_ids is not None
+        block = len(top_ids[0]) + 1 if drafted else self.block_size  # positions of this cycle's draft
         n = self.budget if self.mode == "tree" else self.reach
         candidates = []
         for r in range(rows):
@@ -246,7 +247,6 @@ class TreePlanner:
             counts = [min(self.budget, len(c)) for c in candidates]
         else:
             limit = self._limit(rows)
-            block = len(top_ids[0]) + 1 if drafted else None
             counts, rate = self._counts(candidates, drafted, limit, block)
             if drafted:
                 chains = [_chain_tokens(p[: self.block_size - 1], self.calibration) for p in top_probs]
@@ -259,13 +259,13 @@ class TreePlanner:
                 self.reach = min(self.budget, max(2 * max(counts), 2 * (self.block_size - 1)))
         trees = [to_tree(a, c[:k]) for a, c, k in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]
-        return Plan(trees, qs, drafted, len(top_ids[0]) + 1 if drafted else self.block_size)
+        return Plan(trees, qs, drafted, block)
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
         for tree, qs, path in zip(plan.trees, plan.qs, paths):
             self.calibration.observe(tree, qs, list(path))
-        self.last_drafted, self.last_block = plan.drafted, plan.block
+        self.last_drafted = plan.drafted
         if seconds is not None and self.costs is not None:
             rows, width = len(plan.trees), max(len(t.tokens) for t in plan.trees)
             forwards = self.costs.cycle_seconds(width, rows, plan.drafted, self.context, plan.block)
