@@ -33,7 +33,7 @@ def test_every_row_equals_its_batch1_output(trained_pair, mixed_prompts, alone, 
     compactions = []
     monkeypatch.setattr(RowLayout, "compacted",
                         lambda self, index, orig=RowLayout.compacted: (compactions.append(1), orig(self, index)))
-    monkeypatch.setattr(rows, "COMPACT_HOLES", 0.25)  # compaction happens whatever the acceptances were
+    monkeypatch.setattr(rows, "COMPACT_SHRINK", 0.1)  # compaction happens whatever the acceptances were
     got = generate_batch(load(trained_pair), mixed_prompts, max_new_tokens=64)
     assert [g.tokens for g in got] == alone
     taus = [g.mean_acceptance_length for g in got]

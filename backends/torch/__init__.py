@@ -10,7 +10,8 @@ import importlib
 
 _PUBLIC = {
     "torch_engine": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
-    "target_info": "target", "DTYPES": "target", "quiet_loading": "target", "DFlashDrafter": "drafter",
+    "target_info": "target", "DTYPES": "target", "quiet_loading": "target",
+    "GROUPED_SDPA": "attention", "DFlashDrafter": "drafter",
     "load_drafter": "drafter",
     "save_drafter": "drafter", "regenerate": "regeneration", "write_self_prompts": "self_prompts", "write_feature_cache": "training.features",
     "TrainConfig": "training", "train": "training", "dflash_loss": "training",

@@ -10,6 +10,8 @@ from dflash.core.checkpoint import check_target_dir
 from dflash.core.errors import DFlashError
 from dflash.core.spec import TargetInfo
 
+from .attention import GROUPED_SDPA
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -78,7 +80,8 @@ def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool =
     try:
         with quiet_loading():
             try:
-                model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="sdpa", **kwargs)
+                model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=GROUPED_SDPA,
+                                                                   **kwargs)
             except ValueError as e:
                 if "scaled_dot_product_attention" not in str(e):
                     raise

@@ -138,7 +138,7 @@ class TorchTarget:
         """What the costs of a forward depend on besides shapes (dflash/core/costs.py)."""
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
         return f"torch {torch.__version__} {name} {str(self.dtype).removeprefix('torch.')} " \
-               f"{torch.get_num_threads()} threads"
+               f"{torch.get_num_threads()} threads {self.model.config._attn_implementation}"
 
     @property
     def capabilities(self) -> Capabilities:
@@ -149,7 +149,7 @@ class TorchTarget:
             return SLIDING_TREE_REFUSAL.format(model_type=self.info.model_type)
         if self.cache_len is not None:
             return "the static cache (--compile / cache_len) keeps no tree; use the dynamic cache"
-        if self.model.config._attn_implementation not in ("sdpa", "eager"):
+        if "sdpa" not in self.model.config._attn_implementation and self.model.config._attn_implementation != "eager":
             return (f"attention {self.model.config._attn_implementation!r} takes no 4D ancestor mask; "
                     "load the target with sdpa or eager attention")
         return None

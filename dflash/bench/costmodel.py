@@ -93,7 +93,7 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cac
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.backends.torch import DFlashDrafter, torch_engine, resolve_device, resolve_dtype
+    from dflash.backends.torch import GROUPED_SDPA, DFlashDrafter, torch_engine, resolve_device, resolve_dtype
 
     device = resolve_device(device)
     dt = resolve_dtype(dtype, device)
@@ -101,7 +101,7 @@ def torch_factory(target_config, draft_layers: int, dtype: str, device: str, cac
 
     def build_target():
         try:
-            return AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="sdpa").eval()
+            return AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation=GROUPED_SDPA).eval()
         except ValueError:  # no SDPA path for this family (gpt-oss: attention sinks)
             return AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="eager").eval()
 

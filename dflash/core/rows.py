@@ -5,7 +5,9 @@ slots, left-pad, gather); every backend's batched target runs on this one bookke
 Every forward appends the same number of slots to every row. A cycle keeps its block's first max(keep) slots for
 every row and marks the slots a row did not accept as holes, like the left padding of a row that joined with a
 shorter prompt; each row's tokens carry their true positions (explicit RoPE positions), so its attention sees what
-batch-1 decoding sees. When holes fill half the cache, the valid slots are gathered to the right (compaction).
+batch-1 decoding sees. When gathering every row's valid slots to the right would shrink the cache by a quarter, they
+are gathered (compaction). Holes that no gather removes (a short row's padding beside the longest row) are left alone:
+a gather that keeps the width costs a copy of the whole cache and saves nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 COMPACT_MIN_SLOTS = 64  # below this a compaction costs more than the holes it removes
-COMPACT_HOLES = 0.5  # compact once this fraction of the slots are holes
+COMPACT_SHRINK = 0.25  # compact once that removes this fraction of the cache's slots
 
 
 def visible(keys, t: int, arange):
@@ -85,12 +87,14 @@ class RowLayout:
         return drop
 
     def compaction(self) -> np.ndarray | None:
-        """When holes fill COMPACT_HOLES of a large cache: per row, the slots (rows, W) that gather its valid ones, in order,
-        to the right end of a buffer of width W; the backend gathers, then calls `compacted`. None: not worth it."""
-        holes = self.valid.size - int(self.valid.sum())
-        if self.width <= COMPACT_MIN_SLOTS or holes <= COMPACT_HOLES * self.valid.size:
+        """When it removes COMPACT_SHRINK of a large cache's slots: per row, the slots (rows, W) that gather its valid
+        ones, in order, to the right end of a buffer of width W (the most valid slots of any row); the backend gathers,
+        then calls `compacted`. None: not worth it."""
+        if self.width <= COMPACT_MIN_SLOTS:
             return None
         width = int(self.valid.sum(1).max())
+        if self.width - width < COMPACT_SHRINK * self.width:
+            return None
         order = np.argsort(self.valid.astype(np.int8), axis=1, kind="stable")  # invalid first, both in slot order
         return order[:, self.width - width:]
 
