@@ -8,6 +8,7 @@ import torch
 from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
+from dflash.core import engine as engine_module
 from dflash.core import rows
 from dflash.core.budget import Costs
 from dflash.core.rows import RowLayout
@@ -43,8 +44,7 @@ def test_every_row_equals_its_batch1_output(pair, mixed_prompts, block_size, mon
     compactions = []
     monkeypatch.setattr(RowLayout, "compacted",
                         lambda self, index, orig=RowLayout.compacted: (compactions.append(1), orig(self, index)))
-    # a quarter of holes (not half): compaction happens whatever the acceptances were
-    monkeypatch.setattr(rows, "COMPACT_HOLES", 0.25)
+    monkeypatch.setattr(rows, "COMPACT_SHRINK", 0.1)  # compaction happens whatever the acceptances were
     solo = single(target, drafter, block_size)
     want = [generate(solo, p, max_new_tokens=96) for p in mixed_prompts]
     solo.close()
@@ -335,6 +335,33 @@ def test_plain_cycles_leave_features_pending_for_the_next_draft(pair, mixed_prom
         want = generate(solo, prompt, max_new_tokens=len(row) - len(prompt)).tokens
         assert row[len(prompt):] == want[: len(row) - len(prompt)]
     solo.close()
+
+
+def test_a_long_pause_hands_its_pending_features_to_the_drafter(pair, mixed_prompts, monkeypatch):
+    """Past PENDING_ABSORB pending positions a cycle without a draft forward has the drafter read them (the joins
+    stay short); the next drafts propose exactly what they propose when every plain cycle's features were read at once."""
+    monkeypatch.setattr(engine_module, "PENDING_ABSORB", 5)
+    target, drafter = pair
+    prompts = mixed_prompts[:3]
+
+    def run(eager: bool):
+        be = batched(target, drafter)
+        anchors = be.prefill(prompts)
+        out, widths = [], []
+        for kind in ["draft"] + ["plain"] * 9 + ["draft", "draft"]:
+            if kind == "plain" and eager:
+                be.drafter.extend(be._take_pending())
+            steps = be._chain_step(anchors, top_k=0, length=0 if kind == "plain" else None)
+            widths.append(None if be.pending is None else be.pending.features.shape[1])
+            out.append([s.drafted for s in steps])
+            anchors = [s.tokens[-1] for s in steps]
+        tokens = [list(r) for r in be.rows]
+        be.close()
+        return out, tokens, widths
+
+    (deferred, rows_deferred, widths), (eager, rows_eager, _) = run(eager=False), run(eager=True)
+    assert None in widths[1:10] and max(w for w in widths[1:10] if w is not None) < 5 + 16  # absorbed, and again
+    assert deferred == eager and rows_deferred == rows_eager
 
 
 def test_cycles_of_copied_nodes_alone_leave_features_pending_for_the_next_draft(pair):

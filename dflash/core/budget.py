@@ -35,6 +35,7 @@ MAX_PAUSE = 64  # the longest run of cycles without a draft forward between prob
 BLOCK_SMOOTHING = 0.2  # auto: weight of a cycle's predicted rate in each draft block's smoothed one
 BLOCK_MARGIN = 0.1  # auto: how much faster a shorter draft block must be predicted to be to replace the drafted one
 ITL_LIMIT = 1.5  # auto: a cycle takes at most this many plain steps per token its least-served row expects
+MEMO_SIZE = 4096  # Costs: answers kept
 
 
 def interpolate(points: Sequence[tuple[int, float]], x: float) -> float:
@@ -69,12 +70,25 @@ class Costs:
     # The drafter's work grows with the positions it fills; without points a shorter draft costs a full one
     draft_blocks: dict[int, dict[int, float]] = field(default_factory=dict)
 
+    # answers already given: a cycle's plan asks the same few dozen questions (one batch, one context) many times
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
     def verify_seconds(self, tokens: int, rows: int = 1, context: float | None = None) -> float:
-        return self._at(context, lambda c: c._verify(tokens, rows))
+        return self._remember(("verify", tokens, rows, context),
+                              lambda: self._at(context, lambda c: c._verify(tokens, rows)))
 
     def draft_seconds(self, rows: int = 1, context: float | None = None, block: int | None = None) -> float:
         """One draft forward of `block` positions (default: the whole block) for `rows` rows."""
-        return self._at(context, lambda c: c._draft(rows)) * self._block_share(block, rows)
+        return self._remember(("draft", rows, context, block),
+                              lambda: self._at(context, lambda c: c._draft(rows)) * self._block_share(block, rows))
+
+    def _remember(self, key: tuple, seconds) -> float:
+        answer = self._memo.get(key)
+        if answer is None:
+            if len(self._memo) >= MEMO_SIZE:  # (contexts grow: old ones are not asked again)
+                self._memo.clear()
+            answer = self._memo[key] = seconds()
+        return answer
 
     def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
                       block: int | None = None) -> float:

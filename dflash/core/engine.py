@@ -31,6 +31,10 @@ from .sampling import RowDraw, RowSampling, SamplingParams, accepted_length, com
 from .tree import CopyIndex
 from .tree_step import tree_step
 
+# features pending past which a cycle without a draft forward hands them to the drafter's context (the work the next
+# draft would do): joining grows with what is pending, so a long pause would otherwise cost more every cycle
+PENDING_ABSORB = 64
+
 
 def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
     """One line when a prompt leaves no room in the target's context for a new token."""
@@ -313,17 +317,20 @@ class Engine:
         new = Pending(self.target.head(verified.features, max(keeps)), keeps)
         self.pending = new if self.pending is None else self._join_pending(self.pending, new)
 
-    def _join_pending(self, old: Pending, new: Pending) -> Pending:
+    def _join_pending(self, old: Pending, new: Pending) -> Pending | None:
         """A cycle without a draft forward (a plain step, or copied nodes alone) leaves the features it committed pending
         after the earlier ones: the next draft takes them all in one forward, so such a cycle costs no drafter forward
-        of its own."""
+        of its own (PENDING_ABSORB of them go to the drafter's context at once: returns None)."""
         width = old.features.shape[1]
         joined = self.target.cat([old.features, new.features])
         counts = [a + b for a, b in zip(old.counts, new.counts)]
-        if all(a == width for a in old.counts):
+        if any(a != width for a in old.counts):
+            slots = [list(range(a)) + [width + j for j in range(b)] for a, b in zip(old.counts, new.counts)]
+            joined = self.target.gather(joined, slots)
+        if max(counts) < PENDING_ABSORB:
             return Pending(joined, counts)
-        slots = [list(range(a)) + [width + j for j in range(b)] for a, b in zip(old.counts, new.counts)]
-        return Pending(self.target.gather(joined, slots), counts)
+        self.drafter.extend(Pending(joined, counts))
+        return None
 
     def retire(self, rows: Sequence[int]) -> None:
         """Drop finished rows (indices into the current rows) from every cache."""
