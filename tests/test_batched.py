@@ -302,10 +302,11 @@ def test_a_row_admitted_after_the_batch_emptied_runs_alone(pair, mixed_prompts):
     assert gen.result.tokens == want and len(batch.engine.rows) == 1
 
 
-def test_plain_cycles_leave_features_pending_for_the_next_draft(pair, mixed_prompts):
+def test_plain_cycles_leave_features_pending_for_the_next_draft(pair, mixed_prompts, monkeypatch):
     """Rows that accepted different prefixes (ragged pending features), then plain cycles: the next draft proposes
     exactly what it proposes when every plain cycle had the drafter read its features at once, and the committed
     tokens are the target's own."""
+    monkeypatch.setattr(engine_module, "PENDING_ABSORB", 1000)  # (however many wait: see the test below)
     target, drafter = pair
     prompts = mixed_prompts[:4]
 

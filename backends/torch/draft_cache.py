@@ -96,12 +96,14 @@ class DraftContextCache(ContextCache):
         self._k, self._v = self._k[:, :1], self._v[:, :1]  # one row again (a batch may have been merged in)
 
     def select(self, rows: list[int]) -> None:
-        """Keep these rows, in this order: rows before the first change stay where they are."""
+        """Keep these rows, in this order: rows before the first change stay where they are, and of the others only
+        the slots some row holds move (not the buffer's spare capacity)."""
         first = next((i for i, r in enumerate(rows) if r != i), len(rows))
         if first < len(rows):
             idx = torch.tensor(rows[first:], device=self._k.device)
-            self._k[:, first:len(rows)] = self._k[:, idx]
-            self._v[:, first:len(rows)] = self._v[:, idx]
+            used = self.layout.slot(max(self.layout.lengths[r] for r in rows))
+            self._k[:, first:len(rows), :, :used] = self._k[:, idx, :, :used]
+            self._v[:, first:len(rows), :, :used] = self._v[:, idx, :, :used]
         self.layout.lengths = [self.layout.lengths[i] for i in rows]
 
     def extract(self, i: int) -> DraftContextCache:

@@ -33,7 +33,7 @@ from .tree_step import tree_step
 
 # features pending past which a cycle without a draft forward hands them to the drafter's context (the work the next
 # draft would do): joining grows with what is pending, so a long pause would otherwise cost more every cycle
-PENDING_ABSORB = 64
+PENDING_ABSORB = 16
 
 
 def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
