@@ -302,6 +302,27 @@ def test_a_row_admitted_after_the_batch_emptied_runs_alone(pair, mixed_prompts):
     assert gen.result.tokens == want and len(batch.engine.rows) == 1
 
 
+def chain_cycles(target, drafter, prompts, kinds, eager: bool, before=None, after=None):
+    """Chain cycles of `kinds` ("draft", or "plain": no draft forward) over a batch of `prompts`; eager: the drafter
+    reads each plain cycle's features at once (what deferring them must equal). before / after(engine, kind) are
+    noted per cycle. Returns (draft tokens per cycle and row, the rows' tokens, the notes)."""
+    be = batched(target, drafter)
+    anchors = be.prefill(prompts)
+    out, notes = [], []
+    for kind in kinds:
+        notes.append(before(be, kind) if before else None)
+        if kind == "plain" and eager:
+            be.drafter.extend(be._take_pending())
+        steps = be._chain_step(anchors, top_k=0, length=0 if kind == "plain" else None)
+        out.append([s.drafted for s in steps])
+        anchors = [s.tokens[-1] for s in steps]
+        if after:
+            notes[-1] = (notes[-1], after(be, kind))
+    tokens = [list(r) for r in be.rows]
+    be.close()
+    return out, tokens, notes
+
+
 def test_plain_cycles_leave_features_pending_for_the_next_draft(pair, mixed_prompts, monkeypatch):
     """Rows that accepted different prefixes (ragged pending features), then plain cycles: the next draft proposes
     exactly what it proposes when every plain cycle had the drafter read its features at once, and the committed
@@ -309,27 +330,13 @@ def test_plain_cycles_leave_features_pending_for_the_next_draft(pair, mixed_prom
     monkeypatch.setattr(engine_module, "PENDING_ABSORB", 1000)  # (however many wait: see the test below)
     target, drafter = pair
     prompts = mixed_prompts[:4]
-
-    def run(eager: bool):
-        be = batched(target, drafter)
-        anchors = be.prefill(prompts)
-        out, ragged = [], []
-        for kind in ["draft", "draft", "plain", "plain", "plain", "draft", "plain", "draft"]:
-            if kind == "plain":
-                ragged.append(len(set(be.pending.counts)) > 1)
-            if kind == "plain" and eager:
-                be.drafter.extend(be._take_pending())
-            steps = be._chain_step(anchors, top_k=0, length=0 if kind == "plain" else None)
-            out.append([s.drafted for s in steps])
-            anchors = [s.tokens[-1] for s in steps]
-            if kind == "plain" and not eager:
-                assert be.pending is not None and be.pending.counts  # the drafter has not read them yet
-        tokens = [list(r) for r in be.rows]
-        be.close()
-        assert any(ragged)  # (rows had accepted different prefixes when a plain cycle came)
-        return out, tokens
-
-    (deferred, rows_deferred), (eager, rows_eager) = run(eager=False), run(eager=True)
+    kinds = ["draft", "draft", "plain", "plain", "plain", "draft", "plain", "draft"]
+    ragged = lambda be, kind: kind == "plain" and len(set(be.pending.counts)) > 1  # noqa: E731
+    waiting = lambda be, kind: kind != "plain" or (be.pending is not None and bool(be.pending.counts))  # noqa: E731
+    deferred, rows_deferred, notes = chain_cycles(target, drafter, prompts, kinds, False, ragged, waiting)
+    eager, rows_eager, _ = chain_cycles(target, drafter, prompts, kinds, True)
+    assert any(r for r, _ in notes)  # (rows had accepted different prefixes when a plain cycle came)
+    assert all(w for _, w in notes)  # (after a plain cycle the drafter has not read its features yet)
     assert deferred == eager and rows_deferred == rows_eager
     solo = single(target, drafter)
     for prompt, row in zip(prompts, rows_deferred):
@@ -340,28 +347,16 @@ def test_plain_cycles_leave_features_pending_for_the_next_draft(pair, mixed_prom
 
 def test_a_long_pause_hands_its_pending_features_to_the_drafter(pair, mixed_prompts, monkeypatch):
     """Past PENDING_ABSORB pending positions a cycle without a draft forward has the drafter read them (the joins
-    stay short); the next drafts propose exactly what they propose when every plain cycle's features were read at once."""
+    stay short); the next drafts propose exactly what they propose when every plain cycle's features were read at
+    once."""
     monkeypatch.setattr(engine_module, "PENDING_ABSORB", 5)
     target, drafter = pair
-    prompts = mixed_prompts[:3]
-
-    def run(eager: bool):
-        be = batched(target, drafter)
-        anchors = be.prefill(prompts)
-        out, widths = [], []
-        for kind in ["draft"] + ["plain"] * 9 + ["draft", "draft"]:
-            if kind == "plain" and eager:
-                be.drafter.extend(be._take_pending())
-            steps = be._chain_step(anchors, top_k=0, length=0 if kind == "plain" else None)
-            widths.append(None if be.pending is None else be.pending.features.shape[1])
-            out.append([s.drafted for s in steps])
-            anchors = [s.tokens[-1] for s in steps]
-        tokens = [list(r) for r in be.rows]
-        be.close()
-        return out, tokens, widths
-
-    (deferred, rows_deferred, widths), (eager, rows_eager, _) = run(eager=False), run(eager=True)
-    assert None in widths[1:10] and max(w for w in widths[1:10] if w is not None) < 5 + 16  # absorbed, and again
+    prompts, kinds = mixed_prompts[:3], ["draft"] + ["plain"] * 9 + ["draft", "draft"]
+    width = lambda be, kind: None if be.pending is None else be.pending.features.shape[1]  # noqa: E731
+    deferred, rows_deferred, notes = chain_cycles(target, drafter, prompts, kinds, False, after=width)
+    eager, rows_eager, _ = chain_cycles(target, drafter, prompts, kinds, True)
+    widths = [w for _, w in notes[1:10]]
+    assert None in widths and max(w for w in widths if w is not None) < 5 + 16  # absorbed, and again
     assert deferred == eager and rows_deferred == rows_eager
 
 
