@@ -19,6 +19,7 @@ from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
 from dflash.core.sampling import SamplingParams
 from dflash.core.tree import TreeInputs
 
+from .attention import GROUPED_SDPA
 from .rewind import CacheRewind, bounded_layers
 from .sampling import TorchSampler, gumbel, log_probs, rejection_tokens
 from .target import LayerCapture, target_info
@@ -149,7 +150,7 @@ class TorchTarget:
             return SLIDING_TREE_REFUSAL.format(model_type=self.info.model_type)
         if self.cache_len is not None:
             return "the static cache (--compile / cache_len) keeps no tree; use the dynamic cache"
-        if "sdpa" not in self.model.config._attn_implementation and self.model.config._attn_implementation != "eager":
+        if self.model.config._attn_implementation not in ("sdpa", GROUPED_SDPA, "eager"):
             return (f"attention {self.model.config._attn_implementation!r} takes no 4D ancestor mask; "
                     "load the target with sdpa or eager attention")
         return None

@@ -314,23 +314,25 @@ class Engine:
             row.extend(block[:k])
         if self.drafter is None:
             return
-        new = Pending(self.target.head(verified.features, max(keeps)), keeps)
-        self.pending = new if self.pending is None else self._join_pending(self.pending, new)
+        self._queue_pending(Pending(self.target.head(verified.features, max(keeps)), keeps))
 
-    def _join_pending(self, old: Pending, new: Pending) -> Pending | None:
-        """A cycle without a draft forward (a plain step, or copied nodes alone) leaves the features it committed pending
-        after the earlier ones: the next draft takes them all in one forward, so such a cycle costs no drafter forward
-        of its own (PENDING_ABSORB of them go to the drafter's context at once: returns None)."""
+    def _queue_pending(self, new: Pending) -> None:
+        """A cycle's committed features wait for the drafter. After a cycle without a draft forward (a plain step, or
+        copied nodes alone) they join the earlier pending ones: the next draft takes them all in one forward, so such a
+        cycle costs no drafter forward of its own (PENDING_ABSORB of them go to the drafter's context at once)."""
+        old = self.pending
+        if old is None:
+            self.pending = new
+            return
         width = old.features.shape[1]
         joined = self.target.cat([old.features, new.features])
         counts = [a + b for a, b in zip(old.counts, new.counts)]
         if any(a != width for a in old.counts):
             slots = [list(range(a)) + [width + j for j in range(b)] for a, b in zip(old.counts, new.counts)]
             joined = self.target.gather(joined, slots)
-        if max(counts) < PENDING_ABSORB:
-            return Pending(joined, counts)
-        self.drafter.extend(Pending(joined, counts))
-        return None
+        self.pending = Pending(joined, counts)
+        if max(counts) >= PENDING_ABSORB:
+            self.drafter.extend(self._take_pending())
 
     def retire(self, rows: Sequence[int]) -> None:
         """Drop finished rows (indices into the current rows) from every cache."""

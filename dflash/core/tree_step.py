@@ -62,7 +62,6 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
     if features is None:
         return steps  # (a drafter that reads no target features)
     # (after a cycle without a draft forward, the features wait behind the earlier pending ones for the next draft)
-    new = Pending(target.gather(features, slots), [len(s) for s in slots])
-    engine.pending = new if engine.pending is None else engine._join_pending(engine.pending, new)
+    engine._queue_pending(Pending(target.gather(features, slots), [len(s) for s in slots]))
     return steps
 
