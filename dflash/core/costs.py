@@ -33,6 +33,11 @@ WIDE_BATCH_SECONDS = 0.25  # 32 rows are measured when a block of 16 rows costs 
 NOTICE_SECONDS = 1.0  # a profile that takes longer says so in one line
 
 
+# the engine code whose speed a profile measured: bumped when a forward gets faster, so cached profiles are measured
+# anew (as a new grid, shape or device is)
+PROFILE_VERSION = 2
+
+
 def cache_dir() -> Path:
     return cache_root() / "costs"
 
@@ -40,7 +45,7 @@ def cache_dir() -> Path:
 def cost_key(engine) -> str:
     """Costs depend on shapes, backend, device, dtype and threads, not on the weights' values."""
     info, spec = engine.info, getattr(engine.drafter, "spec", None)
-    parts = [BATCH_ROWS, BATCH_TOKENS, DRAFT_BLOCKS, CONTEXT, LONGER_CONTEXT, engine.name,  # (a new grid: anew)
+    parts = [PROFILE_VERSION, BATCH_ROWS, BATCH_TOKENS, DRAFT_BLOCKS, CONTEXT, LONGER_CONTEXT, engine.name,
              info.model_type, info.hidden_size, info.num_hidden_layers, info.vocab_size,
              engine.block_size, engine.target.device_key()]
     if spec is not None:
