@@ -1,5 +1,9 @@
 """The serve benchmark's report: speedup per concurrency over no-draft, the side-by-side table and the plot."""
 
+import json
+
+import httpx
+
 from dflash.bench import serve_load
 
 
@@ -43,3 +47,22 @@ def test_a_level_over_rounds_takes_the_median_round_and_pools_latencies():
     assert level["requests"] == 6 and level["failed"] == 1 and level["output_tokens"] == 500
     assert level["itl_p99"] == 0.02 and level["wall_seconds"] == 5.5
     assert "3 rounds with the modes alternating" in serve_load.markdown(report() | {"rounds": 3})
+
+
+def _sse_client(*events: dict):
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    return httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=body)))
+
+
+def test_a_stream_that_ends_in_an_error_event_counts_as_failed():
+    """The server answers 200 before a failure and reports it as an error event: that request failed, it is not a
+    completion of 0 tokens."""
+    text = {"choices": [{"text": "x"}]}
+    with _sse_client(text, {"error": {"message": "prefill failure: RuntimeError"}}) as client:
+        assert serve_load.one_request(client, "http://s", "p", 8) == {"error": "prefill failure: RuntimeError"}
+    with _sse_client(text) as client:
+        assert "error" in serve_load.one_request(client, "http://s", "p", 8)  # (no usage: cut short)
+    usage = {"choices": [], "usage": {"completion_tokens": 2}, "dflash": {"tau": 1.5}}
+    with _sse_client(text, text, usage) as client:
+        r = serve_load.one_request(client, "http://s", "p", 8)
+    assert r["tokens"] == 2 and r["tau"] == 1.5 and r["itl"] is not None

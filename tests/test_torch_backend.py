@@ -11,6 +11,7 @@ from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.draft_cache import DraftContextCache
 from dflash.backends.torch.drafter import load_drafter, save_drafter
 from dflash.backends.torch.target import load_target
+from dflash.core.contract import Pending
 from dflash.core.errors import DFlashError
 from dflash.core.loop import generate
 from dflash.core.spec import DraftSpec
@@ -174,3 +175,30 @@ def test_draft_cache_rows_join_into_spare_room_and_leave_in_order(random_draft_d
     alone = batch.extract(2)
     assert alone.lengths == [live[2][1]] and torch.equal(alone.k[:, 0, :, :live[2][1]], live[2][0])
     assert alone.nbytes < batch.nbytes
+
+
+def test_rows_join_and_leave_after_a_draft_forward_grew_the_cache(target, random_draft_dir):
+    """A context buffer grown inside a draft forward (an inference tensor) still takes a joining row into its spare
+    room, a leaving row, a crop and an extract: those writes outside a forward once raised 'Inplace update to
+    inference tensor' in the server (a join after a long row's context outgrew the buffer)."""
+    engine = torch_engine(target, load_drafter(random_draft_dir, torch.float32, "cpu"))
+    batch, width = engine.drafter, engine.drafter.width
+
+    def row(n: int):
+        r = batch.spawn()
+        r.extend(Pending(torch.randn(1, n, width), [n]))
+        return r
+
+    batch.extend(Pending(torch.randn(1, 4, width), [4]))
+    batch.merge(row(6))
+    batch.select([0])  # a spare row in the buffer
+    capacity = batch.cache._k.shape[3]
+    batch.extend(Pending(torch.randn(1, capacity, width), [capacity]))  # past the buffer: grown in the mode
+    assert batch.cache._k.is_inference() and batch.cache._k.shape[1] == 2
+    batch.merge(row(5))  # into the spare row, in place
+    assert batch.cache.lengths == [capacity + 4, 5]
+    assert batch.extract(1).cache.lengths == [5]
+    batch.select([1])
+    assert batch.cache.lengths == [5]
+    batch.crop(3)
+    assert batch.position == 3

@@ -217,18 +217,25 @@ class TorchDraft:
         hidden = static_draft(self.drafter, self.embed_block(block), features, start, n, self.cache, *self._rope)
         return self.logits(hidden[:, 1:]), hidden[:, 1:]
 
+    # Every method that writes the context cache runs in inference mode: a buffer grown inside a draft forward is an
+    # inference tensor, and an in-place write to one outside the mode raises (a row joining or leaving a server batch).
+    @torch.inference_mode()
     def crop(self, position: int) -> bool:
         return self.cache.crop(position)
 
+    @torch.inference_mode()
     def reset(self) -> None:
         self.cache.reset()
 
+    @torch.inference_mode()
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)
 
+    @torch.inference_mode()
     def merge(self, other: "TorchDraft") -> None:
         self.cache.merge(other.cache)
 
+    @torch.inference_mode()
     def extract(self, i: int) -> "TorchDraft":
         """Row i's context alone (a prefix kept after the row leaves the batch)."""
         if self._compiled is not None or self.window is not None:

@@ -214,6 +214,7 @@ class TorchTarget:
         self._drop(self.layout.keep(keeps, width))
         return True
 
+    @torch.inference_mode()
     def trim(self, n: int) -> bool:
         """Forget the last n positions of one row; False if its layers cannot go back that far."""
         if self.layout is not None:
@@ -225,6 +226,7 @@ class TorchTarget:
         self.length -= n
         return True
 
+    @torch.inference_mode()
     def reset(self) -> None:
         if self.cache_len is not None and self.length:
             self.cache.crop(-self.length)  # keep the static buffers (and any captured graphs) alive
@@ -281,6 +283,7 @@ class TorchTarget:
         return sum(t.nbytes for layer in self.cache.layers for t in (layer.keys, layer.values)
                    if isinstance(t, torch.Tensor))
 
+    @torch.inference_mode()
     def select(self, rows: list[int]) -> None:
         if self.layout is None:
             return  # one row, kept

@@ -100,12 +100,16 @@ def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # a failure after the 200: the server's error event ends the stream
+                return {"error": chunk["error"].get("message", "stream error")}
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 now = time.perf_counter()
                 gap = max(gap, now - last) if last is not None else gap
                 last, first = now, first or now
             usage, stats = chunk.get("usage") or usage, chunk.get("dflash") or stats
-    tokens = usage.get("completion_tokens", 0)
+    if "completion_tokens" not in usage:
+        return {"error": "stream ended without usage"}
+    tokens = usage["completion_tokens"]
     return {"ttft": (first or time.perf_counter()) - t0, "tokens": tokens, "tau": stats.get("tau"), "gap": gap,
             "itl": (last - first) / (tokens - 1) if first and last and tokens > 1 else None}
 
