@@ -9,7 +9,9 @@ from pathlib import Path
 from dflash.core.checkpoint import INDEX_NAME, read_header, validate_weights
 from dflash.core.errors import DFlashError
 from dflash.core.spec import DraftSpec, TargetInfo
+from dflash.core.target_config import with_legacy_fields
 
+from . import readings
 
 
 def _read_json(path: Path) -> dict:
@@ -69,6 +71,7 @@ def check(model_dir: str | os.PathLike, draft_dir: str | os.PathLike) -> dict:
     spec.validate_against(info, source=str(draft_dir))  # the pair first: a config mismatch says the most
     validate_weights(spec, draft_dir, allow_quantized=True)
     notes = []
+    loaders = loader_readings(Path(model_dir), notes)
     if info.rope_theta is not None and float(info.rope_theta) != spec.rope_theta:
         notes.append(f"rope_theta differs (drafter {spec.rope_theta:g}, target {float(info.rope_theta):g}); fine "
                      "if the drafter was trained that way")
@@ -90,8 +93,38 @@ def check(model_dir: str | os.PathLike, draft_dir: str | os.PathLike) -> dict:
                   "selector": ({"rank": spec.selector_rank, "top_k": spec.selector_top_k,
                                 "conv_kernel_size": spec.conv_kernel_size, "conv_group_size": spec.conv_group_size}
                                if spec.is_dflash2 else None)},
+        "loaders": loaders,
         "notes": notes,
     }
+
+
+def loader_readings(model_dir: Path, notes: list[str]) -> dict:
+    """The target's config as transformers (the torch backend), dflash's MLX backend (mlx-lm's ModelArgs of the
+    config with its RoPE keys also at the top level) and mlx-lm's own loader (the file as it is) read it. DFlashError
+    on the first field one of the MLX readings takes differently from transformers; a library that cannot read the
+    config (or is not installed) is left out with a note."""
+    path = model_dir / "config.json"
+    out = {"transformers": None, "mlx": None}
+    try:
+        out["transformers"] = reference = readings.transformers_reading(model_dir)
+        config = _read_json(path)
+        out["mlx"] = ours = readings.mlx_reading(with_legacy_fields(config), str(path))
+        theirs = readings.mlx_reading(config, str(path))
+    except DFlashError as e:
+        notes.append(f"{e}: the loaders' readings are not compared")
+        return out
+    if ours is None:
+        notes.append("mlx-lm is not installed: what the MLX backend reads from the target's config is not compared")
+        return out
+    if diff := readings.differences(reference, ours):
+        raise DFlashError(f"{path}: dflash's MLX backend reads {'; '.join(diff)}: the two backends would run "
+                          "different models")
+    if diff := readings.differences(reference, theirs):
+        raise DFlashError(f"{path}: mlx-lm's own loader reads {'; '.join(diff)}, not finding the keys "
+                          "transformers 5 writes inside rope_parameters; `python -m dflash.models fetch NAME` "
+                          "updates a prepared model, `python -m dflash.convert target-to-mlx` writes a directory "
+                          "both read alike")
+    return out
 
 
 def report_lines(r: dict) -> list[str]:
@@ -113,6 +146,21 @@ def report_lines(r: dict) -> list[str]:
         f"  mask token       {d['mask_token_id']}",
         f"  rope             theta {d['rope_theta']:g} (target {t['rope_theta'] if t['rope_theta'] is None else format(float(t['rope_theta']), 'g')})"
         + (f", scaling {d['rope_scaling']}" if d["rope_scaling"] else ""),
+        *_loader_lines(r["loaders"]),
         *[f"note: {n}" for n in r["notes"]],
         "compatible",
     ]
+
+
+def _loader_lines(loaders: dict) -> list[str]:
+    t = loaders["transformers"]
+    if t is None:
+        return []
+    rope = f"theta {t['rope_theta']:g} ({t['rope_type']})" if t["rope_theta"] is not None else "per layer type"
+    if t["rope_scaling"]:
+        rope += f" {t['rope_scaling']}"
+    if t["partial_rotary_factor"] not in (None, 1.0):
+        rope += f", {t['partial_rotary_factor']:g} of each head"
+    who = "transformers = mlx-lm" if loaders["mlx"] is not None else "transformers"
+    return [f"  target config    {who}: rope {rope}, head dim {t['head_dim']}, rms eps {t['rms_norm_eps']:g}, "
+            f"{t['num_key_value_heads']} kv heads, {'tied' if t['tie_word_embeddings'] else 'untied'} embeddings"]

@@ -2,7 +2,8 @@
 
 transformers dequantizes the file into an ordinary model (`from_pretrained(..., gguf_file=...)`) but will not
 `save_pretrained` it (a GGUF-quantized model is "not serializable"), so the dense weights are written here with
-safetensors, next to the config without its quantization block, the tokenizer with its chat template and the
+safetensors, next to the config without its quantization block (its RoPE keys in both the transformers-5 and the
+older layout: dflash.core.target_config), the tokenizer with its chat template and the
 generation config: a plain directory every loader of this project (and any other) reads.
 """
 
@@ -16,6 +17,7 @@ from dflash.core.checkpoint import check_target_dir
 from dflash.core.deps import require
 from dflash.core.errors import DFlashError
 from dflash.core.io import atomic_directory
+from dflash.core.target_config import write_legacy_fields
 
 from .draft import check_out
 
@@ -94,6 +96,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype
     with atomic_directory(out) as tmp:
         save_file(_unique_tensors(model.state_dict()), tmp / "model.safetensors", metadata={"format": "pt"})
         config.save_pretrained(tmp)
+        write_legacy_fields(tmp)  # rope_theta etc. at the top level too, where mlx-lm's ModelArgs read them
         tokenizer.save_pretrained(tmp)
         if model.can_generate():
             model.generation_config.save_pretrained(tmp)

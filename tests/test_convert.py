@@ -50,6 +50,60 @@ def test_check_mismatch_is_one_line_and_non_zero(tmp_path, tiny_target_dir, rand
     assert code != 0 and message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.fixture(scope="module")
+def transformers_5_llama(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny Llama pair whose target config.json is spelled as transformers 5 writes it (SmolLM2's layout: rope_theta
+    100000 inside rope_parameters only), and the drafter made for it."""
+    from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
+    from dflash.reference import tiny
+
+    d = tmp_path_factory.mktemp("t5llama")
+    tiny.build_target(d / "target", tiny_tokenizer_dir, family="llama", seed=0, rope_theta=100000.0)
+    config = json.loads((d / "target" / "config.json").read_text())
+    del config["rope_theta"]
+    (d / "target" / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(tiny.draft_spec_for(d / "target", num_layers=1, block_size=8)), d / "draft")
+    return d / "target", d / "draft"
+
+
+def copy_target(src, dst, **config_changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((src / "config.json").read_text())
+    config.update(config_changes)
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return dst
+
+
+def test_check_compares_what_each_backends_loader_reads(tmp_path, transformers_5_llama, capsys):
+    """The config as transformers, dflash's MLX backend and mlx-lm's own loader read it: a transformers-5 config
+    that mlx-lm reads with its own default theta is incompatible until its top-level keys are written."""
+    pytest.importorskip("mlx_lm")
+    from dflash.core.target_config import write_legacy_fields
+
+    target, draft = transformers_5_llama
+    assert convert("check", "--model", target, "--draft", draft) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(target / "config.json") in err
+    assert "mlx-lm's own loader reads rope_theta 10000 (transformers: 100000)" in err
+
+    fixed = copy_target(target, tmp_path / "fixed")
+    assert write_legacy_fields(fixed)
+    assert convert("check", "--model", fixed, "--draft", draft, "--json") == 0
+    loaders = json.loads(capsys.readouterr().out)["loaders"]
+    assert loaders["transformers"] == loaders["mlx"] and loaders["mlx"]["rope_theta"] == 100000.0
+    assert convert("check", "--model", fixed, "--draft", draft) == 0
+    assert "target config    transformers = mlx-lm: rope theta 100000 (default), head dim 16" in capsys.readouterr().out
+
+    # a field no RoPE key explains: without tie_word_embeddings transformers' Llama unties, mlx-lm's ties
+    untied = copy_target(fixed, tmp_path / "untied", tie_word_embeddings=None)
+    assert convert("check", "--model", untied, "--draft", draft) == 2
+    err = capsys.readouterr().err
+    assert "dflash's MLX backend reads tie_word_embeddings True (transformers: False)" in err
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_dtype_matches_torch_rounding(tmp_path, random_draft_dir, dtype):
     out = tmp_path / dtype
@@ -132,13 +186,18 @@ def test_quantize_for_mlx_and_torch_refuses_it(tmp_path, random_draft_dir, capsy
     assert "--bits" in capsys.readouterr().err and not (tmp_path / "q3").exists()
 
 
-def test_target_to_mlx(tmp_path, tiny_target_dir, capsys):
+def test_target_to_mlx(tmp_path, tiny_target_dir, transformers_5_llama, capsys):
     pytest.importorskip("mlx_lm")
     out = tmp_path / "mlx8"
     p = subprocess.run([sys.executable, "-m", "dflash.convert", "target-to-mlx", "--model", str(tiny_target_dir),
                         "--out", str(out), "--quantize", "--bits", "8"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 8
+    # mlx-lm copies a transformers-5 config as it is: the written one carries RoPE at the top level too
+    from dflash.converters.target import target_to_mlx
+
+    config = json.loads((target_to_mlx(transformers_5_llama[0], tmp_path / "t5", quiet=True) / "config.json").read_text())
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 100000.0
     # a directory that is not a model: one line, and no output directory
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -166,3 +166,35 @@ def test_dflash2_identical_with_an_untrained_drafter(tiny_target_dir, random_dfl
         a = generate(tb, p, max_new_tokens=48, trace=True)
         b = generate(mb, p, max_new_tokens=48, trace=True)
         assert a.tokens == b.tokens and a.drafted == b.drafted
+
+
+def test_identical_on_a_transformers_5_config(tmp_path):
+    """A Llama saved by transformers 5 keeps rope_theta only inside `rope_parameters` (SmolLM2: 100000), where
+    mlx-lm 0.32's llama ModelArgs does not look (it takes 10000): the MLX backend still runs the model transformers
+    runs. The power check: mlx-lm's own loader, on the same directory, predicts other tokens."""
+    import json
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.utils import load_model
+
+    from dflash.reference import tiny
+
+    tiny.build_target(tmp_path, family="llama", seed=0, rope_theta=100000.0, init_std=0.1)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["rope_theta"]  # the tiny builder adds the legacy key, as dflash's writers do; transformers 5 does not
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert config["rope_parameters"] == {"rope_theta": 100000.0, "rope_type": "default"}
+
+    tb = backends.get("torch").load(tmp_path, None, dtype="float32", device="cpu")
+    mb = backends.get("mlx").load(tmp_path, None, dtype="float32", device="cpu")
+    prompts = held_out_prompts(4, 24)
+    for p in prompts:
+        assert generate(tb, p, max_new_tokens=48).tokens == generate(mb, p, max_new_tokens=48).tokens
+
+    plain, _ = load_model(tmp_path)
+    ids = prompts[0]
+    with torch.no_grad():
+        ours = tb.target.model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    theirs = np.array(plain(mx.array([ids], dtype=mx.int32))[0])
+    assert (ours.argmax(-1) != theirs.argmax(-1)).any()

@@ -44,7 +44,7 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0) -> None:
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_dimension_count(HIDDEN // HEADS)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(100000.0)  # SmolLM2's: not mlx-lm's default, so a misread theta shows
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
@@ -99,6 +99,8 @@ def test_converted_directory_gives_the_gguf_models_logits(tiny_gguf, converted):
     config = json.loads((converted / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "llama"
     assert config["tie_word_embeddings"] and config["architectures"] == ["LlamaForCausalLM"]
+    # RoPE where transformers 5 keeps it and where older readers (mlx-lm's ModelArgs) look
+    assert config["rope_parameters"]["rope_theta"] == config["rope_theta"] == 100000.0
     assert {"model.safetensors", "tokenizer.json", "generation_config.json"} <= {p.name for p in converted.iterdir()}
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name,
@@ -186,7 +188,14 @@ def test_alias_is_prepared_once_and_resolved_everywhere(tmp_path, monkeypatch, t
     assert capsys.readouterr().out.strip() == str(out)
     assert hub.resolve("smollm2") == out and hub.resolve("smollm2", "--target-config") == out
     assert models.main(["fetch", "smollm2"]) == 0  # prepared already: left as it is
-    assert "already prepared" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "already prepared" in err and "now also carries" not in err
+    # prepared before the config carried RoPE at the top level: fetch adds it, and changes nothing else
+    current = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({k: v for k, v in current.items() if k != "rope_theta"}))
+    assert models.main(["fetch", "smollm2"]) == 0
+    assert "now also carries RoPE at the top level" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text()) == current
 
     assert hub.resolve_pair("smollm2", None, want_draft=False) == (out, None)
     # the drafter trained for it ships in the package and resolves by name, offline

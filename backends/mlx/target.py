@@ -12,6 +12,7 @@ from mlx.utils import tree_map
 from dflash.core.checkpoint import check_target_dir
 from dflash.core.errors import DFlashError
 from dflash.core.spec import TargetInfo
+from dflash.core.target_config import with_legacy_fields
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 # families whose Model.__call__ is exactly `lm_head(model(inputs, cache))`: we may run the trunk and apply the head
@@ -42,12 +43,17 @@ def resolve_dtype(name: str | None, device):
 
 
 def load_target(path, dtype=None, trust_remote_code: bool = False, checked: dict | None = None):
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_config, load_model
 
     if checked is None:
         check_target_dir(path)  # missing / broken config.json, pickle-only or truncated weights: one line
+    # a transformers-5 config keeps RoPE inside rope_parameters, where mlx-lm's ModelArgs of several families do not
+    # look (llama: theta 10000 instead of the model's): hand them the top-level keys transformers' reading implies
+    raw = load_config(Path(path))
+    fixed = with_legacy_fields(raw)
     try:
-        model, config = load_model(Path(path), trust_remote_code=trust_remote_code)
+        model, config = load_model(Path(path), trust_remote_code=trust_remote_code,
+                                   model_config={k: v for k, v in fixed.items() if raw.get(k) != v})
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DFlashError(f"{path}: cannot load the target model with mlx-lm ({first})") from None

@@ -34,6 +34,7 @@ from pathlib import Path
 from .. import hub
 from ..core.errors import DFlashError
 from ..core.io import atomic_directory, atomic_write_text, check_output_dir
+from ..core.target_config import write_legacy_fields
 from ..core.tokenizer import load_tokenizer
 
 TAU_DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
@@ -316,6 +317,7 @@ def main(argv=None) -> int:
     with atomic_directory(out) as tmp:
         with quiet_loading():
             model.save_pretrained(str(tmp))
+        write_legacy_fields(tmp)  # mlx-lm's own loader (mlx_lm_speculative) reads RoPE from the top level
         tokenizer.save_pretrained(str(tmp))
         atomic_write_text(tmp / "ar_draft.json", json.dumps(summary, indent=1) + "\n")
     print(f"ar-draft: wrote {out} (python -m dflash.bench --model {args.model} --ar-draft {out} "

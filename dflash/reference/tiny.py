@@ -10,6 +10,7 @@ import sysconfig
 from pathlib import Path
 
 from ..core.spec import DraftSpec, default_target_layer_ids
+from ..core.target_config import with_legacy_fields
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -155,13 +156,8 @@ def _public_layout(directory: Path, cfg) -> None:
     config keys under their legacy names too (`rope_theta` next to `rope_parameters`, `num_experts` for
     `num_local_experts`, ...), and Qwen3.5-MoE experts fused (`experts.gate_up_proj` / `experts.down_proj`)."""
     path = directory / "config.json"
-    data = json.loads(path.read_text())
+    data = with_legacy_fields(json.loads(path.read_text()))
     text = data.get("text_config", data)
-    rope = text.get("rope_parameters") or {}
-    if "rope_theta" in rope and "rope_theta" not in text:
-        text["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default" and "rope_scaling" not in text:
-        text["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}  # e.g. gpt-oss's YaRN
     for alias, name in getattr(type(cfg.get_text_config()), "attribute_map", {}).items():
         if name in text and alias not in text:
             text[alias] = text[name]
