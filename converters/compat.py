@@ -101,29 +101,33 @@ def check(model_dir: str | os.PathLike, draft_dir: str | os.PathLike) -> dict:
 def loader_readings(model_dir: Path, notes: list[str]) -> dict:
     """The target's config as transformers (the torch backend), dflash's MLX backend (mlx-lm's ModelArgs of the
     config with its RoPE keys also at the top level) and mlx-lm's own loader (the file as it is) read it. DFlashError
-    on the first field one of the MLX readings takes differently from transformers; a library that cannot read the
-    config (or is not installed) is left out with a note."""
+    on the first field one of the MLX readings takes differently from transformers, or when only dflash's reading
+    works; a library that cannot read the config at all (or is not installed) is left out with a note."""
     path = model_dir / "config.json"
     out = {"transformers": None, "mlx": None}
     try:
         out["transformers"] = reference = readings.transformers_reading(model_dir)
         config = _read_json(path)
-        out["mlx"] = ours = readings.mlx_reading(with_legacy_fields(config), str(path))
-        theirs = readings.mlx_reading(config, str(path))
+        ours = readings.mlx_reading(with_legacy_fields(config), str(path))
     except DFlashError as e:
         notes.append(f"{e}: the loaders' readings are not compared")
         return out
     if ours is None:
         notes.append("mlx-lm is not installed: what the MLX backend reads from the target's config is not compared")
         return out
+    out["mlx"] = ours
     if diff := readings.differences(reference, ours):
         raise DFlashError(f"{path}: dflash's MLX backend reads {'; '.join(diff)}: the two backends would run "
                           "different models")
+    remedy = ("not finding the keys transformers 5 writes inside rope_parameters; `python -m dflash.models fetch "
+              "NAME` updates a prepared model, `python -m dflash.convert target-to-mlx` writes a directory both read "
+              "alike")
+    try:
+        theirs = readings.mlx_reading(config, str(path))
+    except DFlashError as e:
+        raise DFlashError(f"{e} as the file stands (mlx-lm's own loader), {remedy}") from None
     if diff := readings.differences(reference, theirs):
-        raise DFlashError(f"{path}: mlx-lm's own loader reads {'; '.join(diff)}, not finding the keys "
-                          "transformers 5 writes inside rope_parameters; `python -m dflash.models fetch NAME` "
-                          "updates a prepared model, `python -m dflash.convert target-to-mlx` writes a directory "
-                          "both read alike")
+        raise DFlashError(f"{path}: mlx-lm's own loader reads {'; '.join(diff)}, {remedy}")
     return out
 
 
@@ -156,11 +160,12 @@ def _loader_lines(loaders: dict) -> list[str]:
     t = loaders["transformers"]
     if t is None:
         return []
-    rope = f"theta {t['rope_theta']:g} ({t['rope_type']})" if t["rope_theta"] is not None else "per layer type"
+    show = readings.show
+    rope = f"theta {show(t['rope_theta'])} ({t['rope_type']})" if t["rope_theta"] is not None else "per layer type"
     if t["rope_scaling"]:
         rope += f" {t['rope_scaling']}"
     if t["partial_rotary_factor"] not in (None, 1.0):
-        rope += f", {t['partial_rotary_factor']:g} of each head"
+        rope += f", {show(t['partial_rotary_factor'])} of each head"
     who = "transformers = mlx-lm" if loaders["mlx"] is not None else "transformers"
-    return [f"  target config    {who}: rope {rope}, head dim {t['head_dim']}, rms eps {t['rms_norm_eps']:g}, "
+    return [f"  target config    {who}: rope {rope}, head dim {t['head_dim']}, rms eps {show(t['rms_norm_eps'])}, "
             f"{t['num_key_value_heads']} kv heads, {'tied' if t['tie_word_embeddings'] else 'untied'} embeddings"]

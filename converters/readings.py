@@ -81,9 +81,9 @@ def mlx_reading(config: dict, source: str) -> dict | None:
 
 def differences(reference: dict, other: dict) -> list[str]:
     """'field B (transformers: A)' for every field both readings define and `other` reads differently."""
-    return [f"{field} {_show(other[field])} (transformers: {_show(reference[field])})" for field in FIELDS
+    return [f"{field} {show(other[field])} (transformers: {show(reference[field])})" for field in FIELDS
             if reference.get(field) is not None and other.get(field) is not None and reference[field] != other[field]]
 
 
-def _show(x) -> str:
+def show(x) -> str:
     return format(x, "g") if isinstance(x, float) else str(x)

@@ -104,6 +104,29 @@ def test_check_compares_what_each_backends_loader_reads(tmp_path, transformers_5
     assert "dflash's MLX backend reads tie_word_embeddings True (transformers: False)" in err
 
 
+def test_check_refuses_a_config_only_dflash_reads(tmp_path):
+    """Qwen3-MoE saved by transformers 5: mlx-lm's ModelArgs require a top-level rope_theta and cannot load it at all;
+    the MLX backend (given the top-level keys) reads what transformers reads."""
+    pytest.importorskip("mlx_lm")
+    from dflash.converters.compat import loader_readings
+
+    config = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 512,
+              "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False, "num_experts": 4,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "norm_topk_prob": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match=r"config\.json: mlx-lm cannot read it \(.*'rope_theta'\) as the file "
+                                          r"stands \(mlx-lm's own loader\)"):
+        loader_readings(tmp_path, [])
+    config["rope_theta"] = 1000000.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    notes = []
+    loaders = loader_readings(tmp_path, notes)
+    assert notes == [] and loaders["mlx"] == loaders["transformers"]
+    assert loaders["mlx"]["rope_theta"] == 1000000.0 and loaders["mlx"]["num_key_value_heads"] == 2
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_dtype_matches_torch_rounding(tmp_path, random_draft_dir, dtype):
     out = tmp_path / dtype

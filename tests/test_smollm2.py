@@ -106,3 +106,39 @@ def test_bundled_drafter_is_lossless(prepared, capsys):
         assert spec["tokens"] == plain["tokens"], prompt
         taus.append(spec["mean_acceptance_length"])
     assert sum(taus) / len(taus) > 1.05, taus
+
+
+def test_mlx_and_torch_give_identical_greedy_tokens(prepared, tmp_path):
+    """The same prepared directory on both backends in float32: identical greedy answers to the 8 bundled chat prompts
+    through the chat template, 96 tokens each, also with the config as it was prepared before it carried RoPE at the
+    top level (transformers 5's layout alone, which mlx-lm's llama ModelArgs read as theta 10000, not 100000)."""
+    pytest.importorskip("mlx_lm")
+    from dflash import backends
+    from dflash.core.loop import generate
+    from dflash.core.tokenizer import chat_ids, eos_token_ids, load_tokenizer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_CACHE_DIR", str(prepared[0]))
+        target = hub.prepared_dir("smollm2")
+    config = json.loads((target / "config.json").read_text())
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 100000.0
+    old = tmp_path / "smollm2"  # the same files, the config without its top-level RoPE keys
+    old.mkdir()
+    for f in target.iterdir():
+        (old / f.name).symlink_to(f)
+    (old / "config.json").unlink()
+    (old / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "rope_theta"}))
+
+    tok = load_tokenizer(target)
+    eos = eos_token_ids(target, tok)
+    prompts = [chat_ids(tok, [{"role": "user", "content": p}]) for p in PROMPTS[1:]]
+    load = dict(dtype="float32", device="cpu")
+    runs = {}
+    for name, backend, d in (("torch", "torch", target), ("mlx", "mlx", target), ("mlx, old config", "mlx", old)):
+        engine = backends.get(backend).load(d, None, **load)
+        runs[name] = [generate(engine, ids, max_new_tokens=96, eos_token_ids=eos).tokens for ids in prompts]
+    for name in ("mlx", "mlx, old config"):
+        pairs = list(zip(runs["torch"], runs[name]))
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in pairs]
+        assert all(a == b for a, b in pairs), f"{name}: first differing token of each answer {first}"
+    assert sum(map(len, runs["torch"])) > 4 * 96  # answers, not immediate stops
