@@ -170,11 +170,14 @@ def long_stream(url: str, i: int, out: list, started: threading.Barrier | None =
         out[i] = sse_events([first] + [line for line in lines if line])
 
 
-def test_drain_answers_503_and_closes_the_listener_after(start_server):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_drain_answers_503_and_closes_the_listener_after(start_server, backend):
     """During the drain the listener stays open: /health is 503 "draining", a new request 503 with Retry-After (once:
     refused at connect, where a load balancer never saw a 503); at --drain-timeout the running stream ends with an
     error event and [DONE], a whole response with 503; then the process exits 0 and the port is closed."""
-    s = start_server("--drain-timeout", "4", "--max-batch", "2", "--verify", "chain")
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    s = start_server("--backend", backend, "--drain-timeout", "4", "--max-batch", "2", "--verify", "chain")
     streams, whole = [None], {}
     stream = threading.Thread(target=long_stream, args=(s.url, 0, streams))
     stream.start()
@@ -211,12 +214,15 @@ def test_drain_answers_503_and_closes_the_listener_after(start_server):
 
 
 @pytest.mark.slow
-def test_drain_deadline_holds_with_every_core_busy(start_server):
-    """Six long streams while another process keeps every core busy: SIGTERM with --drain-timeout 4 exits 0 within
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_drain_deadline_holds_with_every_core_busy(start_server, backend):
+    """Six long streams while other processes keep every core busy: SIGTERM with --drain-timeout 4 exits 0 within
     6 s and every stream ends with an error event and [DONE] (once: 9.8 s, uvicorn cancelled the responses while the
     engine thread was inside a cycle, and every stream was cut bare)."""
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
     drain, n = 4.0, 6
-    s = start_server("--drain-timeout", str(drain), "--max-batch", str(n), "--verify", "chain")
+    s = start_server("--backend", backend, "--drain-timeout", str(drain), "--max-batch", str(n), "--verify", "chain")
     streams, started = [None] * n, threading.Barrier(n + 1)
     threads = [threading.Thread(target=long_stream, args=(s.url, i, streams, started)) for i in range(n)]
     spin = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass\n"
