@@ -20,7 +20,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m dflash.serve", description=__doc__)
     cli.add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="0 .. 65535; 0 = any free port (default: %(default)s)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
     p.add_argument("--served-model-name", help="the model id clients send (default: --model, or dflash-bundled)")
     p.add_argument("--max-batch", type=int, default=16, help="rows decoded together (default: %(default)s; MLX: 1)")
@@ -34,8 +34,8 @@ def parse_args(argv=None):
                    help="finished sequences' caches kept for prompts sharing their prefix (default: %(default)s; "
                    "0 = off: only the last sequence, when it runs alone)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for running requests; those still running then end with an error "
-                   "event (default: %(default)s)")
+                   help="seconds SIGTERM waits for running requests (meanwhile /health and new requests get 503); "
+                   "those still running then end with an error event (default: %(default)s)")
     p.add_argument("--chat-template", help="a Jinja chat template file replacing the model's (requests cannot "
                    "supply one)")
     p.add_argument("--default-sampling", default="model", choices=("model", "openai"),
@@ -45,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds to receive a request's whole body before 408 (default: %(default)s)")
     p.add_argument("--header-timeout", type=float, default=30.0,
-                   help="seconds a new connection has to send its request headers (default: %(default)s)")
+                   help="seconds a connection has to send a request's headers, from connecting or from the end of "
+                   "its previous response (default: %(default)s)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the --api-key (default: /metrics needs it when one is set)")
     p.add_argument("--log-level", default="info", help="(default: %(default)s)")
@@ -53,7 +54,9 @@ def parse_args(argv=None):
 
 
 def check_args(args) -> None:
-    for flag, value, low in (("--port", args.port, 0), ("--max-batch", args.max_batch, 1),
+    if not 0 <= args.port <= 65535:
+        raise DFlashError(f"--port: got {args.port}, expected 0 .. 65535")
+    for flag, value, low in (("--max-batch", args.max_batch, 1),
                              ("--max-queue", args.max_queue, 0), ("--max-request-bytes", args.max_request_bytes, 1),
                              ("--prefill-step", args.prefill_step, 1)):
         if value < low:
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
     try:
         from .server.app import Server
         from .server.intake import model_sampling_defaults
-        from .server.runner import run
+        from .server.runner import bind, run, url
         from .server.scheduler import engine_executor
     except ImportError as e:
         raise DFlashError(f"dflash.serve: {e.name} is not installed; pip install -e \".[serve]\"") from None
@@ -84,6 +87,7 @@ def main(argv=None) -> int:
     template = Path(args.chat_template).read_text() if args.chat_template else None
     if backends.pick(args.backend) == "mlx":
         blas.restart_mlx_run_with_openblas()  # (re-executes the process: on the main thread, before any work)
+    sock = bind(args.host, args.port)  # before the model loads: a port in use is refused at once
     # the model is loaded on the thread that will decode with it: MLX arrays built lazily on one thread cannot be
     # evaluated on another ("There is no Stream(cpu, 0) in current thread")
     executor = engine_executor()
@@ -96,10 +100,10 @@ def main(argv=None) -> int:
                     drain_timeout=args.drain_timeout, prefix_cache_mb=args.prefix_cache_mb, chat_template=template,
                     sampling_defaults=defaults, body_timeout=args.body_timeout, metrics_public=args.metrics_public,
                     executor=executor, prefill_step=args.prefill_step)
-    logging.getLogger("dflash.serve").info("serving %s on http://%s:%d (backend %s, max batch %d, default sampling "
-                                           "%s)", name, args.host, args.port, pipe.backend_name,
-                                           server.scheduler.max_batch, defaults or "OpenAI's")
-    run(server, args.host, args.port, args.log_level, header_timeout=args.header_timeout)
+    logging.getLogger("dflash.serve").info("serving %s on %s (backend %s, max batch %d, default sampling %s)", name,
+                                           url(sock), pipe.backend_name, server.scheduler.max_batch,
+                                           defaults or "OpenAI's")
+    run(server, sock, args.log_level, header_timeout=args.header_timeout)
     return 0
 
 

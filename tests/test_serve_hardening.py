@@ -1,10 +1,12 @@
 """dflash.serve against clients that try to hurt it (issue #25), on one real server process: numerics that once
-killed every running row, templates from requests, chunked and slow bodies, idle connections, admission at
-capacity, malformed tool calls, unimplemented fields, the API key on /metrics and the counts of refusals."""
+killed every running row, templates from requests, chunked and slow bodies, idle connections and headers dribbled
+on a kept-alive one, admission at capacity, malformed tool calls, unimplemented fields, the API key on /metrics,
+duplicate Authorization headers and the counts of refusals."""
 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -181,6 +183,47 @@ def test_slow_clients_time_out_with_one_log_line(server):
     time.sleep(0.3)
     log = server.log()
     assert "Traceback" not in log and "client disconnected before sending its whole body" in log
+
+
+def test_header_timeout_holds_for_every_request_of_a_kept_alive_connection(server):
+    """A second request's headers dribbled a byte every 0.1 s on a kept-alive connection: closed after
+    --header-timeout 1 (once: the timer was armed once per connection, and such a connection stayed open past 30 s
+    with --header-timeout 3)."""
+    first = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    second = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 200 + b"\r\n\r\n"  # 25 s at that pace
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(first)
+        s.settimeout(10)
+        reply = b""
+        while b"}" not in reply:  # the whole /health body, the connection kept alive
+            reply += s.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" not in reply.lower()
+        t0, closed = time.monotonic(), False
+        for byte in second:
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:  # reset by the server
+                closed = True
+                break
+            if select.select([s], [], [], 0.1)[0]:
+                try:
+                    closed = s.recv(65536) == b""
+                except OSError:
+                    closed = True
+                break
+        elapsed = time.monotonic() - t0
+    assert closed, "the dribbled request was answered: its headers were never timed out"
+    assert elapsed < 1 + 2, elapsed
+
+
+@pytest.mark.parametrize("values", [(f"Bearer {KEY}", f"Bearer {KEY}"), ("Bearer wrong", f"Bearer {KEY}"),
+                                    (f"Bearer {KEY}", "Bearer wrong")])
+def test_duplicate_authorization_is_refused(server, values):
+    """Two Authorization headers: 400, whichever comes last (once: the last one decided)."""
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat(), timeout=60,
+                   headers=[("Authorization", v) for v in values])
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "duplicate_header"
 
 
 def test_auth_and_refusals_counted(server):

@@ -1,12 +1,17 @@
-"""dflash.serve under pressure and at the end of its life (one server, one row, a queue of one): 503 with
-Retry-After when full, the second turn of a conversation prefilled from the cached first, `dflash.data regenerate
---endpoint` against the in-process path (resumed after a torn write), and SIGTERM while a stream runs (it finishes,
-exit 0)."""
+"""dflash.serve at the start of its life, under pressure and at its end (one server, one row, a queue of one): a bad
+or busy --port refused in one line at once; 503 with Retry-After when full, the second turn of a conversation
+prefilled from the cached first, `dflash.data regenerate --endpoint` against the in-process path (resumed after a torn
+write), SIGTERM while a stream runs (it finishes, exit 0); the drain (/health unready, 503 to new work, the
+listener open until the drain ends) and its deadline met with both cores busy."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,6 +19,34 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
+
+BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.mlx)]
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "dflash.serve", *args], capture_output=True, text=True, timeout=120,
+                          env=env)
+
+
+def test_port_out_of_range_is_one_line():
+    r = serve("--port", "99999")
+    assert (r.returncode, r.stderr) == (2, "error: --port: got 99999, expected 0 .. 65535\n")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_port_in_use_is_one_line_before_the_model_loads(backend):
+    """Once: 'serving ... on http://127.0.0.1:8002' logged, then a failure, then a hang (the engine thread kept the
+    process alive)."""
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = serve("--backend", backend, "--port", str(port))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"error: --port {port}: already in use on 127.0.0.1 (another server?); choose another --port\n"
 
 
 @pytest.fixture(scope="module")
@@ -118,5 +151,99 @@ def test_sigterm_while_streaming_drains_and_exits_0(server):
     assert rest[-1] == "data: [DONE]"
     final = json.loads(rest[-2][len("data: "):])
     assert final["choices"][0]["finish_reason"] in ("stop", "length")
-    assert server.proc.wait(60) == 0
+    assert server.proc.wait(10) == 0  # the drain ends with its last response, not at --drain-timeout 60
     assert "Traceback" not in server.log()
+
+
+def sse_events(lines: list[str]) -> list:
+    return [line[len("data: "):] if line == "data: [DONE]" else json.loads(line[len("data: "):]) for line in lines]
+
+
+def long_stream(url: str, i: int, out: list, started: threading.Barrier | None = None) -> None:
+    """A completion that cannot finish within the drains below (1900 tokens, no stop); out[i] = its events."""
+    body = {"prompt": f"def f{i}(x):", "max_tokens": 1900, "temperature": 0, "stream": True, "stop": ["@@never@@"]}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(lines)
+        if started is not None:
+            started.wait(timeout=60)
+        out[i] = sse_events([first] + [line for line in lines if line])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_drain_answers_503_and_closes_the_listener_after(start_server, backend):
+    """During the drain the listener stays open: /health is 503 "draining", a new request 503 with Retry-After (once:
+    refused at connect, where a load balancer never saw a 503); at --drain-timeout the running stream ends with an
+    error event and [DONE], a whole response with 503; then the process exits 0 and the port is closed."""
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    s = start_server("--backend", backend, "--drain-timeout", "4", "--max-batch", "2", "--verify", "chain")
+    streams, whole = [None], {}
+    stream = threading.Thread(target=long_stream, args=(s.url, 0, streams))
+    stream.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(s.url + "/health").json()["running"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    body = {"prompt": "class A:", "max_tokens": 1900, "temperature": 0, "stop": ["@@never@@"]}
+    waiting = threading.Thread(target=lambda: whole.update(r=httpx.post(s.url + "/v1/completions", json=body,
+                                                                        timeout=60)))
+    waiting.start()
+    while httpx.get(s.url + "/health").json()["running"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    health = httpx.get(s.url + "/health")
+    while health.status_code == 200 and time.monotonic() < t0 + 2:
+        health = httpx.get(s.url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    refused = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4})
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1", refused.text
+    assert refused.json()["error"]["code"] == "server_shutting_down"
+    assert httpx.get(s.url + "/metrics").status_code == 200  # scrapers still served
+    assert s.proc.wait(30) == 0
+    elapsed = time.monotonic() - t0
+    stream.join(timeout=30)
+    waiting.join(timeout=30)
+    assert 4 <= elapsed < 6, elapsed
+    events = streams[0]
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down", events[-3:]
+    assert whole["r"].status_code == 503 and whole["r"].headers["Retry-After"] == "1"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.url + "/health")
+    assert "Traceback" not in s.log() and "timeout graceful shutdown exceeded" not in s.log()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_drain_deadline_holds_with_every_core_busy(start_server, backend):
+    """Six long streams while other processes keep every core busy: SIGTERM with --drain-timeout 4 exits 0 within
+    6 s and every stream ends with an error event and [DONE] (once: 9.8 s, uvicorn cancelled the responses while the
+    engine thread was inside a cycle, and every stream was cut bare)."""
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    drain, n = 4.0, 6
+    s = start_server("--backend", backend, "--drain-timeout", str(drain), "--max-batch", str(n), "--verify", "chain")
+    streams, started = [None] * n, threading.Barrier(n + 1)
+    threads = [threading.Thread(target=long_stream, args=(s.url, i, streams, started)) for i in range(n)]
+    spin = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass\n"
+    busy = []
+    try:
+        for t in threads:
+            t.start()
+        started.wait(timeout=60)
+        busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+        time.sleep(1)  # the busy loops running, the streams slowed down
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        code = s.proc.wait(30)
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    for t in threads:
+        t.join(timeout=30)
+    assert code == 0 and elapsed < drain + 2, (code, elapsed, s.log()[-2000:])
+    for events in streams:
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down", events[-3:]
+    assert "Traceback" not in s.log() and "timeout graceful shutdown exceeded" not in s.log()

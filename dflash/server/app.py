@@ -27,6 +27,13 @@ log = logging.getLogger("dflash.serve")
 # Rendering a chat template and tokenising run on a worker thread; past this, the request is refused (the thread
 # still finishes its work, but the event loop and the other requests never wait for it).
 PREPARE_TIMEOUT = 10.0
+# The drain ends the responses still running at --drain-timeout, on the event loop; they have this long to write
+# their last event. The engine thread's own cut (which only frees its rows) comes after it, and at exit the engine
+# thread gets ENGINE_GRACE to leave a cycle it is inside, after which the process exits without it.
+CUT_GRACE = 0.5
+ENGINE_GRACE = 1.0
+DRAIN_POLL = 0.05
+DRAIN_CUT = "server shutting down: the request did not finish within --drain-timeout"
 
 
 class Server:
@@ -51,6 +58,8 @@ class Server:
         self.scheduler = Scheduler(self.engine, self.metrics, max_batch=max_batch, max_queue=max_queue,
                                    executor=executor, prefill_step=prefill_step)
         self.started = time.time()
+        self.jobs: dict[int, Job] = {}  # id -> job: submitted, its response not yet ended (the event loop's side)
+        self.draining = False
 
     # ---- the app ---------------------------------------------------------------------------------------------------
     def app(self) -> FastAPI:
@@ -58,14 +67,18 @@ class Server:
         async def lifespan(app):
             self.scheduler.start()
             yield
-            # normally the drain began at the signal (runner.py) and the engine thread is already done
-            if not await asyncio.to_thread(self.scheduler.stop, self.drain_cutoff()):
-                log.warning("drain: the engine thread is still busy after --drain-timeout %.0f s",
-                            self.drain_timeout)
+            self.scheduler.drain(0)  # (after a drain, a no-op: every request has been answered already)
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.scheduler.future)), ENGINE_GRACE)
+            except asyncio.TimeoutError:
+                log.warning("drain: the engine thread is still inside a cycle; exiting without waiting for it")
+            else:
+                self.scheduler.stop(0)  # (returns at once: the thread has ended; its executor shuts down)
 
         app = FastAPI(title="dflash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         app.add_middleware(AccessLog, api_key=self.api_key, max_request_bytes=self.max_request_bytes,
-                           body_timeout=self.body_timeout, metrics_public=self.metrics_public, metrics=self.metrics)
+                           body_timeout=self.body_timeout, metrics_public=self.metrics_public, metrics=self.metrics,
+                           draining=lambda: self.draining)
 
         @app.exception_handler(ApiError)
         async def api_error(request: Request, e: ApiError):
@@ -85,11 +98,15 @@ class Server:
             return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), status_code=500)
 
         @app.get("/health")
-        async def health():
+        async def health(request: Request):
             s = self.scheduler
-            return {"status": "ok", "model": self.model_name, "running": s.running, "prefilling": len(s.joining),
-                    "waiting": len(s.waiting), "max_batch": s.max_batch, "max_queue": s.max_queue,
-                    "backend": self.pipe.backend_name}
+            body = {"status": "draining" if self.draining else "ok", "model": self.model_name, "running": s.running,
+                    "prefilling": len(s.joining), "waiting": len(s.waiting), "max_batch": s.max_batch,
+                    "max_queue": s.max_queue, "backend": self.pipe.backend_name}
+            if not self.draining:
+                return body
+            request.state.counted = True  # (unready is not a refused request)
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
         @app.get("/metrics")
         async def metrics():
@@ -110,10 +127,25 @@ class Server:
 
         return app
 
-    def drain_cutoff(self) -> float:
-        """Seconds after SIGTERM at which unfinished requests get their error event: early enough that the streams
-        carrying it end before uvicorn's own --drain-timeout closes the connections."""
-        return max(0.0, self.drain_timeout - min(1.0, self.drain_timeout / 5))
+    async def drain(self, started: float, abandoned=lambda: False) -> None:
+        """SIGTERM / SIGINT at time.monotonic() `started`: /health turns unready (503) and new requests get 503 at
+        once; running ones go on until they finish or --drain-timeout has passed, when each ends here, on the event
+        loop, whatever the engine thread is doing: a stream with an error event and [DONE], a whole response with
+        503. Returns when no response is left running (an idle server: at once) or `abandoned()` (a second SIGINT)."""
+        self.draining = True
+        deadline = started + self.drain_timeout
+        # the engine's own cut only backs this one up (it frees rows whose response is already gone)
+        self.scheduler.drain(max(0.0, deadline - time.monotonic()) + CUT_GRACE)
+        log.info("drain: %d request(s) running; new ones get 503 (at most --drain-timeout %g s)", len(self.jobs),
+                 self.drain_timeout)
+        await _until(lambda: not self.jobs or abandoned(), deadline)
+        if self.jobs:
+            log.warning("drain: %d request(s) unfinished after --drain-timeout %g s end with an error",
+                        len(self.jobs), self.drain_timeout)
+            for job in self.jobs.values():
+                self.scheduler.cancel(job)
+                job.events.put_nowait(("shutdown", DRAIN_CUT))  # read next: nothing waits for the engine
+            await _until(lambda: not self.jobs or abandoned(), time.monotonic() + CUT_GRACE)
 
     # ---- one request -----------------------------------------------------------------------------------------------
     async def generate(self, request: Request, chat: bool):
@@ -130,6 +162,7 @@ class Server:
         except QueueFull as e:
             raise ApiError(503, f"server busy: {e}; retry later", None, "server_busy", "server_error",
                            headers={"Retry-After": "1"}) from None
+        self.jobs[id(job)] = job
         request.state.access = ctx.access
         if req.stream:
             return StreamingResponse(self.stream(job, ctx, req.include_usage()), media_type="text/event-stream",
@@ -155,9 +188,12 @@ class Server:
                     self._merge(total, ctx, payload.text)
                     texts.append(payload.text)
                     entries += lp.add(payload) if payload.logprobs is not None else []
-                elif kind == "error":
+                elif kind in ("error", "shutdown"):
                     self._outcome(ctx, "error")
                     request.state.counted = True
+                    if kind == "shutdown":
+                        return JSONResponse(error_body(payload, "server_error", None, "server_shutting_down"),
+                                            status_code=503, headers={"Retry-After": "1", "Connection": "close"})
                     return JSONResponse(error_body(payload, "server_error"), status_code=500)
                 else:
                     result = payload
@@ -165,6 +201,7 @@ class Server:
                     break
         finally:
             watcher.cancel()
+            self.jobs.pop(id(job), None)
         stats = self._finish(ctx, result, job.reused)
         logprobs = lp.render(entries) if job.gen.logprobs is not None else None
         if ctx.chat:
@@ -190,10 +227,11 @@ class Server:
                             yield render.sse(render.chat_chunk(rid, model, delta, None, logprobs))
                     elif payload.text or logprobs:
                         yield render.sse(render.completion_chunk(rid, model, payload.text, None, logprobs))
-                elif kind == "error":
+                elif kind in ("error", "shutdown"):
                     finished = True
                     self._outcome(ctx, "error")
-                    yield render.sse(error_body(payload, "server_error"))
+                    code = "server_shutting_down" if kind == "shutdown" else None
+                    yield render.sse(error_body(payload, "server_error", None, code))
                     yield render.SSE_DONE
                     return
                 else:
@@ -213,7 +251,8 @@ class Server:
                                   "choices": [], "usage": render.usage(result), "dflash": stats})
             yield render.SSE_DONE
         finally:
-            if not finished:  # the client went away (or the server is stopping): free the row
+            self.jobs.pop(id(job), None)
+            if not finished:  # the client went away: free the row
                 self.scheduler.cancel(job)
                 self._outcome(ctx, "cancelled")
 
@@ -234,6 +273,12 @@ class Server:
     def _outcome(self, ctx: RequestState, outcome: str) -> None:
         ctx.access["outcome"] = outcome
         self.metrics.requests.labels(endpoint=ctx.endpoint, outcome=outcome).inc()
+
+
+async def _until(done, deadline: float) -> None:
+    """Wait until done() or time.monotonic() passes `deadline` (polled: the drain runs once per process)."""
+    while not done() and (left := deadline - time.monotonic()) > 0:
+        await asyncio.sleep(min(DRAIN_POLL, left))
 
 
 async def _until_disconnect(request: Request) -> None:

@@ -1,5 +1,6 @@
-"""Pure ASGI middleware (it passes http.disconnect through, which streaming needs): the API key, the request body
-read under a size limit and a time limit, one access log line per request, and the count of every refused request.
+"""Pure ASGI middleware (it passes http.disconnect through, which streaming needs): the API key, new API requests
+refused while the server drains, the request body read under a size limit and a time limit, one access log line per
+request, and the count of every refused request.
 
 The body is read here, before any route runs: bytes are counted as they arrive (a chunked body has no
 Content-Length to check first), so a body over --max-request-bytes is refused with 413 as soon as the limit passes,
@@ -22,9 +23,9 @@ ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
 
 
 class _Refused(Exception):
-    def __init__(self, status: int, message: str, code: str | None):
+    def __init__(self, status: int, message: str, code: str | None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.headers = status, message, code, headers or {}
 
 
 class _Gone(Exception):
@@ -33,16 +34,18 @@ class _Gone(Exception):
 
 class AccessLog:
     def __init__(self, app, api_key: str | None = None, max_request_bytes: int = 1 << 20,
-                 body_timeout: float = 30.0, metrics_public: bool = False, metrics=None):
+                 body_timeout: float = 30.0, metrics_public: bool = False, metrics=None, draining=lambda: False):
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
         self.body_timeout, self.metrics_public, self.metrics = body_timeout, metrics_public, metrics
+        self.draining = draining  # () -> bool: SIGTERM has come (Server.drain)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0, status = time.perf_counter(), [0]
         state = scope.setdefault("state", {})
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        raw_headers = scope.get("headers", [])
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw_headers}
 
         async def logged_send(message):
             if message["type"] == "http.response.start":
@@ -51,13 +54,16 @@ class AccessLog:
 
         try:
             try:
-                self.check_key(scope["path"], headers)
+                self.check_key(scope["path"], headers, raw_headers)
+                if self.draining() and scope["path"].startswith("/v1/"):
+                    raise _Refused(503, "server shutting down: no new requests (retry, on another replica)",
+                                   "server_shutting_down", {"retry-after": "1"})
                 if scope["method"] in ("POST", "PUT", "PATCH"):
                     receive = await self.read_body(receive, headers)
             except _Refused as e:
                 state["error"] = e.message
-                kind = "authentication_error" if e.status == 401 else "invalid_request_error"
-                await _json(send, e.status, error_body(e.message, kind, None, e.code))
+                kind = {401: "authentication_error", 503: "server_error"}.get(e.status, "invalid_request_error")
+                await _json(send, e.status, error_body(e.message, kind, None, e.code), e.headers)
                 status[0] = e.status
                 return
             except _Gone:
@@ -75,7 +81,11 @@ class AccessLog:
             self.count(scope["path"], state, status[0])
             self.log(scope, state, status[0], time.perf_counter() - t0)
 
-    def check_key(self, path: str, headers: dict) -> None:
+    def check_key(self, path: str, headers: dict, raw_headers: list) -> None:
+        # RFC 9110 allows one Authorization field; of two, which one decides is up to each proxy on the way
+        given = sum(name.lower() == b"authorization" for name, _ in raw_headers)
+        if given > 1:
+            raise _Refused(400, f"Authorization: {given} headers, expected one", "duplicate_header")
         protected = path.startswith("/v1/") or (path == "/metrics" and not self.metrics_public)
         if not (self.api_key and protected):
             return
@@ -133,9 +143,9 @@ class AccessLog:
         access_log.info(" ".join(parts))
 
 
-async def _json(send, status: int, body: dict) -> None:
+async def _json(send, status: int, body: dict, headers: dict) -> None:
     data = json.dumps(body).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-           (b"connection", b"close")]
+           (b"connection", b"close"), *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": data})
