@@ -39,8 +39,8 @@ HINT = ("bundled reference pair: a small model of Python source (try: def fibona
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.chat", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.chat", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_model_args(p)
     cli.add_sampling_args(p)
     p.add_argument("--system", help="system message")

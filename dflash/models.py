@@ -17,8 +17,8 @@ from .core.io import cache_root
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.models", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.models", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
     sub = p.add_subparsers(dest="command")

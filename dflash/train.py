@@ -142,8 +142,8 @@ def _convert(name: str, tp, value):
 
 def parse_args(argv=None):
     _, fields = _field_types()
-    p = argparse.ArgumentParser(prog="python -m dflash.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.train", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="torch", help="training backend (torch)")
     p.add_argument("--config", help="YAML or JSON file of hyperparameters (flags override it)")
     p.add_argument("--recipe", choices=sorted(RECIPES), default="default",

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dflash import cli
 from dflash.core.errors import DFlashError
 
 PACKAGE_DIR = Path(__file__).parent
@@ -322,8 +323,8 @@ def install(out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.reference build", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.reference build", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/reference", help="build directory (default: runs/reference)")
     p.add_argument("--fast", action="store_true", help="tiny corpus, model and drafter: tests the pipeline")
     p.add_argument("--install", action="store_true", help="copy the result into the package afterwards")
