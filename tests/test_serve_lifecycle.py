@@ -5,10 +5,14 @@ exit 0)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +27,19 @@ def server(start_server):
 
 def complete(server, body, **kw):
     return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120, **kw)
+
+
+def test_the_readmes_openai_snippet_works_as_written(server):
+    pytest.importorskip("openai")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "from openai" in block)
+    assert "http://127.0.0.1:8000/v1" in snippet
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(snippet.replace("http://127.0.0.1:8000", server.url), {})
+    body = {"messages": [{"role": "user", "content": "def fib(n):"}], "temperature": 0, "max_tokens": 64}
+    expected = complete(server, body).json()["choices"][0]["message"]["content"]
+    assert out.getvalue() == expected + "\n"
 
 
 def test_full_queue_answers_503_with_retry_after(server):
