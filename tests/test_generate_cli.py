@@ -91,6 +91,7 @@ def test_chat_template(tiny_target_dir, random_draft_dir):
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--itl-limit", "0.5"], "--itl-limit"),
     (["--itl-limit", "nan"], "--itl-limit"),
+    (["--temperature", "0.7", "--accept", "rejection", "--verify", "tree"], "--accept rejection verifies chains"),
 ])
 def test_bad_flags_one_line(tiny_target_dir, random_draft_dir, args, needle):
     base = ["--model", tiny_target_dir, "--draft", random_draft_dir]
