@@ -340,9 +340,11 @@ def generate(backend, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
     return Generation(backend, prompt_ids, **kwargs).run()
 
 
-def generate_batch(backend, prompts: Sequence[Sequence[int]], **kwargs) -> list[GenerationResult]:
+def generate_batch(backend, prompts: Sequence[Sequence[int]], *, on_cycle=None, **kwargs) -> list[GenerationResult]:
     """Several prompts at once through one engine (any backend whose target batches); each row accepts its own prefix per cycle and stops on
-    its own, so row i's greedy output is generate()'s for it."""
+    its own, so row i's greedy output is generate()'s for it. on_cycle(tokens, finished), if given, is called after
+    every cycle with the tokens it committed over all rows and the (index, result) of each row that finished in it,
+    so a caller can report progress and keep answers as they finish."""
     if not prompts:
         return []
     sampling = kwargs.pop("sampling", SamplingParams())
@@ -351,6 +353,10 @@ def generate_batch(backend, prompts: Sequence[Sequence[int]], **kwargs) -> list[
     per_row = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
                for i in range(len(prompts))]
     gens = [Generation(backend, p, sampling=s, **kwargs) for p, s in zip(prompts, per_row)]
-    for _ in _cycles(backend, gens):
-        pass
+    reported: set[int] = set()
+    for increments in _cycles(backend, gens):
+        if on_cycle is not None:
+            finished = [(i, g.result) for i, g in enumerate(gens) if g.result is not None and i not in reported]
+            reported.update(i for i, _ in finished)
+            on_cycle(sum(len(inc.tokens) for _, inc in increments), finished)
     return [g.result for g in gens]
