@@ -85,6 +85,8 @@ HELP = {
                      "full evaluation)",
     "eval_data": "held-out prompts (JSONL / datasets dir) for the acceptance measurement",
     "eval_holdout": "hold out this many training samples and evaluate on their prompts",
+    "eval_at_end": "measure the exported drafter on the held-out prompts, --eval-max-prompts x --eval-max-new-tokens "
+                   "through the speculative loop (default true; --no-eval-at-end skips it)",
     "eval_max_prompts": "prompts per evaluation",
     "eval_max_new_tokens": "tokens generated per evaluation prompt",
     "log_every": "write a log row every N steps",
