@@ -72,7 +72,8 @@ HELP = {
     "batch_size": "sequences per micro-batch per process",
     "grad_accum": "micro-batches per optimizer step (global batch = batch x accum x world)",
     "seed": "seed of the data order, anchors and initialisation",
-    "dtype": "auto (bf16 autocast + bf16 target on CUDA, fp32 elsewhere), float32 or bfloat16",
+    "dtype": "auto (bf16 autocast + bf16 target on CUDA; bf16 autocast on CPUs with AMX / AVX512-BF16; float32 "
+             "elsewhere), float32 or bfloat16",
     "activation_checkpointing": "recompute draft layers in backward (less memory)",
     "parallel": "ddp or fsdp (FSDP2 fully_shard) when run under torchrun",
     "device": "auto, cpu, cuda, mps",
