@@ -27,19 +27,18 @@ except ImportError:
     pass
 
 
+OPT_IN = {"real": "a real model (about 100 s on a CPU): run with pytest -m real",
+          "slow": "a slow extra (a fresh venv's install, MLX runs of hybrid targets): run with pytest -m slow"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Real-model tests (minutes on a CPU) and slow extras (a fresh venv with a pip install, ...) run only when a
-    -m expression names them (`-m real`, `-m slow`; .ci/run runs both): the default run stays within minutes."""
+    """Real-model tests (minutes on a CPU) and slow extras run only when a -m expression names one of their markers
+    (`-m real`, `-m slow`; .ci/run runs the slow ones after the default run), which stays within minutes."""
     asked = config.getoption("markexpr") or ""
-    reasons = {"real": "a real model (about 100 s on a CPU): run with pytest -m real",
-               "slow": "a slow extra: run with pytest -m slow"}
-    for marker, reason in reasons.items():
-        if marker in asked:
-            continue
-        skip = pytest.mark.skip(reason=reason)
-        for item in items:
-            if item.get_closest_marker(marker) is not None:
-                item.add_marker(skip)
+    for item in items:
+        markers = [m for m in OPT_IN if item.get_closest_marker(m) is not None]
+        if markers and not any(m in asked for m in markers):
+            item.add_marker(pytest.mark.skip(reason=OPT_IN[markers[0]]))
 
 
 _terminal = None
