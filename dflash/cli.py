@@ -20,7 +20,9 @@ class Parser(argparse.ArgumentParser):
     """The parser of every `python -m dflash.X`: a bad command line is one line that names the closest flag or
     choice (what Python 3.14's suggest_on_error does, on every version), not the usage block."""
 
-    subcommands: dict[str, "Parser"] = {}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.subcommands: dict[str, Parser] = {}
 
     def add_subparsers(self, **kwargs):
         action = super().add_subparsers(**kwargs)
