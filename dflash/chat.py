@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from . import cli, hub
 from .core.errors import DFlashError
 from .core.sampling import common_prefix
-from .core.stats import mean_acceptance_length, per_position_acceptance
+from .core.stats import cycle_counts, mean_acceptance_length, measured_speedup, per_position_acceptance
 
 PROMPT = ">> "
 HELP = """commands:
@@ -39,8 +39,8 @@ HINT = ("bundled reference pair: a small model of Python source (try: def fibona
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.chat", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.chat", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_model_args(p)
     cli.add_sampling_args(p)
     p.add_argument("--system", help="system message")
@@ -130,7 +130,7 @@ class Stats:
     prefilled: int = 0
     reused: int = 0
     verified: list[int] = field(default_factory=list)  # draft tokens verified per cycle (the budgets chosen)
-    undrafted: int = 0  # cycles that verified without a draft forward (--verify auto)
+    draft_forwards: list[bool] = field(default_factory=list)  # per cycle: whether it ran a draft forward
 
 
 class StopOnSigint:
@@ -165,6 +165,12 @@ class Chat:
         self.max_context = args.max_context or getattr(pipe.backend, "max_context", None)
         self.stats = Stats()
 
+    def context_name(self) -> str:
+        """The context bound in the words of whoever set it: the user's flag, else the target's own."""
+        if self.args.max_context:
+            return f"--max-context {self.max_context}"
+        return f"the target's context of {self.max_context} tokens"
+
     def note(self, line: str) -> None:
         """A side line (summaries, notes) on stderr, dimmed on a terminal."""
         self.out.flush()
@@ -179,8 +185,9 @@ class Chat:
         max_new = args.max_new_tokens
         if self.max_context:
             if len(ids) >= self.max_context:
-                raise DFlashError(f"--max-context: this message needs {len(ids)} tokens, more than the "
-                                  f"{self.max_context} allowed")
+                more = "; send a shorter message" + (" or raise --max-context" if args.max_context else "")
+                raise DFlashError(f"this message is {len(ids)} tokens in the chat template, more than "
+                                  f"{self.context_name()}{more}")
             max_new = min(max_new, self.max_context - len(ids))
         self.conv.drop(drop)
         reused = min(common_prefix(backend.cached_tokens, ids), len(ids) - 1)  # prefill keeps >= 1 token to run
@@ -221,7 +228,7 @@ class Chat:
         s.lengths += lengths
         if gen.result:
             s.verified += gen.result.verified
-            s.undrafted += gen.result.cycles_without_draft
+            s.draft_forwards += gen.result.draft_forwards
         s.decode_tokens += max(n - 1, 0)
         s.decode_seconds += decode_s
         s.prefilled += len(ids) - reused
@@ -230,7 +237,7 @@ class Chat:
         line = (f"tau {mean_acceptance_length(lengths):.2f} | {tps:.1f} tok/s | {n} tokens | "
                 f"prefill {len(ids) - reused} new tokens (reused {reused}) {prefill_s * 1000:.0f} ms")
         if drop:
-            line += f" | dropped the {drop} oldest turn(s) for --max-context {self.max_context}"
+            line += f" | dropped the {drop} oldest turn(s) to fit {self.context_name()}"
         if max_new < args.max_new_tokens:
             line += f" | capped at {max_new} tokens: the context holds {self.max_context}"
         if interrupted:
@@ -261,17 +268,27 @@ class Chat:
         lines += [f"tau {tau:.2f} tokens per draft/verify cycle (block {b}; acceptance rule {rule})",
                   f"acceptance by draft position 1..{b - 1}: " + " ".join(f"{r:.2f}" for r in rates),
                   f"speedup <= {tau:.2f}x tau-based (if a draft+verify cycle cost one target step)"]
-        if s.verified:
-            budgets = sorted(s.verified)
-            lines.append(f"verify {backend.verify_mode}: {sum(budgets) / len(budgets):.1f} draft tokens verified per "
-                         f"cycle (min {budgets[0]}, median {budgets[len(budgets) // 2]}, max {budgets[-1]}); "
-                         f"{s.undrafted} cycles without a draft forward"
-                         + (f"; {backend.verify_note}" if backend.verify_note else ""))
+        counts = cycle_counts(s.verified, s.draft_forwards)
+        if counts.cycles:
+            line = f"verify {backend.verify_mode}: {counts.drafted} of {counts.cycles} cycles ran a draft forward"
+            if counts.drafted:
+                budgets = sorted(counts.verified_when_drafted)
+                line += (f", verifying {sum(budgets) / len(budgets):.1f} of its tokens on average (min {budgets[0]}, "
+                         f"median {budgets[len(budgets) // 2]}, max {budgets[-1]})")
+            if counts.drafted_verifying_none:
+                line += f"; {counts.drafted_verifying_none} of them verified none (no proposal was worth its verify)"
+            if counts.without_draft:
+                line += f"; {counts.without_draft} ran none (the drafter paused)"
+            lines.append(line + (f"; {backend.verify_note}" if backend.verify_note else ""))
         step = measure_step(backend)
         if step and per_token:
-            lines.append(f"speedup {step / per_token:.2f}x measured: a target step takes {step * 1000:.1f} ms at the "
-                         f"current context ({len(backend.cached_tokens)} tokens), DFlash {per_token * 1000:.1f} ms "
-                         "per token (session average)")
+            speedup = measured_speedup(step, per_token, tau)
+            timing = (f"a target step takes {step * 1000:.1f} ms at the current context "
+                      f"({len(backend.cached_tokens)} tokens), DFlash {per_token * 1000:.1f} ms per token "
+                      "(session average)")
+            lines.append(f"speedup {speedup:.2f}x measured: {timing}" if speedup is not None else
+                         f"speedup not measured: {timing}; their ratio exceeds the tau bound, so the probe of a "
+                         "target step was not comparable")
         return lines
 
     # ---- the loop ------------------------------------------------------------------------------------------------

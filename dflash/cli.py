@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 
@@ -11,8 +12,44 @@ from . import backends
 from .api import load
 from .core import blas
 from .core.budget import ITL_LIMIT
-from .core.errors import DFlashError
+from .core.errors import DFlashError, did_you_mean
 from .core.sampling import SamplingParams
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of every `python -m dflash.X`: a bad command line is one line that names the closest flag or
+    choice (what Python 3.14's suggest_on_error does, on every version), not the usage block."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.subcommands: dict[str, Parser] = {}
+
+    def add_subparsers(self, **kwargs):
+        action = super().add_subparsers(**kwargs)
+        self.subcommands = action.choices  # a subcommand's unknown flags are reported by this parser
+        return action
+
+    def flags(self) -> set[str]:
+        """Every option string of this parser and its subcommands (read from their help)."""
+        found = set(re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", self.format_help()))
+        return found.union(*(sub.flags() for sub in self.subcommands.values()))
+
+    def error(self, message: str):
+        unknown = re.fullmatch(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            # the words after an unknown flag are most likely its value: name the flags, else the stray words
+            words = unknown[1].split()
+            flags = [w.split("=")[0] for w in words if w.startswith("-")]
+            if flags:
+                known = self.flags()
+                message = "; ".join(f"unknown flag {f}" + did_you_mean(f, known) for f in flags)
+            else:
+                message = f"unexpected argument{'s' * (len(words) > 1)} {' '.join(words)}"
+        choice = re.search(r"invalid choice: '?([^' ]*)'? \(choose from (.*)\)", message)
+        if choice:
+            choices = [c.strip(" '\"") for c in choice[2].split(",")]
+            message += did_you_mean(choice[1], choices)
+        self.exit(2, f"error: {message}; {self.prog} --help lists the flags\n")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -63,9 +100,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_from(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed,
-                          accept=args.accept).validate()
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            accept=args.accept).validate()
+    if args.verify == "tree" and params.accept == "rejection" and not params.greedy and not args.no_draft:
+        raise DFlashError("--accept rejection verifies chains only: with --verify tree use --accept match, or "
+                          "--verify chain / auto")
+    return params
 
 
 def restart_if_mlx(args) -> None:

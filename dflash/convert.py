@@ -19,8 +19,8 @@ from .converters import compat, draft, gguf, quantize, target
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.convert", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name, help):

@@ -31,8 +31,8 @@ from .remote_regeneration import regenerate_remote
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.data", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.data", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("regenerate", help="answer prompts with the target (resumable)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -17,7 +16,7 @@ BUNDLED_PAIR_NOTE = ("dflash: the bundled pair is an 8.4M-parameter toy trained 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.generate", description=__doc__)
+    p = cli.Parser(prog="python -m dflash.generate", description=__doc__)
     cli.add_model_args(p)
     cli.add_sampling_args(p)
     src = p.add_mutually_exclusive_group()

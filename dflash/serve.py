@@ -3,7 +3,6 @@ batching on PyTorch: a request joins the running batch at the next cycle and lea
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -17,7 +16,7 @@ BUNDLED_NAME = "dflash-bundled"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.serve", description=__doc__)
+    p = cli.Parser(prog="python -m dflash.serve", description=__doc__)
     cli.add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="0 .. 65535; 0 = any free port (default: %(default)s)")

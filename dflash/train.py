@@ -72,7 +72,8 @@ HELP = {
     "batch_size": "sequences per micro-batch per process",
     "grad_accum": "micro-batches per optimizer step (global batch = batch x accum x world)",
     "seed": "seed of the data order, anchors and initialisation",
-    "dtype": "auto (bf16 autocast + bf16 target on CUDA, fp32 elsewhere), float32 or bfloat16",
+    "dtype": "auto (bf16 autocast + bf16 target on CUDA; bf16 autocast on CPUs with AMX / AVX512-BF16; float32 "
+             "elsewhere), float32 or bfloat16",
     "activation_checkpointing": "recompute draft layers in backward (less memory)",
     "parallel": "ddp or fsdp (FSDP2 fully_shard) when run under torchrun",
     "device": "auto, cpu, cuda, mps",
@@ -85,6 +86,8 @@ HELP = {
                      "full evaluation)",
     "eval_data": "held-out prompts (JSONL / datasets dir) for the acceptance measurement",
     "eval_holdout": "hold out this many training samples and evaluate on their prompts",
+    "eval_at_end": "measure the exported drafter on the held-out prompts, --eval-max-prompts x --eval-max-new-tokens "
+                   "through the speculative loop (default true; --no-eval-at-end skips it)",
     "eval_max_prompts": "prompts per evaluation",
     "eval_max_new_tokens": "tokens generated per evaluation prompt",
     "log_every": "write a log row every N steps",
@@ -142,8 +145,8 @@ def _convert(name: str, tp, value):
 
 def parse_args(argv=None):
     _, fields = _field_types()
-    p = argparse.ArgumentParser(prog="python -m dflash.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.train", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="torch", help="training backend (torch)")
     p.add_argument("--config", help="YAML or JSON file of hyperparameters (flags override it)")
     p.add_argument("--recipe", choices=sorted(RECIPES), default="default",

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -21,14 +27,38 @@ except ImportError:
     pass
 
 
+OPT_IN = {"real": "a real model (about 100 s on a CPU): run with pytest -m real",
+          "slow": "a slow extra (a fresh venv's install, MLX runs of hybrid targets): run with pytest -m slow"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Real-model tests take minutes on a CPU, more than the default run affords: they run when asked for (-m real)."""
-    if "real" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="a real model (about 100 s on a CPU): run with pytest -m real")
+    """Real-model tests (minutes on a CPU) and slow extras run only when a -m expression names one of their markers
+    (`-m real`, `-m slow`; .ci/run runs the slow ones after the default run), which stays within minutes."""
+    asked = config.getoption("markexpr") or ""
     for item in items:
-        if item.get_closest_marker("real") is not None:
-            item.add_marker(skip)
+        markers = [m for m in OPT_IN if item.get_closest_marker(m) is not None]
+        if markers and not any(m in asked for m in markers):
+            item.add_marker(pytest.mark.skip(reason=OPT_IN[markers[0]]))
+
+
+_terminal = None
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
+def pytest_configure(config):
+    global _terminal
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # a worker's reports reach the controller, which prints them
+        _terminal = config.pluginmanager.get_plugin("terminalreporter")
+
+
+def pytest_runtest_logreport(report):
+    """Name a failure the moment it happens: -q prints only `F`, and the summary of failures comes at the end, which
+    a stopped run never reaches."""
+    if report.failed and _terminal is not None:
+        kind = "FAILED" if report.when == "call" else f"ERROR at {report.when} of"
+        _terminal.write(f"\n{kind} {report.nodeid}\n", red=True, bold=True)  # -q's dots share the line
+
+
 
 
 @pytest.fixture(scope="session")
@@ -84,14 +114,40 @@ def prompts(tiny_target_dir):
     return out
 
 
+# what the trained pair is made of: a change to any of these builds it again
+PAIR_SOURCES = ("dflash/core", "dflash/reference", "backends/torch", "tests/tiny_pair.py")
+
+
+def pair_version() -> str:
+    import torch
+    import transformers
+
+    h = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    for source in PAIR_SOURCES:
+        path = ROOT / source
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(f.relative_to(ROOT).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
-def trained_pair(tmp_path_factory):
+def trained_pair(request):
     """(target_dir, draft_dir) of a tiny target and a drafter trained for it in ~40 s with the real trainer, whose
     mean acceptance length at block 16 on held-out prompts is >= 3 (asserted here; info in draft_dir/../../pair.json).
-    The target's greedy continuations follow learnable structure (see tests/tiny_pair.py)."""
+    The target's greedy continuations follow learnable structure (see tests/tiny_pair.py).
+
+    Built once, not once per xdist worker: the first worker to get the lock builds it into pytest's cache directory,
+    keyed by the version of the code it is made of; the others, and later runs of the same code, load it."""
     from tiny_pair import build_trained_pair
 
-    target_dir, draft_dir, info = build_trained_pair(tmp_path_factory.mktemp("trained_pair"))
+    cache = request.config.cache.mkdir("trained-pair")
+    root = cache / pair_version()
+    with open(cache / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the holder is killed
+        if not (root / "pair.json").is_file():  # written last: without it, what is there is a killed build's
+            shutil.rmtree(root, ignore_errors=True)
+            build_trained_pair(root)
+    target_dir, draft_dir, info = build_trained_pair(root)
     assert info["tau"] >= 3.0, f"trained_pair fixture: held-out tau {info['tau']:.2f} < 3"
     return target_dir, draft_dir
 

@@ -121,7 +121,7 @@ def test_repl_two_turns_stats_exit(tiny_target_dir, random_draft_dir, pipe):
     assert new2 <= n_tail + 1
     assert "tau" in stats and "acceptance by draft position 1..15" in stats and "speedup" in stats
     assert "2 replies" in stats
-    assert "verify auto:" in stats and "draft tokens verified per cycle" in stats  # the budgets auto chose
+    assert "verify auto:" in stats and "cycles ran a draft forward" in stats  # the budgets auto chose
 
 
 def test_ctrl_c_stops_the_reply_not_the_session(tiny_target_dir, random_draft_dir):
@@ -210,11 +210,13 @@ def test_models_lists_registry_and_cache(hf_home):
     assert re.search(r"\n  Qwen/Qwen3-4B +[\d.]+[KMG] +z-lab/Qwen3-4B-DFlash-b16 +- +torch, mlx\n", p.stdout)
     assert re.search(r"\n  z-lab/Qwen3-8B-DFlash-b16 +[\d.]+[KMG] +drafter\n", p.stdout)
     assert "z-lab/Qwen3.5-9B-DFlash" in p.stdout
+    assert re.search(r"\n  smollm2 +- +smollm2-dflash +[\d.]+M \(in the package\) +torch, mlx\n", p.stdout)
     assert f"HF cache {Path(hf_home) / 'hub'}: 4 model(s)" in p.stdout
     assert "hf download" in p.stdout
     data = json.loads(run("dflash.models", "--json", HF_HOME=hf_home).stdout)
     assert {r["repo"] for r in data["cached"]} == {"Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "Qwen/Qwen3-4B",
                                                     "org/partial"}
+    assert [q["draft_cached"] for q in data["pairs"] if q["draft"] == "smollm2-dflash"] == [True]
 
 
 def test_offline_missing_model_is_one_line(hf_home):
@@ -281,6 +283,32 @@ def test_max_context_drops_oldest_turns(pipe):
         chat.turn("x " * 200)
     chat.command("/reset")
     assert chat.conv.turns == [] and chat.report() == ["no replies yet"]
+
+
+def test_a_message_over_the_targets_context_names_no_unpassed_flag(pipe):
+    from dflash.chat import Chat, parse_args
+
+    chat = Chat(pipe, parse_args(["--max-new-tokens", "6"]), out=io.StringIO(), err=io.StringIO())
+    with pytest.raises(Exception, match="the target's context of") as e:
+        chat.turn("x = 1\n" * 3000)
+    assert "--max-context" not in str(e.value)
+
+
+def test_stats_say_which_cycles_drafted_and_bound_the_speedup(pipe):
+    """Cycles that drafted and verified none are counted apart from those that ran no draft forward, and a measured
+    speedup beyond the tau bound (impossible: every cycle runs a target forward) is not shown as one."""
+    from dflash.chat import Chat, Stats, parse_args
+
+    chat = Chat(pipe, parse_args(["--max-new-tokens", "6"]), out=io.StringIO(), err=io.StringIO())
+    chat.turn("def add(a, b):")
+    chat.stats = Stats(replies=1, tokens=5, lengths=[1, 1, 1, 2], decode_tokens=4, decode_seconds=1e-6,
+                       verified=[0, 0, 3, 0], draft_forwards=[True, True, True, False])
+    report = "\n".join(chat.report())
+    assert "3 of 4 cycles ran a draft forward, verifying 1.0 of its tokens on average" in report
+    assert "2 of them verified none" in report and "1 ran none" in report
+    assert "speedup not measured" in report and "x measured" not in report  # 1 us a token beats any target step
+    chat.stats.decode_seconds = 1e3  # a second per token: slower than a target step, within the bound
+    assert "x measured: a target step takes" in "\n".join(chat.report())
 
 
 def test_reply_capped_by_the_context_says_so(pipe):

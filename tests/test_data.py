@@ -141,6 +141,18 @@ def test_recover_output_cuts_a_torn_line(tmp_path):
     assert p.read_text() == '{"id": "a"}\n{"id": "b"}\n'
 
 
+def test_answer_file_is_created_with_its_first_row(tmp_path):
+    from dflash.core.answers import AnswerFile
+
+    out = AnswerFile(tmp_path / "sub" / "answers.jsonl")
+    out.close()  # stopped before any answer was finished
+    assert not (tmp_path / "sub" / "answers.jsonl").exists()
+    out = AnswerFile(tmp_path / "sub" / "answers.jsonl")
+    out.append({"id": "a", "status": "ok"})
+    out.close()
+    assert (tmp_path / "sub" / "answers.jsonl").read_text() == '{"id": "a", "status": "ok"}\n'
+
+
 def test_regenerate_sigkill_and_resume(tiny_target_dir, tmp_path):
     inp = prompts_file(tmp_path / "prompts.jsonl")
     cmd = lambda out: [sys.executable, "-m", "dflash.data", "regenerate", "--model", str(tiny_target_dir),

@@ -39,6 +39,11 @@ def test_json_contract(tiny_target_dir, random_draft_dir, verify):
     base = json.loads(run("--backend", "torch", "--model", tiny_target_dir, "--no-draft", "--prompt", "def f(x):",
                           "--max-new-tokens", 24, "--json").stdout)
     assert base["tokens"] == out["tokens"] and set(base["acceptance_lengths"]) == {1}
+    # without a drafter no cycle runs a draft forward, and none verifies a draft token
+    assert base["cycles_without_draft"] == len(base["acceptance_lengths"]) and base["verified_tokens"] == 0
+    assert base["drafted_cycles_verifying_none"] == 0
+    drafted = len(lengths) - out["cycles_without_draft"]
+    assert 0 <= out["drafted_cycles_verifying_none"] <= drafted
 
 
 def test_prompt_ids_and_stream(tiny_target_dir, random_draft_dir):
@@ -52,6 +57,13 @@ def test_stderr_holds_only_our_lines(tiny_target_dir, random_draft_dir):
     p = run("--backend", "torch", "--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "def f(x):",
             "--max-new-tokens", 8, "--verify", "chain")
     assert p.returncode == 0 and p.stderr.startswith("tau ") and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_a_prompt_over_the_context_is_our_line_alone(tiny_target_dir, random_draft_dir):
+    """transformers' "Token indices sequence length is longer than ..." warning does not come before our error."""
+    p = run("--model", tiny_target_dir, "--draft", random_draft_dir, "--max-new-tokens", 2, input="x = 1\n" * 3000)
+    assert p.returncode == 2 and "Token indices" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: prompt: ") and "context" in p.stderr
 
 
 def test_transformers_without_torch_does_not_warn():
@@ -79,6 +91,7 @@ def test_chat_template(tiny_target_dir, random_draft_dir):
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--itl-limit", "0.5"], "--itl-limit"),
     (["--itl-limit", "nan"], "--itl-limit"),
+    (["--temperature", "0.7", "--accept", "rejection", "--verify", "tree"], "--accept rejection verifies chains"),
 ])
 def test_bad_flags_one_line(tiny_target_dir, random_draft_dir, args, needle):
     base = ["--model", tiny_target_dir, "--draft", random_draft_dir]

@@ -5,7 +5,7 @@ from fakes import FakeDrafter, FakeTarget
 
 from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
-from dflash.core.loop import Generation, generate
+from dflash.core.loop import Generation, generate, generate_batch
 from dflash.core.sampling import SamplingParams, accepted_length
 
 V = 50
@@ -44,6 +44,18 @@ def test_commits_equal_target_only(good):
     assert r.finish_reason == "length"
     assert set(r.acceptance_lengths[:-1]) == {good + 1}
     assert len(r.acceptance_lengths) == (40 - 1 + good) // (good + 1)  # prefill token is not a cycle
+
+
+def test_generate_batch_reports_each_row_the_cycle_it_finishes():
+    prompts = [[1, 2, 3], [4], [5, 6]]
+    eos = reference(prompts[0], 60)[4]  # row 0 stops early; the others run on to max_new_tokens (or their own EOS)
+    cycles = []
+    results = generate_batch(fake_engine(8, 2), prompts, max_new_tokens=40, eos_token_ids=[eos],
+                             on_cycle=lambda tokens, finished: cycles.append((tokens, finished)))
+    reported = {i: (c, r) for c, (_, finished) in enumerate(cycles) for i, r in finished}
+    assert sorted(reported) == [0, 1, 2] and all(reported[i][1] is results[i] for i in range(3))
+    assert sum(tokens for tokens, _ in cycles) == sum(r.generation_tokens for r in results)
+    assert results[0].finish_reason == "stop" and reported[0][0] < len(cycles) - 1  # kept before the batch ended
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 9, 16, 17])

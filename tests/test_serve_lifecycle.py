@@ -6,14 +6,18 @@ listener open until the drain ends) and its deadline met with both cores busy.""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -56,6 +60,19 @@ def server(start_server):
 
 def complete(server, body, **kw):
     return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120, **kw)
+
+
+def test_the_readmes_openai_snippet_works_as_written(server):
+    pytest.importorskip("openai")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "from openai" in block)
+    assert "http://127.0.0.1:8000/v1" in snippet
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(snippet.replace("http://127.0.0.1:8000", server.url), {})
+    body = {"messages": [{"role": "user", "content": "def fib(n):"}], "temperature": 0, "max_tokens": 64}
+    expected = complete(server, body).json()["choices"][0]["message"]["content"]
+    assert out.getvalue() == expected + "\n"
 
 
 def test_full_queue_answers_503_with_retry_after(server):

@@ -253,3 +253,17 @@ def test_step_zero_evaluation_is_opt_in_and_every_evaluation_says_so(tiny_target
     out = capsys.readouterr().out
     assert "eval step 2: generating on 2 held-out prompts (8 tokens each)" in out
     assert ("eval step 0:" in out) == at_start
+
+
+@pytest.mark.parametrize("at_end", [True, False])
+def test_the_run_says_where_it_writes_and_the_final_evaluation_is_announced_or_skipped(tiny_target_dir, data_file,
+                                                                                      tmp_path, capsys, at_end):
+    out_dir = tmp_path / "run"
+    result = train(tiny_run(tiny_target_dir, data_file, out_dir, eval_holdout=2, eval_every=500,
+                            eval_at_end=at_end))
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (f"run directory {out_dir.resolve()}: checkpoints, train_log.jsonl, the exported "
+                                   "drafter in draft/")
+    announced = "final evaluation: 2 held-out prompts x 8 tokens through the speculative loop (--no-eval-at-end"
+    assert (announced in out) == at_end
+    assert [e["step"] for e in result.evals] == ([2] if at_end else [])

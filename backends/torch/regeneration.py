@@ -4,9 +4,10 @@ Output rows: {"id", "messages": [prompt turns..., {"role": "assistant", "content
 "finish_reason", "prompt_tokens", "answer_tokens"}. Every input row gets exactly one output row, with status "ok",
 "failed" (generation raised; "error" says why) or "skipped" (no prompt, or the prompt does not fit the context).
 
-Crash safety: each row is appended, flushed and fsynced as soon as its batch is done. On restart the ids already in
-the output are skipped and a torn last line (the process died mid-write) is cut off, so rerunning the same command
-after a SIGKILL at any point loses no finished row and duplicates none.
+Crash safety: each row is appended, flushed and fsynced as soon as its answer is done (rows of a batch finish at
+their own EOS), and the output file is created with its first row, never empty. On restart the ids already in the
+output are skipped and a torn last line (the process died mid-write) is cut off, so rerunning the same command
+after a SIGKILL or Ctrl-C at any point loses no finished row and duplicates none.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import zlib
 from pathlib import Path
 
-from dflash.core.answers import append_row as _append, input_rows, recover_output, write_stats
+from dflash.core.answers import AnswerFile, input_rows, recover_output, write_stats
 from dflash.core.datasets import prompt_messages, row_messages
 from dflash.core.errors import DFlashError
 from dflash.core.io import check_output_dir
@@ -73,42 +74,53 @@ def regenerate(model_dir, input_path, output_path, *, batch_size: int = 8, tempe
     if progress and todo:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(todo), desc="regenerate", dynamic_ncols=True)
-    output_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(output_path, "a", encoding="utf-8") as out:
+        # per answer, with the tokens decoded so far: a batch of long answers takes minutes before its first ends
+        bar = tqdm(total=len(todo), desc="regenerate", unit="answer", dynamic_ncols=True)
+    output = AnswerFile(output_path)
+    tokens = 0
+
+    def emit(row: dict) -> None:
+        output.append(row)
+        if bar is not None:
+            bar.update(1)
+
+    def decoded(n: int) -> None:
+        nonlocal tokens
+        tokens += n
+        if bar is not None:
+            bar.set_postfix_str(f"{tokens} tokens", refresh=False)
+            bar.update(0)  # redraws at tqdm's own pace (mininterval)
+
+    try:
         batch = []
-
-        def run_batch():
-            rows_out = _answer(backend, tokenizer, batch, eos, max_new_tokens, temperature, top_p, seed,
-                               enable_thinking)
-            for r in rows_out:
-                _append(out, r)
-            if bar is not None:
-                bar.update(len(batch))
-            batch.clear()
-
         for i, rid, row in todo:
             base = {"id": rid, "thinking": bool(enable_thinking), "status": "skipped"}
             try:
                 messages = prompt_messages(row_messages(row, f"{input_path}:{i + 1}"))
             except DFlashError as e:
-                _append(out, dict(base, error=str(e)))
+                emit(dict(base, error=str(e)))
                 continue
             if not messages or messages[-1]["role"] not in ("user", "tool"):
-                _append(out, dict(base, error="no user turn to answer"))
+                emit(dict(base, error="no user turn to answer"))
                 continue
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if limit is not None and len(ids) > limit:
-                _append(out, dict(base, error=f"prompt has {len(ids)} tokens, more than {limit} fit"))
+                emit(dict(base, error=f"prompt has {len(ids)} tokens, more than {limit} fit"))
                 continue
             batch.append((rid, messages, ids))
             if len(batch) == batch_size:
-                run_batch()
+                _answer(backend, tokenizer, batch, eos, max_new_tokens, temperature, top_p, seed, enable_thinking,
+                        emit, decoded)
+                batch = []
         if batch:
-            run_batch()
-    if bar is not None:
-        bar.close()
+            _answer(backend, tokenizer, batch, eos, max_new_tokens, temperature, top_p, seed, enable_thinking, emit,
+                    decoded)
+    finally:
+        output.close()
+        if bar is not None:
+            bar.close()
+    output.ensure()
     return write_stats(output_path, len(rows), log)
 
 
@@ -125,33 +137,42 @@ def _batched_backend(model, draft_dir):
     return backend
 
 
-def _generate(backend, prompts: list[list[int]], eos, max_new_tokens, temperature, top_p, seed):
-    """One batch through the speculative loop; returns each prompt's new tokens (EOS cut) and finish reason."""
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed if temperature > 0 else None)
-    results = generate_batch(backend, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos)
-    answers = []
-    for r in results:
-        ended = r.finish_reason == "stop" and r.tokens and r.tokens[-1] in eos
-        answers.append((r.tokens[:-1] if ended else r.tokens, "stop" if ended else "length", r.acceptance_lengths))
-    return answers
+def _answer(backend, tokenizer, batch, eos, max_new_tokens, temperature, top_p, seed, enable_thinking, emit,
+            decoded) -> None:
+    """Answer a batch through the speculative loop, emitting each row the moment its answer ends. If the batch
+    raises, the rows not yet emitted are answered one by one: the row that fails gets a "failed" row, the others
+    their answers."""
+    sampling = SamplingParams(temperature=temperature, top_p=top_p,
+                              seed=seed + zlib.crc32(batch[0][0].encode()) if temperature > 0 else None)
+    emitted = set()
 
+    def on_cycle(tokens: int, finished: list) -> None:
+        decoded(tokens)
+        for k, result in finished:
+            emit(_answer_row(batch[k], result, tokenizer, eos, enable_thinking))
+            emitted.add(k)
 
-def _answer(backend, tokenizer, batch, eos, max_new_tokens, temperature, top_p, seed, enable_thinking):
     try:
-        answers = _generate(backend, [ids for _, _, ids in batch], eos, max_new_tokens, temperature, top_p,
-                            seed + zlib.crc32(batch[0][0].encode()))
+        generate_batch(backend, [ids for _, _, ids in batch], max_new_tokens=max_new_tokens, sampling=sampling,
+                       eos_token_ids=eos, on_cycle=on_cycle)
     except (RuntimeError, ValueError, DFlashError) as e:
+        rest = [item for k, item in enumerate(batch) if k not in emitted]
         if len(batch) > 1:  # find the row that fails; the others still get answered
-            return [r for item in batch for r in _answer(backend, tokenizer, [item], eos, max_new_tokens,
-                                                         temperature, top_p, seed, enable_thinking)]
-        rid = batch[0][0]
-        return [{"id": rid, "thinking": bool(enable_thinking), "status": "failed",
-                 "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}]
-    rows = []
-    for (rid, messages, ids), (tokens, finish, cycles) in zip(batch, answers):
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        thinking = bool(enable_thinking) if enable_thinking is not None else "<think>" in text
-        rows.append({"id": rid, "messages": messages + [{"role": "assistant", "content": text}],
-                     "thinking": thinking, "status": "ok", "finish_reason": finish, "prompt_tokens": len(ids),
-                     "answer_tokens": len(tokens)})
-    return rows
+            for item in rest:
+                _answer(backend, tokenizer, [item], eos, max_new_tokens, temperature, top_p, seed, enable_thinking,
+                        emit, decoded)
+            return
+        emit({"id": batch[0][0], "thinking": bool(enable_thinking), "status": "failed",
+              "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
+
+
+def _answer_row(item, result, tokenizer, eos, enable_thinking) -> dict:
+    """The output row of one finished answer (EOS cut off)."""
+    rid, messages, ids = item
+    ended = result.finish_reason == "stop" and result.tokens and result.tokens[-1] in eos
+    tokens = result.tokens[:-1] if ended else result.tokens
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    thinking = bool(enable_thinking) if enable_thinking is not None else "<think>" in text
+    return {"id": rid, "messages": messages + [{"role": "assistant", "content": text}], "thinking": thinking,
+            "status": "ok", "finish_reason": "stop" if ended else "length", "prompt_tokens": len(ids),
+            "answer_tokens": len(tokens)}

@@ -31,6 +31,7 @@ import random
 import time
 from pathlib import Path
 
+from .. import cli
 from .. import hub
 from ..core.errors import DFlashError
 from ..core.io import atomic_directory, atomic_write_text, check_output_dir
@@ -241,8 +242,8 @@ def distill(model, train: list[dict], heldout: list[dict], *, steps: int, batch_
 
 # ---- command ---------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.bench ar-draft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.bench ar-draft", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="the target: a transformers directory, a prepared name "
                    "(smollm2) or a hub id")
     p.add_argument("--answers", action="append", required=True, help="the target's greedy answers, chat JSONL "

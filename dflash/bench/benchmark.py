@@ -54,8 +54,8 @@ def description() -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.bench", description=description(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.bench", description=description(),
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="target directory or hub id (default: the bundled reference target)")
     p.add_argument("--draft", help="DFlash drafter (default: the bundled reference drafter / the registry's)")
     p.add_argument("--ar-draft", help="autoregressive draft model for assisted / mlx_lm_speculative (default with the "

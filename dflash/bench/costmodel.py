@@ -206,8 +206,8 @@ def dir_factory(backend: str, target_config: dict, draft_layers: int, dtype: str
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.bench cost-model", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.bench cost-model", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target-config", "--model", dest="target_config", help="the target's shape: a bundled one "
                    "(qwen3-8b, qwen3-4b, smollm2), a config.json path, a model directory or a hub id (default: "
                    "tiny 8x256)")

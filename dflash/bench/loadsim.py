@@ -20,6 +20,7 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from .. import cli
 from ..core.budget import Costs
 from ..core.costs import BATCH_TOKENS, DRAFT_BLOCKS, GRID
 from ..core.tree import best_first, choose_counts
@@ -127,8 +128,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.bench load-sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.bench load-sim", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     args = p.parse_args(argv)

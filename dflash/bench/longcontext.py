@@ -198,8 +198,8 @@ def load(args, **overrides):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.bench long-context", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, conflict_handler="resolve")
+    p = cli.Parser(prog="python -m dflash.bench long-context", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter, conflict_handler="resolve")
     cli.add_model_args(p)
     p.add_argument("--draft-window", type=window_value, nargs="+", default=list(WINDOWS),
                    help="draft windows to measure, `none` = the whole context (default: none 256 1024)")

@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .. import cli
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
 from ..core.plots import can_plot, pyplot, save
@@ -35,8 +36,8 @@ MODES = {"dflash": [], "no-draft": ["--no-draft"], "chain": ["--verify", "chain"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.bench serve", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="target for the server (default: the bundled pair)")
     p.add_argument("--draft", help="drafter for the server (default: registry / bundled)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])

@@ -84,8 +84,8 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.bench tree-curve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.bench tree-curve", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_model_args(p)
     p.add_argument("--prompts", default="reference", help="reference (the bundled held-out prompts) or humaneval")
     p.add_argument("--num-prompts", type=int, default=16)

@@ -42,6 +42,28 @@ def append_row(f, row: dict) -> None:
     os.fsync(f.fileno())
 
 
+class AnswerFile:
+    """The output JSONL, opened for appending with its first row: a run stopped before any answer was finished
+    leaves no empty file behind."""
+
+    def __init__(self, path: Path):
+        self.path, self.file = path, None
+
+    def append(self, row: dict) -> None:
+        if self.file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a", encoding="utf-8")
+        append_row(self.file, row)
+
+    def ensure(self) -> None:
+        """A finished run has its file even with no row to write (an empty input)."""
+        self.path.touch()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
 def output_stats(path: Path) -> dict:
     counts = Counter()
     for line in path.read_text(encoding="utf-8").splitlines():

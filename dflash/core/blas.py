@@ -90,3 +90,15 @@ def restart_mlx_run_with_openblas() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(os.environ, LD_PRELOAD=":".join(preload)))
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (Intel AMX, AVX512-BF16): there bf16 autocast is faster than
+    float32; elsewhere (AVX2 only, e.g. most AMD EPYC and older Xeons) it is emulated and many times slower. Read from
+    the kernel's CPU flags (Linux); False where they cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

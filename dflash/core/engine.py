@@ -276,8 +276,8 @@ class Engine:
         else:  # (a draft of `length` proposals fills just those positions: the drafter's work grows with them)
             draft = self.draft(anchors, top_k, draws, block=verified)
         result = self.verify(draft, draws)
-        steps = [Step(t[: accepted_length(d, t) + 1], d, len(d), length != 0)
-                 for d, t in zip(result.proposals, result.tokens)]
+        drafted = length != 0 and self.drafter is not None
+        steps = [Step(t[: accepted_length(d, t) + 1], d, len(d), drafted) for d, t in zip(result.proposals, result.tokens)]
         if result.logprobs is not None:
             for step, chosen, top in zip(steps, result.logprobs, result.top_logprobs):
                 step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]

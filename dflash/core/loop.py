@@ -12,7 +12,7 @@ from typing import Iterable, Iterator, Sequence
 
 from .errors import DFlashError
 from .sampling import SamplingParams
-from .stats import mean_acceptance_length
+from .stats import cycle_counts, mean_acceptance_length
 from .text import Detokenizer, find_stop
 
 
@@ -40,7 +40,7 @@ class GenerationResult:
     drafted: list[list[int]] = field(default_factory=list)
     verify_mode: str = "chain"
     verified: list[int] = field(default_factory=list)  # draft tokens the target verified, per cycle
-    cycles_without_draft: int = 0  # --verify auto: cycles that verified without a draft forward
+    draft_forwards: list[bool] = field(default_factory=list)  # per cycle: whether it ran a draft forward
     verify_note: str = ""
     accept_rule: str = "greedy"  # greedy, match or rejection (dflash.core.sampling)
     error: str = ""  # finish_reason "error": why this row failed (the batch's other rows went on)
@@ -52,6 +52,11 @@ class GenerationResult:
     @property
     def mean_acceptance_length(self) -> float:
         return mean_acceptance_length(self.acceptance_lengths)
+
+    @property
+    def cycles_without_draft(self) -> int:
+        """Cycles that ran no draft forward: --no-draft, or --verify auto pausing the drafter."""
+        return self.draft_forwards.count(False)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -76,6 +81,7 @@ class GenerationResult:
             "verified_tokens": sum(self.verified),
             "verified_per_cycle": self.verified,
             "cycles_without_draft": self.cycles_without_draft,
+            "drafted_cycles_verifying_none": cycle_counts(self.verified, self.draft_forwards).drafted_verifying_none,
             "accept_rule": self.accept_rule,
         }
         if self.verify_note:
@@ -95,7 +101,7 @@ class _Row:
         self.tokens: list[int] = []
         self.lengths: list[int] = []
         self.verified: list[int] = []
-        self.undrafted = 0
+        self.draft_forwards: list[bool] = []
         self.drafted: list[list[int]] = []
         self.finish: str | None = None
         self.emitted = 0
@@ -134,7 +140,7 @@ class _Row:
             finish_reason=self.finish, acceptance_lengths=self.lengths, prefill_seconds=self.prefill_seconds,
             decode_seconds=self.seconds, block_size=engine.block_size, drafted=self.drafted,
             verify_mode=getattr(engine, "verify_mode", "chain"), verified=self.verified,
-            cycles_without_draft=self.undrafted, verify_note=getattr(engine, "verify_note", ""),
+            draft_forwards=self.draft_forwards, verify_note=getattr(engine, "verify_note", ""),
             accept_rule=self.rule, error=self.error)
 
 
@@ -203,7 +209,7 @@ class Batch:
         for row, step in zip(self.rows, steps):
             row.lengths.append(len(step.tokens))
             row.verified.append(step.verified)
-            row.undrafted += not step.draft_forward
+            row.draft_forwards.append(step.draft_forward)
             if row.gen.trace:
                 row.drafted.append(step.drafted)
             out.append((row.gen, row.add(step.tokens, step.logprobs, step.top_logprobs)))
@@ -334,9 +340,11 @@ def generate(backend, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
     return Generation(backend, prompt_ids, **kwargs).run()
 
 
-def generate_batch(backend, prompts: Sequence[Sequence[int]], **kwargs) -> list[GenerationResult]:
+def generate_batch(backend, prompts: Sequence[Sequence[int]], *, on_cycle=None, **kwargs) -> list[GenerationResult]:
     """Several prompts at once through one engine (any backend whose target batches); each row accepts its own prefix per cycle and stops on
-    its own, so row i's greedy output is generate()'s for it."""
+    its own, so row i's greedy output is generate()'s for it. on_cycle(tokens, finished), if given, is called after
+    every cycle with the tokens it committed over all rows and the (index, result) of each row that finished in it,
+    so a caller can report progress and keep answers as they finish."""
     if not prompts:
         return []
     sampling = kwargs.pop("sampling", SamplingParams())
@@ -345,6 +353,10 @@ def generate_batch(backend, prompts: Sequence[Sequence[int]], **kwargs) -> list[
     per_row = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
                for i in range(len(prompts))]
     gens = [Generation(backend, p, sampling=s, **kwargs) for p, s in zip(prompts, per_row)]
-    for _ in _cycles(backend, gens):
-        pass
+    reported: set[int] = set()
+    for increments in _cycles(backend, gens):
+        if on_cycle is not None:
+            finished = [(i, g.result) for i, g in enumerate(gens) if g.result is not None and i not in reported]
+            reported.update(i for i, _ in finished)
+            on_cycle(sum(len(inc.tokens) for _, inc in increments), finished)
     return [g.result for g in gens]

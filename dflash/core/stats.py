@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 
 def mean_acceptance_length(lengths: list[int]) -> float:
@@ -26,3 +27,35 @@ def per_position_acceptance(lengths: list[int], block_size: int) -> list[float]:
 def summary_line(tau: float, tokens_per_second: float, n_tokens: int, prefill_seconds: float) -> str:
     return (f"tau {tau:.2f} | {tokens_per_second:.1f} tok/s | {n_tokens} tokens | "
             f"prefill {prefill_seconds * 1000:.0f} ms")
+
+
+@dataclass(frozen=True)
+class CycleCounts:
+    """What the verify cycles did. A cycle of --verify auto may run no draft forward (the drafter paused, or
+    --no-draft), or run one and verify none of it (no proposal was predicted to pay for its verify cost): both are
+    plain target steps."""
+
+    cycles: int
+    drafted: int  # cycles that ran a draft forward
+    drafted_verifying_none: int  # ... and verified none of its proposals
+    verified_when_drafted: list[int]  # draft tokens verified, per cycle that ran a draft forward
+
+    @property
+    def without_draft(self) -> int:
+        return self.cycles - self.drafted
+
+
+def cycle_counts(verified: list[int], draft_forwards: list[bool]) -> CycleCounts:
+    drafted = [v for v, forward in zip(verified, draft_forwards) if forward]
+    return CycleCounts(len(verified), len(drafted), drafted.count(0), drafted)
+
+
+def measured_speedup(target_step: float, seconds_per_token: float, tau: float) -> float | None:
+    """Target step time over the time per generated token, or None where the measurement cannot be right: every
+    cycle runs at least one target forward and commits tau tokens on average, so the speedup is at most tau (1 when
+    no draft token was accepted); a figure above that says the probe of a target step cost more than a decode
+    step does (another code path, a busy machine), not that decoding was faster."""
+    if target_step <= 0 or seconds_per_token <= 0:
+        return None
+    speedup = target_step / seconds_per_token
+    return speedup if speedup <= tau else None

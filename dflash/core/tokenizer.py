@@ -9,6 +9,9 @@ from pathlib import Path
 from .errors import DFlashError
 
 
+NO_LENGTH_LIMIT = int(1e30)  # transformers' own value for a tokenizer without a maximum length
+
+
 def load_tokenizer(target_dir, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -16,10 +19,15 @@ def load_tokenizer(target_dir, trust_remote_code: bool = False):
                                                            "tokenizer.model", "vocab.json")):
         raise DFlashError(f"{target_dir}: no tokenizer files (expected tokenizer.json or tokenizer_config.json)")
     try:
-        return AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DFlashError(f"{target_dir}: cannot load the tokenizer ({first})") from None
+    # Lengths are checked against the target's context where a prompt is run, with an error naming what to do;
+    # nothing is truncated to the tokenizer's model_max_length, whose only effect would be transformers' own
+    # "Token indices sequence length is longer than ..." warning ahead of that error.
+    tokenizer.model_max_length = NO_LENGTH_LIMIT
+    return tokenizer
 
 
 def eos_token_ids(target_dir, tokenizer) -> set[int]:

@@ -67,6 +67,7 @@ class TrainConfig:
     # evaluation: real acceptance length of the speculative loop on held-out prompts
     eval_every: int = 0
     eval_at_start: bool = False  # also measure the untrained drafter (a full evaluation before step 1)
+    eval_at_end: bool = True  # measure the exported drafter (with held-out prompts; announced when it starts)
     eval_data: str | None = None
     eval_prompts: list | None = field(default=None, repr=False)  # in-process: lists of prompt ids
     eval_holdout: int = 0  # hold out this many training samples and evaluate on their prompts

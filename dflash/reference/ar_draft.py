@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash import cli
 from dflash.core.errors import DFlashError
 
 from . import ASSETS, TARGET_DIR
@@ -335,8 +336,8 @@ def install(src: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.reference build-ar-draft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.reference build-ar-draft", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target directory (default: the packaged reference target)")
     p.add_argument("--build-dir", default="runs/reference", help="reference build directory holding answers_*.jsonl "
                    "(regenerated there if absent; default: runs/reference)")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dflash import cli
 from ..core.plots import pyplot, save
 from .corpus import SourceFile
 from .prompts import KINDS, chat_example, functions
@@ -282,8 +283,8 @@ def main(argv=None) -> int:
 
     from .corpus import source_files, split
 
-    p = argparse.ArgumentParser(prog="python -m dflash.reference.pretrain", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(prog="python -m dflash.reference.pretrain", description=__doc__,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", required=True, help="tokenizer directory (dflash.reference.tiny.train_tokenizer)")
     p.add_argument("--out", required=True)
     p.add_argument("--log", help="JSONL training curve")

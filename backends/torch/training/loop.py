@@ -91,6 +91,7 @@ def train(cfg: TrainConfig, target_dir: str | os.PathLike | None = None) -> Trai
 
     step, rows = ckpt.resume(out, cfg, run.module, run.optimizer, run.fsdp, d)
     log = RunLog(cfg, d, out, rows, total=run.total, started=started)
+    log.say(f"run directory {out.resolve()}: checkpoints, train_log.jsonl, the exported drafter in draft/")
     if step:
         log.say(f"resumed from {ckpt.checkpoint_dirs(out)[-1]} (step {step})")
     if d.main:
@@ -115,7 +116,9 @@ def train(cfg: TrainConfig, target_dir: str | os.PathLike | None = None) -> Trai
     draft_dir = out / "draft"
     ckpt.export_drafter(run.module, run.drafter, run.fsdp, d, draft_dir)
     log.say(f"exported drafter to {draft_dir}")
-    if not log.evaluated_at(step):
+    if cfg.eval_at_end and run.eval_prompts and not log.evaluated_at(step):
+        log.say(f"final evaluation: {len(run.eval_prompts)} held-out prompts x {cfg.eval_max_new_tokens} tokens through "
+                "the speculative loop (--no-eval-at-end skips it)")
         evaluate_run(run, log, step)
     log.close()
     run.close()

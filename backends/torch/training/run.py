@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash.core.blas import cpu_has_native_bf16
 from dflash.core.errors import DFlashError
 from dflash.core.spec import ABLATION_CONTEXT_MODES
 
@@ -92,6 +93,12 @@ def too_few_samples(loaded: int, held: int, global_batch: int) -> str:
             "training samples")
 
 
+def autocast_bf16_by_default(device: str) -> bool:
+    """--dtype auto: bf16 autocast on CUDA, and on a CPU that multiplies bf16 in hardware (AMX, AVX512-BF16);
+    float32 on other CPUs (AVX2 only), where bf16 is emulated and many times slower than float32."""
+    return device.startswith("cuda") or (device.split(":")[0] == "cpu" and cpu_has_native_bf16())
+
+
 def prepare(cfg: TrainConfig, target_dir: Path) -> Run:
     """The run of `cfg` for the target model in `target_dir` (a local directory: the application resolves hub ids)."""
     from dflash.core.tokenizer import eos_token_ids, load_tokenizer
@@ -130,8 +137,7 @@ def prepare(cfg: TrainConfig, target_dir: Path) -> Run:
     optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                   weight_decay=cfg.weight_decay)
     features = OnlineFeatures(target, spec.target_layer_ids) if cache is None else cache
-    # bf16 autocast: the default on CUDA; on CPU when asked (--dtype bfloat16: fast on CPUs with AMX / AVX512-BF16)
-    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.startswith("cuda"))
+    bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and autocast_bf16_by_default(device))
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     return Run(cfg, d, device, target, samples, eval_prompts,
                eos_token_ids(target_dir, tokenizer) if tokenizer is not None else set(), drafter, module, fsdp,
