@@ -119,7 +119,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     if draft_dir is not None and verify != "chain":
         costs = None
         if verify == "auto" and be.capabilities.trees:
-            costs = measured_costs(be, max_tokens=(tree_budget or 256) + 1)
+            costs = measured_costs(be, max_tokens=(tree_budget or 256) + 1,
+                                   label=str(model) if model is not None else "the bundled pair")
         be.set_verify(verify, tree_budget, costs, copy_branch, itl_limit or None)
     return Pipeline(be, tokenizer, Path(target_dir), draft_dir, name)
 

@@ -107,6 +107,7 @@ class FakeDrafter:
     """Context = the features (token ids) it was given; proposes the target's continuation for `good` slots."""
 
     distribution = False
+    spec = None  # (no checkpoint: nothing measures a fake's costs)
 
     def __init__(self, good=3, rule=next_token, vocab=V):
         self.context: list[list[int]] = [[]]

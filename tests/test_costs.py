@@ -1,47 +1,120 @@
-"""dflash/core/costs.py: the device profile of --verify auto, measured through the engine and cached per shape."""
+"""dflash/core/costs.py: the device profile of --verify auto, measured through the engine, cached per shape, checked
+when read back, and corrected online from the cycles the engine ran."""
 
 import json
 
+import pytest
 import torch
 
 from dflash.backends.torch.backend import torch_engine
-from dflash.backends.torch.drafter import load_drafter
+from dflash.backends.torch.drafter import DFlashDrafter, load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core import costs
+from dflash.core.budget import ChainBudget, Costs
+from dflash.core.loop import generate
 
 
-def test_measured_once_then_read_from_the_cache(tiny_target_dir, random_draft_dir, tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(costs, "NOTICE_SECONDS", 0.0)
-    model = load_target(tiny_target_dir, torch.float32, "cpu")
-    backend = torch_engine(model, load_drafter(random_draft_dir), block_size=8)
-    first = costs.measured_costs(backend, max_tokens=17)
-    assert "measured this device's draft and verify costs" in capsys.readouterr().err
+    return tmp_path / "costs"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target_dir, random_draft_dir):
+    return torch_engine(load_target(tiny_target_dir, torch.float32, "cpu"), load_drafter(random_draft_dir),
+                        block_size=8)
+
+
+def test_measured_once_with_a_notice_then_read_from_the_cache(engine, cache, monkeypatch, capsys):
+    first = costs.measured_costs(engine, max_tokens=17, label="tiny")
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("dflash: measuring this device's draft and verify costs for tiny")
+    assert "first run only" in err[0]
+    assert err[1].startswith("dflash: measured in ")  # one line when it starts, one when done
     ns = [n for n, _ in first.verify]
-    assert ns[0] == 1 and ns == sorted(ns) and first.draft > 0
-    assert all(a[1] <= b[1] for a, b in zip(first.verify, first.verify[1:]))  # monotone
+    assert ns[0] == 1 and ns == sorted(ns) and first.draft > 0 and costs.insane(first) is None
     assert sorted(first.batch) == list(costs.BATCH_ROWS) and sorted(first.draft_batch) == list(costs.BATCH_ROWS)
-    assert [n for n, _ in first.batch[4]] == [1, 2, 4, 8]  # tokens per row up to the block
-    # shorter drafts at every measured row count; the whole block's are the draft points above
-    assert sorted(first.draft_blocks) == [2, 4, 8] and first.draft_blocks[8] == {1: first.draft, **first.draft_batch}
-    assert all(sorted(points) == [1, *costs.BATCH_ROWS] for points in first.draft_blocks.values())
-    assert backend.rows == [] and backend.pending is None  # the engine is left empty
-    (path,) = (tmp_path / "costs").glob("*.json")
+    assert [n for n, _ in first.batch[4]] == [1, 4]  # tokens per row up to the block
+    assert sorted(first.draft_blocks) == [2, 4, 8] and first.draft_blocks[8] == {1: first.draft}
+    assert first.longer is not None and [n for n, _ in first.longer.verify] == [1, 8]
+    assert engine.rows == [] and engine.pending is None  # the engine is left empty
+    (path,) = cache.glob("*.json")
     assert "torch" in json.loads(path.read_text())["device"]
 
     calls = []
     monkeypatch.setattr(costs, "measure", lambda *a, **k: calls.append(1))
-    again = costs.measured_costs(backend, max_tokens=17)
+    again = costs.measured_costs(engine, max_tokens=17)
     assert again == first and not calls and capsys.readouterr().err == ""
-    other = torch_engine(model, load_drafter(random_draft_dir), block_size=16)  # another shape: its own entry
-    assert costs.cost_key(other) != costs.cost_key(backend)
 
 
-def test_a_damaged_cache_file_is_measured_again(tiny_target_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+def test_a_damaged_cache_file_is_measured_again(tiny_target_dir, cache):
     backend = torch_engine(load_target(tiny_target_dir, torch.float32, "cpu"))
     path = costs.cache_dir() / f"{costs.cost_key(backend)}.json"
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     measured = costs.measured_costs(backend, max_tokens=3)
     assert measured.verify[0][0] == 1 and json.loads(path.read_text())["verify_seconds"]
+
+
+def test_a_profile_that_is_not_monotone_is_rejected_and_measured_again(engine, cache, capsys):
+    good = costs.measured_costs(engine, max_tokens=17)
+    path = cache / f"{costs.cost_key(engine)}.json"
+    bad = good.to_json()
+    (n1, t1), (n2, _) = bad["verify_seconds"][:2]
+    bad["verify_seconds"][1] = [n2, t1 / 2]  # two tokens cheaper than one
+    path.write_text(json.dumps(bad | {"max_tokens": 17}))
+    capsys.readouterr()
+    again = costs.measured_costs(engine, max_tokens=17)
+    assert "not monotone in tokens" in capsys.readouterr().err
+    assert costs.insane(again) is None and costs.insane(Costs.from_json(json.loads(path.read_text()))) is None
+
+
+def test_a_cached_plain_step_far_from_the_live_one_is_measured_again(engine, cache, capsys):
+    """A profile measured while another process held the core: every point 10x what this run takes."""
+    good = costs.measured_costs(engine, max_tokens=17)
+    path = cache / f"{costs.cost_key(engine)}.json"
+    slow = Costs.from_json(good.to_json())
+    slow.verify = [(n, 10 * t) for n, t in slow.verify]
+    path.write_text(json.dumps(slow.to_json() | {"max_tokens": 17}))
+    capsys.readouterr()
+    again = costs.measured_costs(engine, max_tokens=17)
+    assert "is far from this run's" in capsys.readouterr().err
+    assert again.verify[0][1] < slow.verify[0][1] / 2
+
+
+def test_a_ten_times_too_slow_plain_step_is_corrected_within_a_few_dozen_cycles():
+    """The cycles' own times (here a fake clock: the device's true costs) correct the shape they ran, whatever the
+    cycle clock makes of the rest."""
+    true = Costs(draft=1.0, verify=[(1, 1.0), (2, 1.1), (16, 2.0)])
+    wrong = Costs(draft=1.0, verify=[(1, 10.0), (2, 10.0), (16, 10.0)])
+    budget = ChainBudget(16, wrong)
+    for _ in range(25):
+        budget.observe(0, [0], true.cycle_seconds(1, drafted=False))  # plain steps
+    assert abs(wrong.cycle_seconds(1, drafted=False) - 1.0) < 0.1
+    assert wrong.cycle_seconds(16, drafted=True) == 11.0  # a shape not run yet keeps the profile's time
+
+
+def test_corrections_are_learnt_from_the_engine_and_saved_with_the_profile(engine, cache, monkeypatch):
+    monkeypatch.setattr("dflash.core.corrections.SAVE_EVERY", 4)
+    profile = costs.measured_costs(engine, max_tokens=17)
+    engine.set_verify("auto", None, profile)
+    r = generate(engine, list(range(5, 30)), max_new_tokens=48)
+    assert profile.corrections.observed == len(r.acceptance_lengths)  # every cycle is timed against its shape
+    saved = json.loads((cache / f"{costs.cost_key(engine)}.corrections.json").read_text())
+    assert saved and set(saved) <= set(profile.corrections.factors)
+    assert costs.measured_costs(engine, max_tokens=17).corrections.factors.keys() == saved.keys()  # read back
+    engine.set_verify("chain")
+
+
+def test_drafters_of_different_shapes_get_their_own_profiles(tiny_target_dir, random_draft_dir):
+    model = load_target(tiny_target_dir, torch.float32, "cpu")
+    two = load_drafter(random_draft_dir)
+    spec = two.spec
+    deeper = DFlashDrafter(type(spec)(**{**vars(spec), "num_hidden_layers": spec.num_hidden_layers + 1,
+                                        "layer_types": None}))
+    a, b = torch_engine(model, two, block_size=8), torch_engine(model, deeper, block_size=8)
+    assert a.drafter.spec.num_hidden_layers != b.drafter.spec.num_hidden_layers
+    assert costs.cost_key(a) != costs.cost_key(b)
+    assert costs.cost_key(a) == costs.cost_key(torch_engine(model, load_drafter(random_draft_dir), block_size=8))
+    assert costs.cost_key(a) != costs.cost_key(torch_engine(model, two, block_size=16))  # another block: its own

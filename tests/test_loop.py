@@ -127,3 +127,23 @@ def test_bad_sampling_values(kwargs, flag):
 def test_empty_prompt():
     with pytest.raises(DFlashError, match="empty"):
         generate(fake_engine(), [], max_new_tokens=3)
+
+
+def test_detokenizing_and_stop_search_stay_incremental():
+    """Each cycle decodes a short window and searches only the new text: the work per cycle does not grow with the
+    output (a long answer would otherwise slow down token by token)."""
+
+    class Counting(FakeTokenizer):
+        def __init__(self):
+            self.sizes = []
+
+        def decode(self, ids, skip_special_tokens=True):
+            self.sizes.append(len(ids))
+            return super().decode(ids)
+
+    tok = Counting()
+    gen = Generation(fake_engine(8, 3), [1], tokenizer=tok, max_new_tokens=180, stop_strings=["never here"])
+    r = gen.run()
+    assert r.generation_tokens == 180 and r.finish_reason == "length"
+    assert max(tok.sizes) <= 2 * 8  # a window of at most two cycles' tokens, never the whole output
+    assert sum(tok.sizes) <= 4 * 180

@@ -26,6 +26,7 @@ class MLXDraft:
         self.drafter, self.embed, self.lm_head, self.window = drafter, embed, lm_head, window
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
         spec = drafter.spec
+        self.spec = spec
         self.distribution = spec.is_dflash2  # the selector's q_t: a draft distribution of its own
         self.cache = DraftContextCache(spec, dtype, window=window)
         self.width, self.dtype = spec.hidden_size * spec.num_context_layers, dtype

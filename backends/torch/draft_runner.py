@@ -137,6 +137,7 @@ class TorchDraft:
         self.drafter, self.embed, self.lm_head, self.window = drafter, embed, lm_head, window
         spec = drafter.spec
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
+        self.spec = spec
         self.distribution = spec.is_dflash2  # the selector's q_t: a draft distribution of its own
         weight = embed.weight
         self.dtype, self.device = weight.dtype, weight.device

@@ -20,6 +20,7 @@ from dflash.core.sampling import SamplingParams
 from dflash.core.tree import TreeInputs
 
 from .attention import GROUPED_SDPA
+from .kv_cache import growing
 from .rewind import CacheRewind, bounded_layers
 from .sampling import TorchSampler, gumbel, log_probs, rejection_tokens
 from .target import LayerCapture, target_info
@@ -183,13 +184,14 @@ class TorchTarget:
         if all(s == list(range(len(s))) for s in slots):
             self.keep([len(s) for s in slots], width)
             return
-        if self.layout is None:
-            start = self.length - width
+        if self.layout is None:  # the path's entries move to the front of the forward's slots (copying only them)
+            start, n = self.length - width, len(slots[0])
             idx = start + torch.tensor(slots[0], device=self.device)
             for layer in self.cache.layers:
-                layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, idx]], dim=2)
-                layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, idx]], dim=2)
-            self.length = start + len(slots[0])
+                for kv in (layer.keys, layer.values):
+                    kv[:, :, start:start + n] = kv[:, :, idx]
+            self.cache.crop(n - width)
+            self.length = start + n
             return
         self._drop(self.layout.keep_slots(slots, width))
 
@@ -320,11 +322,12 @@ class TorchTarget:
     def _new_cache(self):
         if self.cache_len is None:
             cache = DynamicCache(config=self.model.config)
-            if bounded_layers(cache):
+            if bounded_layers(cache):  # (transformers' own layers: CacheRewind restores their tensors)
                 if self.rewind is None:
                     self.rewind = CacheRewind(self.model)
                 self.rewind.attach(cache)
-            return cache
+                return cache
+            return growing(cache, self.max_context)
         cache = StaticCache(config=self.model.config, max_cache_len=self.cache_len)
         if bounded_layers(cache):
             raise DFlashError(f"{self.info.model_type}: a static cache (cache_len / --compile) cannot rewind this "

@@ -1,18 +1,20 @@
 """Measuring: the end-to-end benchmark against peers (benchmark, its prompts, worker processes, methods and
 report), the cost model of one cycle, what verify budgets buy, the GPU check, load on dflash.serve, what the
-batch-aware budget would choose on a roofline GPU, and the autoregressive draft model the speculative peers use.
+batch-aware budget would choose on a roofline GPU, speed against output length, and the autoregressive draft model
+the speculative peers use.
 `python -m dflash.bench [run | cost-model | tree-curve | gpu-check | serve | load-sim | long-context |
-ar-draft]`."""
+output-length | ar-draft]`."""
 
 from __future__ import annotations
 
 import sys
 
-from . import ar_draft, benchmark, costmodel, gpucheck, loadsim, longcontext, serve_load, treecurve
+from . import ar_draft, benchmark, costmodel, gpucheck, loadsim, longcontext, outputlength, serve_load, treecurve
 
 COMMANDS = {"run": benchmark.main, "cost-model": costmodel.main, "gpu-check": gpucheck.main,
             "tree-curve": treecurve.main, "serve": serve_load.main,
-            "load-sim": loadsim.main, "long-context": longcontext.main, "ar-draft": ar_draft.main}
+            "load-sim": loadsim.main, "long-context": longcontext.main,
+            "output-length": outputlength.main, "ar-draft": ar_draft.main}
 
 
 def main(argv=None) -> int:

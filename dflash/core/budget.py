@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .corrections import Corrections
 from .path_choice import PathChoice
 from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates, to_tree
 
@@ -70,6 +71,8 @@ class Costs:
     # The drafter's work grows with the positions it fills; without points a shorter draft costs a full one
     draft_blocks: dict[int, dict[int, float]] = field(default_factory=dict)
 
+    # per cycle shape, the wall clock over the profile, learnt from the cycles the engine ran (persisted with it)
+    corrections: Corrections = field(default_factory=Corrections, repr=False, compare=False)
     # answers already given: a cycle's plan asks the same few dozen questions (one batch, one context) many times
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -94,8 +97,20 @@ class Costs:
                       block: int | None = None) -> float:
         """A cycle's forwards: the draft forward (of `block` positions) when `drafted`, then a target forward of
         `tokens` per row."""
+        return self.corrections.factor(tokens, rows, drafted) * self.measured_cycle(tokens, rows, drafted, context,
+                                                                                   block)
+
+    def measured_cycle(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
+                       block: int | None = None) -> float:
+        """cycle_seconds as the profile measured it, before the online corrections."""
         draft = self.draft_seconds(rows, context, block) if drafted else 0.0
         return self.verify_seconds(tokens, rows, context) + draft
+
+    def observe(self, tokens: int, rows: int, drafted: bool, seconds: float, context: float | None = None,
+                block: int | None = None) -> None:
+        """A cycle of this shape took `seconds` on the wall clock: its shape's correction learns from it."""
+        self.corrections.observe(tokens, rows, drafted, self.measured_cycle(tokens, rows, drafted, context, block),
+                                 seconds)
 
     def _block_share(self, block: int | None, rows: int) -> float:
         """A draft of `block` positions over one of the whole block, at `rows` rows (measured at a few blocks)."""
@@ -232,6 +247,8 @@ class TreePlanner:
 
     def observe_speed(self, kind: str, accepted: Sequence[int], seconds: float) -> None:
         """One cycle on the chain's path or a tree's took `seconds`; row r accepted accepted[r] draft tokens."""
+        if self.costs is not None and kind == "chain":  # (a tree cycle's shape is learnt in observe)
+            self.costs.observe(self.block_size, len(accepted), True, seconds, self.context)
         if self.costs is None or (kind == "tree" and (not self.last_drafted or self.drafted_block < self.block_size)):
             return  # (a cycle without a draft forward, or a shorter one, says nothing about either path's chain-sized
             # drafted cycles)
@@ -284,6 +301,7 @@ class TreePlanner:
             rows, width = len(plan.trees), max(len(t.tokens) for t in plan.trees)
             forwards = self.costs.cycle_seconds(width, rows, plan.drafted, self.context, plan.block)
             self.clock[plan.drafted].observe(forwards, seconds)
+            self.costs.observe(width, rows, plan.drafted, seconds, self.context, plan.block)
 
     # ---- auto ------------------------------------------------------------------------------------------------------
     def _counts(self, candidates, drafted: bool, limit: float | None,
@@ -415,4 +433,6 @@ class ChainBudget:
                 self.rates[i] += s * ((1.0 if i < k else 0.0) - self.rates[i])
         drafted = length > 0
         self.since_plain = self.since_plain + 1 if drafted else 0
-        self.clock[drafted].observe(self.forwards(length, max(len(accepted), 1)), seconds)
+        rows = max(len(accepted), 1)
+        self.clock[drafted].observe(self.forwards(length, rows), seconds)
+        self.costs.observe(length + 1, rows, drafted, seconds, self.context, length + 1)

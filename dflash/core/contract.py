@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
     from .sampling import RowDraw, SamplingParams
-    from .spec import TargetInfo
+    from .spec import DraftSpec, TargetInfo
     from .tree import TreeInputs
 
 
@@ -141,6 +141,7 @@ class Target(Protocol):
 class Drafter(Protocol):
     position: int  # row 0's context length (= its anchor's position)
     distribution: bool  # True: its selector has a proper draft distribution of its own (DFlash2)
+    spec: DraftSpec  # its checkpoint's shape (what its forwards cost depends on: costs.py keys profiles by it)
 
     def extend(self, pending: Pending | None) -> None: ...                 # absorb context without drafting (prefill)
     # proposals per row by its draw: greedy rows the argmax; match rows argmax(warped logits + the target's own

@@ -3,10 +3,18 @@
 `--verify auto` needs T_draft(rows) and T_verify(rows, n) in seconds: on an H200 a verify is nearly flat up to
 hundreds of tokens, on a 2-core CPU it grows with every token, and a batch of rows costs a GPU little more than one
 row below its compute knee and a CPU every row's tokens; the budget rule (dflash/core/budget.py) has to know which. The
-profile runs the engine's own primitives (the tree forward, the draft) after a short context, one row at up to 512
-tokens, then batches of 4 and 16 rows at up to a block's tokens each, so it measures exactly what the cycles will
-run; it takes about a second for a small model and is then read from
-$DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
+profile runs the engine's own primitives (the tree forward, the draft) after a short context, so it measures exactly
+what the cycles will run: one row at token counts doubling up to where a verify costs 4 plain steps, the draft at the
+drafter's block and at shorter ones, batches of 4 and 16 rows at a few tokens per row (more rows and tokens are
+interpolated or extrapolated); then a plain step, a block's verify and a draft after a longer context. Every point is
+timed in ROUNDS interleaved rounds and the median kept (a burst of other load spoils one sample of each point, not
+every sample of one). It takes a few seconds and prints one line when it starts and one when done (stderr); it is
+then read from $DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
+
+A cached profile is used only if it is sane: more tokens never cost less, and its plain step is within LIVE_TOLERANCE
+of one timed now (a profile measured while another process held the core is measured again). What remains off is
+corrected while the engine runs (dflash/core/corrections.py: per cycle shape, from the cycles' own wall times, saved
+beside the profile).
 """
 
 from __future__ import annotations
@@ -14,28 +22,30 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 from .budget import MAX_TOP_K, Costs
-from .errors import DFlashError
+from .corrections import Corrections
 from .io import cache_root
 from .tree import TreeInputs, chain_tree
 
-GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-BATCH_ROWS = (4, 16, 32)  # batches measured too (where the backend batches): rows ... (32: if 16 rows are cheap)
-BATCH_TOKENS = (1, 2, 4, 8, 16)  # ... times tokens per row (at most the block, and what the single-row grid reached)
+GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # single-row verify tokens (the planner interpolates between them)
+BATCH_ROWS = (4, 16)  # batches measured too (where the backend batches); more rows are extrapolated
+BATCH_TOKENS = (1, 4, 16)  # ... times tokens per row (at most the block, and what the single-row grid reached)
 DRAFT_BLOCKS = (2, 4, 8)  # shorter draft forwards measured too (auto drafts fewer positions where depth does not pay)
 CONTEXT = 64  # positions before the measured forwards ...
-LONGER_CONTEXT = 320  # ... and again after these (a serving load's rows: prompt + answer)
-WIDE_BATCH_SECONDS = 0.25  # 32 rows are measured when a block of 16 rows costs less
-NOTICE_SECONDS = 1.0  # a profile that takes longer says so in one line
+LONGER_CONTEXT = 320  # ... and again after these (a serving load's rows: prompt + answer), at fewer points
+ROUNDS = 3  # timings of every point, interleaved; the median is kept
+ROUNDS_SECONDS = 4.0  # ... fewer rounds where one round takes longer than a third of this (a large model on a CPU)
+LIVE_TOLERANCE = 3.0  # a cached plain step this many times slower or faster than one timed now is measured again
 
 
 # the engine code whose speed a profile measured: bumped when a forward gets faster, so cached profiles are measured
 # anew (as a new grid, shape or device is)
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 def cache_dir() -> Path:
@@ -43,118 +53,205 @@ def cache_dir() -> Path:
 
 
 def cost_key(engine) -> str:
-    """Costs depend on shapes, backend, device, dtype and threads, not on the weights' values."""
-    info, spec = engine.info, getattr(engine.drafter, "spec", None)
-    parts = [PROFILE_VERSION, BATCH_ROWS, BATCH_TOKENS, DRAFT_BLOCKS, CONTEXT, LONGER_CONTEXT, engine.name,
+    """Costs depend on shapes (target and drafter), backend, device, dtype and threads, not on the weights' values."""
+    info = engine.info
+    parts = [PROFILE_VERSION, GRID, BATCH_ROWS, BATCH_TOKENS, DRAFT_BLOCKS, CONTEXT, LONGER_CONTEXT, engine.name,
              info.model_type, info.hidden_size, info.num_hidden_layers, info.vocab_size,
              engine.block_size, engine.target.device_key()]
-    if spec is not None:
-        parts += [spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_context_layers]
+    if engine.drafter is not None:
+        spec = engine.drafter.spec
+        parts += [spec.architecture, spec.context_mode, spec.num_hidden_layers, spec.hidden_size,
+                  spec.intermediate_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
+                  spec.num_context_layers, spec.layer_types, spec.sliding_window]
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True) -> Costs:
-    """The engine's costs, from the cache or measured now (the engine is reset either way)."""
-    path = cache_dir() / f"{cost_key(engine)}.json"
-    if use_cache and path.exists():
-        try:
-            costs = Costs.from_json(json.loads(path.read_text()))
-            covered = costs.verify[-1][0] >= max(g for g in GRID if g <= max(max_tokens, 1))
-            if covered or costs.verify[-1][1] > 4 * costs.verify[0][1]:  # (measuring stopped there last time)
-                return costs
-        except (ValueError, KeyError, TypeError, IndexError):
-            pass  # a damaged cache file is measured again
-    start = time.perf_counter()
-    costs = measure(engine, max_tokens)
-    seconds = time.perf_counter() - start
-    if use_cache and seconds > NOTICE_SECONDS:  # say why this first load took longer
-        print(f"dflash: measured this device's draft and verify costs for --verify auto in {seconds:.1f} s "
-              f"(once: cached in {path.parent})", file=sys.stderr, flush=True)
-    if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(costs.to_json() | {"device": engine.target.device_key()}))
-        tmp.replace(path)
+def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True, label: str | None = None) -> Costs:
+    """The engine's costs, from the cache or measured now (the engine is reset either way); their online corrections
+    are read from and saved beside the cache file. `label` names the model in the notice."""
+    key = cost_key(engine)
+    path = cache_dir() / f"{key}.json"
+    corrections = Corrections.load(path.with_suffix(".corrections.json")) if use_cache else Corrections()
+    costs, why = (cached(engine, path, max_tokens) if use_cache else (None, ""))
+    if costs is None:
+        name = label or f"{engine.info.model_type} ({engine.name})"
+        print(f"dflash: measuring this device's draft and verify costs for {name} " +
+              (f"again ({why})" if why else "(--verify auto; first run only)") + " ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        costs = measure(engine, max_tokens)
+        print(f"dflash: measured in {time.perf_counter() - start:.1f} s" +
+              (f"; cached in {path.parent}" if use_cache else ""), file=sys.stderr, flush=True)
+        corrections = Corrections(path=corrections.path)  # (what was learnt against the old profile does not apply)
+        if use_cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(costs.to_json() | {"device": engine.target.device_key(),
+                                                         "max_tokens": max_tokens}))
+            tmp.replace(path)
+    costs.corrections = corrections
     return costs
 
 
-def measure(engine, max_tokens: int = 257, repeats: int = 5) -> Costs:
-    """The profile after CONTEXT cached positions, and again after LONGER_CONTEXT (where the target's context
-    allows): the planner interpolates between the two for the rows' real lengths."""
-    costs = measure_at(engine, CONTEXT, max_tokens, repeats, draft_blocks=True)
-    longer = min(LONGER_CONTEXT, (engine.max_context or LONGER_CONTEXT * 2) // 2)
-    if longer > CONTEXT:
-        costs.longer = measure_at(engine, longer, min(max_tokens, costs.verify[-1][0]), repeats)
-    return costs
+def cached(engine, path: Path, max_tokens: int) -> tuple[Costs | None, str]:
+    """The profile cached at `path` if it is usable here, else (None, why it is measured again: "" when new; a
+    profile measured for fewer tokens than `max_tokens` too)."""
+    if not path.exists():
+        return None, ""
+    try:
+        data = json.loads(path.read_text())
+        costs, measured_for = Costs.from_json(data), int(data.get("max_tokens", 0))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None, "its cache file was damaged"
+    problem = insane(costs)
+    if problem:
+        return None, f"the cached profile {problem}"
+    if measured_for < max_tokens:
+        return None, f"up to {max_tokens} tokens"
+    live = live_plain_step(engine)
+    cached_step = costs.verify_seconds(1, context=CONTEXT)
+    if not 1 / LIVE_TOLERANCE <= live / cached_step <= LIVE_TOLERANCE:
+        return None, (f"its cached plain step, {cached_step * 1e3:.1f} ms, is far from this run's, "
+                      f"{live * 1e3:.1f} ms")
+    return costs, ""
 
 
-def measure_at(engine, context: int, max_tokens: int = 257, repeats: int = 5, draft_blocks: bool = False) -> Costs:
-    """Seconds of one draft forward and of a target forward of n tokens (a chain-shaped tree: the tree path's own
-    mask and positions) after `context` positions, for n on GRID up to max_tokens, stopping once n tokens cost 4
-    single-token steps and n covers a block (beyond that no tree pays on this device); then the same for batches of
-    BATCH_ROWS rows; with `draft_blocks`, draft forwards of DRAFT_BLOCKS positions at every measured row count too.
-    Each is the fastest of up to `repeats` timings: the cost without interference (other load
-    shows in the planner's online clock instead); forwards slower than 20 ms are timed fewer times, so a large model
-    on a CPU profiles in seconds, not minutes."""
-    target, drafter = engine.target, engine.drafter
+def insane(costs: Costs) -> str | None:
+    """Why a profile cannot be right (None: it may be): a point that is not positive, or more tokens per row costing
+    less than fewer (measurement keeps every curve monotone, so such a file was damaged or measured by other code)."""
+    curves = [costs.verify, *costs.batch.values()]
+    if costs.longer is not None:
+        curves += [costs.longer.verify, *costs.longer.batch.values()]
+    if costs.draft < 0:
+        return "has a negative draft time"
+    for points in curves:
+        if any(t <= 0 for _, t in points):
+            return "has a time that is not positive"
+        if any(b[0] <= a[0] or b[1] < a[1] for a, b in zip(points, points[1:])):
+            return "is not monotone in tokens"
+    return None
+
+
+def live_plain_step(engine, repeats: int = 3) -> float:
+    """The median of `repeats` plain steps (one token, one row) after CONTEXT positions, timed now (engine reset)."""
+    probe = Probe(engine, CONTEXT)
+    probe.verify(1)  # (warm-up)
+    seconds = statistics.median(probe.verify(1) for _ in range(repeats))
     engine.reset()
-    vocab = engine.info.vocab_size
-    prompt = [(31 * i + 7) % vocab for i in range(context)]
-    engine.prefill([prompt])
-    anchor = prompt[-1]
+    return seconds
 
-    def verify_once(n: int, rows: int = 1) -> float:
-        inputs = TreeInputs.of([chain_tree(anchor, [anchor] * (n - 1))] * rows)
+
+class Probe:
+    """Timed forwards of the engine's own primitives after `context` cached positions: a chain-shaped tree of n
+    tokens per row (the tree path's own mask and positions), and a draft of `block` positions."""
+
+    def __init__(self, engine, context: int, rows: int = 1):
+        self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
+        vocab = engine.info.vocab_size
+        self.prompt = [(31 * i + 7) % vocab for i in range(context)]
+        self.anchor = self.prompt[-1]
+        engine.reset()
+        engine.prefill([self.prompt] * rows)
+
+    def rows(self, rows: int) -> None:
+        self.engine.prefill([self.prompt] * rows)
+
+    def verify(self, n: int, rows: int = 1) -> float:
+        target = self.target
+        inputs = TreeInputs.of([chain_tree(self.anchor, [self.anchor] * (n - 1))] * rows)
         ids = target.ids(inputs.ids.tolist())
         start = time.perf_counter()
         logits, _ = target.forward(ids, last_only=False, tree=inputs)
-        target.to_host(target.sample(logits, engine.rows, ids))
+        target.to_host(target.sample(logits, self.engine.rows, ids))
         seconds = time.perf_counter() - start
         target.keep([0] * rows, n)
         return seconds
 
-    def draft_once(rows: int = 1, block: int = engine.block_size) -> float:
+    def draft(self, rows: int = 1, block: int | None = None) -> float:
         start = time.perf_counter()
-        out = drafter.propose(target.ids([[anchor]] * rows), None, block, MAX_TOP_K)
-        target.to_host(out.top_ids)
+        out = self.drafter.propose(self.target.ids([[self.anchor]] * rows), None, block or self.engine.block_size,
+                                   MAX_TOP_K)
+        self.target.to_host(out.top_ids)
         return time.perf_counter() - start
 
-    def times(first: float) -> int:
-        return repeats if first < 0.02 else max(1, min(repeats, 2 if first < 0.2 else 1))
 
-    def fastest(fn, *args) -> float:
-        first = fn(*args)  # also the warm-up (allocation, kernel selection)
-        return min(fn(*args) for _ in range(times(first)))
+def rounds(points: dict, first: dict[str, float], budget: float = ROUNDS_SECONDS) -> dict[str, float]:
+    """The median per point of its `first` timing and of further interleaved rounds (ROUNDS in all, fewer where
+    one round takes more than budget / ROUNDS). points: name -> a function that times it once."""
+    samples = {k: [t] for k, t in first.items()}
+    extra = ROUNDS - 1 if sum(first.values()) * ROUNDS <= budget else (1 if sum(first.values()) * 2 <= budget else 0)
+    for _ in range(extra):
+        for name, fn in points.items():
+            samples[name].append(fn())
+    return {k: statistics.median(v) for k, v in samples.items()}
 
-    verify = []
-    for n in (g for g in GRID if g <= max_tokens):
-        seconds = fastest(verify_once, n)
-        verify.append((n, max(seconds, verify[-1][1] if verify else 0.0)))  # more tokens never cost less
-        if seconds > 4 * verify[0][1] and n >= engine.block_size:
+
+def measure(engine, max_tokens: int = 257) -> Costs:
+    """The profile after CONTEXT cached positions, and a plain step, a block's verify and a draft after
+    LONGER_CONTEXT (where the target's context allows): the planner interpolates between the two for the rows' real
+    lengths."""
+    costs = measure_at(engine, CONTEXT, max_tokens, full=True)
+    longer = min(LONGER_CONTEXT, (engine.max_context or LONGER_CONTEXT * 2) // 2)
+    if longer > CONTEXT:
+        costs.longer = measure_at(engine, longer, min(max_tokens, engine.block_size), full=False)
+    engine.reset()
+    return costs
+
+
+def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -> Costs:
+    """Seconds of one draft forward and of a target forward of n tokens after `context` positions, for n on GRID up
+    to max_tokens, stopping once n tokens cost 4 plain steps and n covers a block (beyond that no tree pays on this
+    device); batches of BATCH_ROWS rows at BATCH_TOKENS tokens each; with `full`, draft forwards of DRAFT_BLOCKS
+    positions too (without: a plain step and a block's verify, for the longer context). The first timing of each
+    point walks the grid; the rest are interleaved rounds, and each point is the median."""
+    drafter, block = engine.drafter, engine.block_size
+    probe = Probe(engine, context)
+    points, first = {}, {}
+
+    def timed(name: str, fn) -> float:
+        points[name], first[name] = fn, fn()  # (a first call slowed by allocation is outvoted by the rounds)
+        return first[name]
+
+    probe.verify(1)  # (warm-up)
+    plain = 0.0
+    grid = [g for g in GRID if g <= max(max_tokens, 1)] if full else sorted({1, min(block, max(max_tokens, 1))})
+    for n in grid:
+        seconds = timed(f"v{n}", lambda n=n: probe.verify(n))
+        plain = plain or seconds
+        if seconds > 4 * plain and n >= block:
             break
-    draft = fastest(draft_once) if drafter is not None else 0.0
-    shorter = [b for b in DRAFT_BLOCKS if b < engine.block_size] if draft_blocks and drafter is not None else []
-    blocks = {b: {1: fastest(draft_once, 1, b)} for b in shorter}
+    singles = [int(k[1:]) for k in points]
+    if drafter is not None:
+        timed("d", probe.draft)
+        for b in (b for b in DRAFT_BLOCKS if b < block and full):
+            timed(f"b{b}", lambda b=b: probe.draft(1, b))
+    medians = rounds(points, first)
+    verify = monotone([(n, medians[f"v{n}"]) for n in singles])
+    draft = medians.get("d", 0.0)
+    blocks = {b: {1: medians[f"b{b}"]} for b in DRAFT_BLOCKS if f"b{b}" in medians}
     batch, draft_batch = {}, {}
-    if batchable(target):
-        widest = min(engine.block_size, verify[-1][0])
+    if engine.target.capabilities.batches:
+        widest = min(block, verify[-1][0])
         for rows in BATCH_ROWS:
-            if rows > 16 and batch[16][-1][1] > WIDE_BATCH_SECONDS:
-                break  # (a large model on a CPU: 32 rows are extrapolated from 4 and 16)
-            engine.prefill([prompt] * rows)
-            points = []
-            for n in (t for t in BATCH_TOKENS if t <= widest):
-                points.append((n, max(fastest(verify_once, n, rows), points[-1][1] if points else 0.0)))
-            batch[rows] = points
+            probe.rows(rows)
+            points, first = {}, {}
+            tokens = [t for t in BATCH_TOKENS if t <= widest] if full else [1, min(block, widest)]
+            for t in dict.fromkeys(tokens):
+                timed(f"v{t}", lambda t=t, rows=rows: probe.verify(t, rows))
             if drafter is not None:
-                draft_batch[rows] = fastest(draft_once, rows)
-            for b in shorter:
-                blocks[b][rows] = fastest(draft_once, rows, b)
+                timed("d", lambda rows=rows: probe.draft(rows))
+            medians = rounds(points, first)
+            batch[rows] = monotone([(t, medians[f"v{t}"]) for t in dict.fromkeys(tokens)])
+            if drafter is not None:
+                draft_batch[rows] = medians["d"]
     engine.reset()
     if blocks:
-        blocks[engine.block_size] = {1: draft, **draft_batch}
+        blocks[block] = {1: draft}
     return Costs(draft, verify, batch, draft_batch, context, draft_blocks=blocks)
 
 
-def batchable(target) -> bool:
-    return target.capabilities.batches  # (a backend or target that runs one row: no batch points)
+def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """More tokens never cost less: each point at least the one before (a median below it is noise)."""
+    out = []
+    for n, t in points:
+        out.append((n, max(t, out[-1][1] if out else 0.0)))
+    return out

@@ -1,0 +1,67 @@
+"""The torch target's growing K/V layer: the same contents as transformers' DynamicLayer under appends, crops and
+assignments, with copies that amortise (a decode step writes in place; the buffer is reallocated log2(n) times)."""
+
+import math
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from dflash.backends.torch.kv_cache import GrowingLayer, growing
+
+
+def kv(t, seed, rows=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 2, t, 4, generator=g), torch.randn(rows, 2, t, 4, generator=g)
+
+
+def test_appends_and_crops_match_dynamic_layer():
+    ours, theirs = GrowingLayer(), DynamicLayer()
+    for step in range(300):
+        t = 16 if step % 3 == 0 else 1  # verify blocks and single tokens
+        k, v = kv(t, step)
+        a, b = ours.update(k, v), theirs.update(k, v)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        if t == 16:  # a verify keeps a prefix of its block
+            ours.crop(-(step % 15))
+            theirs.crop(-(step % 15))
+        assert ours.get_seq_length() == theirs.get_seq_length()
+    assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    # every reallocation copies the cache once: they come at doubling lengths, not once per step
+    assert ours.growths <= math.ceil(math.log2(ours.get_seq_length())) + 1
+
+
+def test_limit_caps_the_buffer():
+    layer = GrowingLayer(limit=40)
+    for step in range(40):
+        layer.update(*kv(1, step))
+    assert layer.capacity == 40 and layer.growths == 7  # 1, 2, 4, 8, 16, 32, 40
+    layer.update(*kv(3, 99))  # past the limit when a forward needs it
+    assert layer.get_seq_length() == 43
+
+
+def test_assigned_tensors_are_adopted_and_never_written():
+    layer = GrowingLayer()
+    layer.update(*kv(10, 0))
+    k, v = kv(12, 1, rows=2)  # a merge assigns keys, then values, of a new length
+    layer.keys = k
+    assert layer.values.shape[2] == 10  # values keep their own length until they are assigned
+    layer.values = v
+    kept_k, kept_v = k.clone(), v.clone()
+    layer.crop(-4)
+    new = kv(2, 2, rows=2)
+    keys, values = layer.update(*new)
+    assert torch.equal(k, kept_k) and torch.equal(v, kept_v)  # the adopted tensors were copied, not written
+    assert torch.equal(keys, torch.cat([kept_k[:, :, :8], new[0]], dim=2))
+    assert torch.equal(values, torch.cat([kept_v[:, :, :8], new[1]], dim=2))
+
+
+def test_growing_replaces_plain_layers_only():
+    class Other(DynamicLayer):
+        pass
+
+    class Cache:
+        layers = [DynamicLayer(), Other()]
+        layer_class_to_replicate = None
+
+    cache = growing(Cache(), 64)
+    assert isinstance(cache.layers[0], GrowingLayer) and type(cache.layers[1]) is Other
