@@ -1,10 +1,12 @@
 """dflash.server.app over a scripted engine (no model): a thinking model's reasoning and a Qwen-style tool call come
 back as reasoning_content / tool_calls, whole and streamed (delta.tool_calls), and `tools` and
-`chat_template_kwargs` reach the chat template."""
+`chat_template_kwargs` reach the chat template; the drain's deadline holds while the engine is stuck in a cycle."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -168,3 +170,50 @@ def test_validate_normalises_like_vllm():
     for bad in (1e-45, 0.0, 1e30):
         with pytest.raises(DFlashError, match="--repetition-penalty"):
             SamplingParams(repetition_penalty=bad).validate()
+
+
+class StuckEngine(ScriptedEngine):
+    """Its third cycle does not return until `release` is set: an engine thread inside a long cycle."""
+
+    def __init__(self, script: list[int]):
+        super().__init__(script)
+        self.cycles, self.stuck, self.release = 0, threading.Event(), threading.Event()
+
+    def step(self, anchors):
+        self.cycles += 1
+        if self.cycles == 3:
+            self.stuck.set()
+            self.release.wait(30)
+        return super().step(anchors)
+
+
+def test_drain_ends_streams_while_the_engine_is_inside_a_cycle():
+    """At --drain-timeout the event loop ends the running streams itself (error event, [DONE]) and the drain
+    returns, though the engine thread has not come back from its cycle (once: the error event came from the engine
+    thread, after its cycle, and uvicorn had cancelled the streams by then)."""
+    tok = CharTokenizer()
+    engine = StuckEngine(tok.encode("x" * 200) + [EOS])
+    pipe = SimpleNamespace(backend=engine, tokenizer=tok, eos_token_ids={EOS}, backend_name="torch")
+    server = Server(pipe, model_name="m", drain_timeout=0.5)
+    lines = []
+
+    def stream():
+        body = {"prompt": "q", "max_tokens": 150, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    with TestClient(server.app()) as client:
+        t = threading.Thread(target=stream)
+        t.start()
+        assert engine.stuck.wait(30)
+        t0 = time.monotonic()
+        client.portal.call(server.drain, t0)
+        t.join(10)
+        elapsed = time.monotonic() - t0
+        assert not t.is_alive() and not engine.release.is_set()
+        assert client.get("/health").status_code == 503
+        engine.release.set()
+    assert 0.5 <= elapsed < 1.5, elapsed
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert json.loads(lines[-2][6:])["error"]["code"] == "server_shutting_down"
+    assert "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-2]) == "x" * 7  # prefill + two cycles
