@@ -5,8 +5,8 @@ hundreds of tokens, on a 2-core CPU it grows with every token, and a batch of ro
 row below its compute knee and a CPU every row's tokens; the budget rule (dflash/core/budget.py) has to know which. The
 profile runs the engine's own primitives (the tree forward, the draft) after a short context, so it measures exactly
 what the cycles will run: one row at token counts doubling up to where a verify costs 4 plain steps, the draft at the
-drafter's block and at shorter ones, batches of 4 and 16 rows at a few tokens per row (more rows and tokens are
-interpolated or extrapolated); then a plain step, a block's verify and a draft after a longer context. Every point is
+drafter's block and at shorter ones, batches of 4 and 16 rows at a few tokens per row where one row of as many
+tokens is fast (more rows and tokens are interpolated or extrapolated); then a plain step, a block's verify and a draft of one row after a longer context. Every point is
 timed in ROUNDS interleaved rounds and the median kept (a burst of other load spoils one sample of each point, not
 every sample of one). It takes a few seconds and prints one line when it starts and one when done (stderr); it is
 then read from $DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from .budget import MAX_TOP_K, Costs
+from .budget import MAX_TOP_K, Costs, interpolate
 from .corrections import Corrections
 from .io import cache_root
 from .tree import TreeInputs, chain_tree
@@ -38,6 +38,7 @@ BATCH_TOKENS = (1, 4, 16)  # ... times tokens per row (at most the block, and wh
 DRAFT_BLOCKS = (2, 4, 8)  # shorter draft forwards measured too (auto drafts fewer positions where depth does not pay)
 CONTEXT = 64  # positions before the measured forwards ...
 LONGER_CONTEXT = 320  # ... and again after these (a serving load's rows: prompt + answer), at fewer points
+BATCH_SECONDS = 0.25  # batches are measured where one row of as many tokens takes less than this
 ROUNDS = 3  # timings of every point, interleaved; the median is kept
 ROUNDS_SECONDS = 4.0  # ... fewer rounds where one round takes longer than a third of this (a large model on a CPU)
 LIVE_TOLERANCE = 3.0  # a cached plain step this many times slower or faster than one timed now is measured again
@@ -200,8 +201,8 @@ def measure(engine, max_tokens: int = 257) -> Costs:
 def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -> Costs:
     """Seconds of one draft forward and of a target forward of n tokens after `context` positions, for n on GRID up
     to max_tokens, stopping once n tokens cost 4 plain steps and n covers a block (beyond that no tree pays on this
-    device); batches of BATCH_ROWS rows at BATCH_TOKENS tokens each; with `full`, draft forwards of DRAFT_BLOCKS
-    positions too (without: a plain step and a block's verify, for the longer context). The first timing of each
+    device); with `full`, batches of BATCH_ROWS rows at BATCH_TOKENS tokens each and draft forwards of DRAFT_BLOCKS
+    positions too (without: one row's plain step, block verify and draft, for the longer context). The first timing of each
     point walks the grid; the rest are interleaved rounds, and each point is the median."""
     drafter, block = engine.drafter, engine.block_size
     probe = Probe(engine, context)
@@ -229,18 +230,24 @@ def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -
     draft = medians.get("d", 0.0)
     blocks = {b: {1: medians[f"b{b}"]} for b in DRAFT_BLOCKS if f"b{b}" in medians}
     batch, draft_batch = {}, {}
-    if engine.target.capabilities.batches:
-        widest = min(block, verify[-1][0])
-        for rows in BATCH_ROWS:
-            probe.rows(rows)
-            points, first = {}, {}
-            tokens = [t for t in BATCH_TOKENS if t <= widest] if full else [1, min(block, widest)]
-            for t in dict.fromkeys(tokens):
+    if full and engine.target.capabilities.batches:
+        tokens = [t for t in BATCH_TOKENS if t <= min(block, verify[-1][0])]
+        held = 0
+        for rows in sorted(BATCH_ROWS, reverse=True):  # (one batch prefilled, then rows retired: prefills dominate)
+            if interpolate(verify, rows * tokens[-1]) > BATCH_SECONDS:
+                continue  # (a device slow at this many tokens in one row pays for every token: r rows of n tokens
+                # cost one row of r * n, which is what the profile assumes without batch points)
+            if held:
+                engine.retire(list(range(rows, held)))
+            else:
+                probe.rows(rows)
+            held, points, first = rows, {}, {}
+            for t in tokens:
                 timed(f"v{t}", lambda t=t, rows=rows: probe.verify(t, rows))
             if drafter is not None:
                 timed("d", lambda rows=rows: probe.draft(rows))
             medians = rounds(points, first)
-            batch[rows] = monotone([(t, medians[f"v{t}"]) for t in dict.fromkeys(tokens)])
+            batch[rows] = monotone([(t, medians[f"v{t}"]) for t in tokens])
             if drafter is not None:
                 draft_batch[rows] = medians["d"]
     engine.reset()
