@@ -277,7 +277,8 @@ class Engine:
             draft = self.draft(anchors, top_k, draws, block=verified)
         result = self.verify(draft, draws)
         drafted = length != 0 and self.drafter is not None
-        steps = [Step(t[: accepted_length(d, t) + 1], d, len(d), drafted) for d, t in zip(result.proposals, result.tokens)]
+        steps = [Step(t[: accepted_length(d, t) + 1], d, len(d), drafted)
+                 for d, t in zip(result.proposals, result.tokens)]
         if result.logprobs is not None:
             for step, chosen, top in zip(steps, result.logprobs, result.top_logprobs):
                 step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]

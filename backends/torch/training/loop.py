@@ -117,8 +117,8 @@ def train(cfg: TrainConfig, target_dir: str | os.PathLike | None = None) -> Trai
     ckpt.export_drafter(run.module, run.drafter, run.fsdp, d, draft_dir)
     log.say(f"exported drafter to {draft_dir}")
     if cfg.eval_at_end and run.eval_prompts and not log.evaluated_at(step):
-        log.say(f"final evaluation: {len(run.eval_prompts)} held-out prompts x {cfg.eval_max_new_tokens} tokens through "
-                "the speculative loop (--no-eval-at-end skips it)")
+        log.say(f"final evaluation: {len(run.eval_prompts)} held-out prompts x {cfg.eval_max_new_tokens} tokens "
+                "through the speculative loop (--no-eval-at-end skips it)")
         evaluate_run(run, log, step)
     log.close()
     run.close()
