@@ -260,7 +260,7 @@ class Batch:
         return out
 
     def _rebuild(self, row: _Row) -> None:
-        self.engine.admit(row.gen.prompt_ids + row.tokens[:-1], row.gen.sampling)
+        self.engine.admit(row.gen.prompt_ids + row.tokens[:-1], row.gen.sampling, generated=len(row.tokens) - 1)
 
     def _leave(self) -> None:
         done = [j for j, r in enumerate(self.rows) if r.finish is not None]
