@@ -177,7 +177,6 @@ def test_noise_is_keyed_by_seed_stream_and_position():
 
 
 def test_penalty_fields_take_openais_ranges():
-
     ok = SamplingParams(presence_penalty=-2, frequency_penalty=2, logit_bias=((9, 0.0), (7, -100), (3, 100.0)))
     assert ok.validate(10).logit_bias == ((3, 100.0), (7, -100.0))  # sorted, zeros dropped
     for bad, match in [(dict(presence_penalty=2.01), "--presence-penalty: got 2.01"),
