@@ -44,7 +44,7 @@ class Pipeline:
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), trace: bool = False,
                **sampling_kwargs) -> Generation:
         """An iterable of `Increment`s; `.result` is filled once it is exhausted."""
-        sampling = sampling or SamplingParams(**sampling_kwargs)
+        sampling = (sampling or SamplingParams(**sampling_kwargs)).validate(self.backend.info.vocab_size)
         ids = self.encode(prompt, chat=chat)
         max_new_tokens = self.fit_to_context(max_new_tokens, len(ids))
         return Generation(self.backend, ids, tokenizer=self.tokenizer, max_new_tokens=max_new_tokens,
@@ -73,7 +73,7 @@ class Pipeline:
         the batch, so the next single prompt is prefilled from scratch."""
         if not self.backend.capabilities.batches:
             raise DFlashError(self.backend.capabilities.batch_refusal)
-        sampling = sampling or SamplingParams(**sampling_kwargs)
+        sampling = (sampling or SamplingParams(**sampling_kwargs)).validate(self.backend.info.vocab_size)
         return generate_batch(self.backend, [self.encode(p, chat=chat) for p in prompts], tokenizer=self.tokenizer,
                               max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=self.eos_token_ids,
                               stop_strings=stop, trace=trace)

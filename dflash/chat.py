@@ -160,7 +160,7 @@ class Chat:
     def __init__(self, pipe, args, out=None, err=None):
         self.pipe, self.args = pipe, args
         self.out, self.err = out or sys.stdout, err or sys.stderr
-        self.sampling = cli.sampling_from(args)
+        self.sampling = cli.sampling_from(args, pipe.backend.info.vocab_size)
         self.conv = Conversation(pipe.tokenizer, args.system, args.thinking)
         self.max_context = args.max_context or getattr(pipe.backend, "max_context", None)
         self.stats = Stats()

@@ -86,7 +86,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (default: %(default)s = off)")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens below min-p x the top probability (default: %(default)s = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="(default: %(default)s = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide a logit of a token in the prompt or output so far (default: %(default)s = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract from the logit of every token the output holds so far, -2 .. 2 "
+                        "(default: %(default)s = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract, per occurrence in the output so far, -2 .. 2 (default: %(default)s = off)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID:BIAS",
+                   help="add BIAS (-100 .. 100) to token ID's logit (repeatable; -100 bans the token; default: none)")
     p.add_argument("--seed", type=int, help="sampling seed: the same seed, prompt, model and settings give the same "
                    "tokens on the same machine, whatever the verify mode, budget or batch chose (every draw is "
                    "keyed by the token's position); default: a fresh seed every run")
@@ -99,14 +107,28 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "whatever the verify budget chose), else rejection")
 
 
-def sampling_from(args) -> SamplingParams:
+def sampling_from(args, vocab_size: int | None = None) -> SamplingParams:
+    """The sampling flags, checked (logit bias ids against vocab_size when given)."""
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            repetition_penalty=args.repetition_penalty, seed=args.seed,
-                            accept=args.accept).validate()
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, logit_bias=logit_bias(args.logit_bias),
+                            seed=args.seed, accept=args.accept).validate(vocab_size)
     if args.verify == "tree" and params.accept == "rejection" and not params.greedy and not args.no_draft:
         raise DFlashError("--accept rejection verifies chains only: with --verify tree use --accept match, or "
                           "--verify chain / auto")
     return params
+
+
+def logit_bias(values: list[str]) -> tuple[tuple[int, float], ...]:
+    """--logit-bias ID:BIAS values as (token id, bias) pairs."""
+    pairs = []
+    for value in values:
+        token, _, bias = value.partition(":")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise DFlashError(f"--logit-bias: got {value!r}, expected TOKEN_ID:BIAS (e.g. 42:-100)") from None
+    return tuple(pairs)
 
 
 def restart_if_mlx(args) -> None:

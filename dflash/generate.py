@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     if args.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens: got {args.max_new_tokens}, expected >= 1")
     pipe = cli.load_pipeline(args)
+    sampling = cli.sampling_from(args, pipe.backend.info.vocab_size)  # (--logit-bias ids, now the vocabulary is known)
     ids = prompt_ids_from(args, pipe)
     gen = pipe.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, trace=args.trace)
     if args.json:

@@ -1,11 +1,13 @@
 """Soak test of python -m dflash.serve: C clients for M minutes, streamed and whole, chat and completions, with a few
-clients that hang up mid-stream, seeded sampled requests and hostile ones (numerics that once killed every running
-row, a template in the request, malformed tool calls, vLLM's top_k -1). Every greedy or seeded answer must equal the
-one the same request got alone at the start (nothing failed, nothing garbled), every hostile request must get its
-expected status, and the server's RSS must stay flat after the warm-up (the first minute).
+clients that hang up mid-stream, seeded sampled requests, a penalty mix (greedy and seeded sampled requests with
+repetition / presence / frequency penalties and a logit bias, beside plain greedy rows in the same batches) and
+hostile ones (numerics that once killed every running row, a template in the request, malformed tool calls, vLLM's
+top_k -1, penalty fields out of OpenAI's ranges). Every greedy or seeded answer must equal the one the same request
+got alone at the start (nothing failed, nothing garbled), every hostile request must get its expected status, and the
+server's RSS must stay flat after the warm-up (the first minute).
 
     OMP_NUM_THREADS=1 python scripts/serve_soak.py --minutes 10 --concurrency 16 [--out soak.json]
-    python scripts/serve_soak.py --minutes 3 --concurrency 4 --server-arg=--backend --server-arg=mlx
+    python scripts/serve_soak.py --minutes 3 --concurrency 4 --backend mlx
 """
 
 from __future__ import annotations
@@ -31,11 +33,30 @@ HOSTILE = [
       "chat_template_kwargs": {"chat_template": "{% for i in range(999999) %}x{% endfor %}"}}, 400),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": ["abc"]},
                    {"role": "user", "content": "again"}], "max_tokens": 8}, 400),
+    ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "presence_penalty": 2.5}, 400),  # OpenAI's [-2, 2]
+    ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "frequency_penalty": -3}, 400),
+    ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "logit_bias": {"the": 1}}, 400),  # not a token id
+    ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "logit_bias": {"99999999": -100}}, 400),
+    ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "logit_bias": {"13": 1e9}}, 400),
 ]
+# a request's sampling fields by name: plain greedy, seeded sampled, and the penalty mix (asked on PENALTY_PROMPTS)
+SETTINGS = {
+    "greedy": {"temperature": 0},
+    "seeded": {"temperature": 0.8, "seed": 7},
+    "greedy+repetition": {"temperature": 0, "repetition_penalty": 1.05},
+    "greedy+presence": {"temperature": 0, "presence_penalty": 1.0},
+    "greedy+frequency": {"temperature": 0, "frequency_penalty": 0.5},
+    "greedy+logit_bias": {"temperature": 0, "logit_bias": {"13": -100, "25": 5}},
+    "seeded+penalties": {"temperature": 0.8, "seed": 11, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+                         "frequency_penalty": 0.3, "logit_bias": {"13": 3}},
+    "seeded+repetition": {"temperature": 0.7, "seed": 5, "repetition_penalty": 1.05},
+}
+PENALTY_MIX = [name for name in SETTINGS if "+" in name]
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "def parse(text):", "for i in range(10):",
            "def __init__(self, name):", "try:\n    import json", "def read(path):", "while True:",
            "if __name__ == '__main__':", "def add(a, b):", "class Node(object):", "with open(",
            "def sort(items, key=None):", "raise ValueError(", "return [x for x in"]
+PENALTY_PROMPTS = PROMPTS[:4]
 
 
 def rss_mb(pid: int) -> float:
@@ -51,11 +72,9 @@ def hostile(url: str, body: dict) -> int:
 
 
 def ask(url: str, prompt: str, max_tokens: int, stream: bool, chat: bool, hang_up: bool = False,
-        seed: int | None = None) -> str | None:
+        setting: str = "greedy") -> str | None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body = {"max_tokens": max_tokens, "temperature": 0 if seed is None else 0.8, "stream": stream}
-    if seed is not None:
-        body["seed"] = seed
+    body = {"max_tokens": max_tokens, "stream": stream, **SETTINGS[setting]}
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     if not stream:
         r = httpx.post(url + path, json=body, timeout=300)
@@ -85,6 +104,9 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", help="write the figures here as JSON")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "mlx"), help="the server's --backend")
+    p.add_argument("--penalty-share", type=float, default=0.25,
+                   help="share of the checked requests drawn from the penalty mix (default: %(default)s)")
     p.add_argument("--server-arg", action="append", default=[], help="extra dflash.serve flag (repeatable)")
     args = p.parse_args()
 
@@ -93,7 +115,8 @@ def main() -> int:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "dflash.serve", "--port", str(port), "--max-batch",
-                             str(args.concurrency), "--log-level", "warning", *args.server_arg],
+                             str(args.concurrency), "--backend", args.backend, "--log-level", "warning",
+                             *args.server_arg],
                             env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
     try:
         for _ in range(600):
@@ -102,10 +125,13 @@ def main() -> int:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        want = {(pr, chat, seed): ask(url, pr, args.max_tokens, False, chat, seed=seed)
-                for pr in PROMPTS for chat in (False, True) for seed in (None, 7)}
+        asked = [(pr, chat, setting) for chat in (False, True)
+                 for pr, setting in [(pr, s) for pr in PROMPTS for s in ("greedy", "seeded")] +
+                 [(pr, s) for pr in PENALTY_PROMPTS for s in PENALTY_MIX]]
+        want = {key: ask(url, key[0], args.max_tokens, False, key[1], setting=key[2]) for key in asked}
         counts = {"ok": 0, "failed": 0, "garbled": 0, "garbled_seeded": 0, "hung_up": 0, "hostile_ok": 0,
                   "hostile_wrong": 0}
+        by_setting = {name: {"ok": 0, "different": 0, "failed": 0} for name in SETTINGS}
         errors: list[str] = []
         lock = threading.Lock()
         start = time.monotonic()
@@ -114,23 +140,31 @@ def main() -> int:
         def client(seed: int) -> None:
             rng = random.Random(seed)
             while time.monotonic() < end:
-                pr, chat, stream = rng.choice(PROMPTS), rng.random() < 0.5, rng.random() < 0.7
+                chat, stream = rng.random() < 0.5, rng.random() < 0.7
                 hang_up = stream and rng.random() < 0.05
-                seed = 7 if rng.random() < 0.2 else None
+                if rng.random() < args.penalty_share:
+                    pr, setting = rng.choice(PENALTY_PROMPTS), rng.choice(PENALTY_MIX)
+                else:
+                    pr, setting = rng.choice(PROMPTS), "seeded" if rng.random() < 0.2 else "greedy"
+                checked = None  # the setting of a checked answer: its outcome is counted per setting too
                 try:
                     if rng.random() < 0.1:
                         body, status = rng.choice(HOSTILE)
                         kind = "hostile_ok" if hostile(url, body) == status else "hostile_wrong"
                     else:
-                        got = ask(url, pr, args.max_tokens, stream, chat, hang_up, seed)
-                        kind = "hung_up" if got is None else "ok" if got == want[(pr, chat, seed)] else \
-                            "garbled" if seed is None else "garbled_seeded"
+                        checked = setting
+                        got = ask(url, pr, args.max_tokens, stream, chat, hang_up, setting)
+                        kind = "hung_up" if got is None else "ok" if got == want[(pr, chat, setting)] else \
+                            "garbled_seeded" if "seed" in SETTINGS[setting] else "garbled"
                 except Exception as e:  # noqa: BLE001  (counted and reported)
                     kind = "failed"
                     with lock:
-                        errors.append(repr(e)[:200])
+                        errors.append(f"{checked or 'hostile'}: {e!r}"[:200])
                 with lock:
                     counts[kind] += 1
+                    if checked is not None and kind != "hung_up":
+                        outcome = "ok" if kind == "ok" else "failed" if kind == "failed" else "different"
+                        by_setting[checked][outcome] += 1
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(args.concurrency)]
         for t in threads:
@@ -143,8 +177,9 @@ def main() -> int:
             t.join()
         warm = [m for s, m in rss if s >= 60] or [m for _, m in rss]
         health = httpx.get(url + "/health").json()
-        report = {"minutes": args.minutes, "concurrency": args.concurrency, "server_args": args.server_arg,
-                  **counts, "errors": errors[:10],
+        report = {"minutes": args.minutes, "concurrency": args.concurrency, "backend": args.backend,
+                  "server_args": args.server_arg,
+                  **counts, "by_setting": by_setting, "errors": errors[:10],
                   "rss_mb_after_warmup": warm[0], "rss_mb_end": warm[-1], "rss_mb_max": max(warm),
                   "rss_samples": rss, "running_after": health["running"], "waiting_after": health["waiting"]}
     finally:

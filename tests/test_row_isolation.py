@@ -1,10 +1,12 @@
 """A row whose step raises in the middle of a batch fails alone (dflash.core.loop.Batch._isolate): through the server's
-engine thread, its request gets an error event while 8 greedy neighbours finish exactly as they do alone. Also the
-admission bound with --max-queue 0 (capacity = max batch)."""
+engine thread, its request gets an error event while 8 greedy neighbours finish exactly as they do alone. A fault
+that only the batch has (every row replays clean alone) fails no request: one log line says so and the rows go on.
+Also the admission bound with --max-queue 0 (capacity = max batch)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -62,13 +64,24 @@ def test_a_failing_row_fails_alone(pipe, solo, monkeypatch, fault):
 
         monkeypatch.setattr(type(engine.target), "forward", forward)
         message = "illegal memory access"
+    params = [SamplingParams()] * 4 + [SamplingParams(repetition_penalty=1.2, seed=POISON_SEED)] + \
+        [SamplingParams()] * 4
+    outcomes, scheduler = serve(pipe, PROMPTS[:4] + ["def poisoned():"] + PROMPTS[4:], params)
+    kinds = [k for k, _ in outcomes]
+    assert kinds == ["done"] * 4 + ["error"] + ["done"] * 4, outcomes[4]
+    assert message in outcomes[4][1]
+    got = [r.tokens for k, r in outcomes if k == "done"]
+    assert got == solo
+    assert scheduler.accepted == 0
+
+
+def serve(pipe, prompts, params):
+    """Every prompt submitted at once to a Scheduler's engine thread; each one's last event, and the scheduler."""
+    engine = pipe.backend
     scheduler = Scheduler(engine, Metrics(engine.block_size), max_batch=16, max_queue=0)
 
     async def run():
         loop = asyncio.get_running_loop()
-        params = [SamplingParams()] * 4 + [SamplingParams(repetition_penalty=1.2, seed=POISON_SEED)] + \
-            [SamplingParams()] * 4
-        prompts = PROMPTS[:4] + ["def poisoned():"] + PROMPTS[4:]
         jobs = [Job(Generation(engine, pipe.encode(p), tokenizer=pipe.tokenizer, max_new_tokens=40, sampling=s,
                                eos_token_ids=pipe.eos_token_ids), loop) for p, s in zip(prompts, params)]
         for job in jobs:
@@ -84,14 +97,38 @@ def test_a_failing_row_fails_alone(pipe, solo, monkeypatch, fault):
         return outcomes
 
     try:
-        outcomes = asyncio.run(run())
+        return asyncio.run(run()), scheduler
     finally:
         scheduler.stop(5)
-    kinds = [k for k, _ in outcomes]
-    assert kinds == ["done"] * 4 + ["error"] + ["done"] * 4, outcomes[4]
-    assert message in outcomes[4][1]
-    got = [r.tokens for k, r in outcomes if k == "done"]
-    assert got == solo
+
+
+def test_a_batch_fault_fails_no_row(pipe, solo, monkeypatch, caplog):
+    """The target's forward raises twice on a batch of several rows and never on one: every row replays clean
+    alone, so no request fails; each fault is one warning line (its traceback at debug level), and every row's
+    output is its output alone."""
+    engine = pipe.backend
+    real_forward = type(engine.target).forward
+    faults = {"left": 2, "cycles": 0}
+
+    def forward(self, ids, last_only, tree=None):
+        if self is engine.target and ids.shape[0] > 1:
+            faults["cycles"] += 1
+            if faults["cycles"] % 3 == 0 and faults["left"]:  # mid-batch, twice
+                faults["left"] -= 1
+                raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")
+        return real_forward(self, ids, last_only, tree)
+
+    monkeypatch.setattr(type(engine.target), "forward", forward)
+    with caplog.at_level(logging.DEBUG, logger="dflash"):
+        outcomes, scheduler = serve(pipe, PROMPTS, [SamplingParams()] * len(PROMPTS))
+    assert faults["left"] == 0, "the fault was never injected"
+    assert [k for k, _ in outcomes] == ["done"] * len(PROMPTS), outcomes
+    assert [r.tokens for _, r in outcomes] == solo
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2 and all("batch fault" in r.getMessage() and "CUBLAS" in r.getMessage()
+                                      and r.exc_info is None for r in warnings), [r.getMessage() for r in warnings]
+    tracebacks = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info]
+    assert len(tracebacks) == 2
     assert scheduler.accepted == 0
 
 

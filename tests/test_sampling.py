@@ -174,3 +174,17 @@ def test_noise_is_keyed_by_seed_stream_and_position():
     assert 0 < u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01 and abs(u.var() - 1 / 12) < 0.003
     assert np.corrcoef(u[:-1], u[1:])[0, 1] ** 2 < 1e-3  # neighbouring positions are independent
     assert len({noise_key(s, "target", p) for s in range(50) for p in range(50)}) == 2500
+
+
+def test_penalty_fields_take_openais_ranges():
+    ok = SamplingParams(presence_penalty=-2, frequency_penalty=2, logit_bias=((9, 0.0), (7, -100), (3, 100.0)))
+    assert ok.validate(10).logit_bias == ((3, 100.0), (7, -100.0))  # sorted, zeros dropped
+    for bad, match in [(dict(presence_penalty=2.01), "--presence-penalty: got 2.01"),
+                       (dict(frequency_penalty=float("nan")), "--frequency-penalty: got nan, expected a finite"),
+                       (dict(presence_penalty=True), "--presence-penalty"),
+                       (dict(logit_bias=((3, 100.5),)), "--logit-bias: token 3: got 100.5"),
+                       (dict(logit_bias=((-1, 1.0),)), "--logit-bias: token id -1"),
+                       (dict(logit_bias=((10, 1.0),)), r"token id 10 is outside the vocabulary \(0 .. 9\)"),
+                       (dict(logit_bias=((3, 1.0), (3, 2.0))), "token 3 is biased twice")]:
+        with pytest.raises(DFlashError, match=match):
+            SamplingParams(**bad).validate(10)

@@ -257,3 +257,28 @@ def test_seeded_requests_reproduce_under_the_default_verify_mode(client, accept)
     assert alone[0] == alone[1] == alone[2] == together[0]
     assert greedy["text"] == client.completions.create(model="dflash-bundled", prompt=PROMPTS[3], max_tokens=40,
                                                        temperature=0).choices[0].text
+
+
+def test_greedy_rows_with_a_repetition_penalty_join_greedy_streams(start_server, tmp_path, monkeypatch):
+    """tests/test_serve_mlx.py's case on PyTorch: penalised and plain greedy rows in trees of their own widths."""
+    from serving import penalised_rows_join_greedy_streams, seed_costs
+
+    seed_costs(tmp_path, "torch")
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    penalised_rows_join_greedy_streams(start_server("--backend", "torch", "--verify", "auto"))
+
+
+def test_penalty_fields_equal_target_only_decoding(client):
+    """presence_penalty, frequency_penalty and logit_bias (once accepted and ignored): the server's speculative
+    greedy output with each equals target-only greedy output with it, and differs from plain greedy output."""
+    import dflash
+
+    target_only = dflash.load(backend="torch", device="cpu", no_draft=True)
+    prompt = PROMPTS[2]
+    plain = target_only.generate(prompt, max_new_tokens=40)
+    fields = [{"presence_penalty": 1.5}, {"frequency_penalty": 0.8}, {"logit_bias": {str(plain.tokens[2]): -100}}]
+    for field in fields:
+        r = client.completions.create(model="dflash-bundled", prompt=prompt, max_tokens=40, temperature=0, **field)
+        bias = tuple((int(k), float(v)) for k, v in field.pop("logit_bias", {}).items())
+        want = target_only.generate(prompt, max_new_tokens=40, logit_bias=bias, **field)
+        assert r.choices[0].text == want.text != plain.text, field

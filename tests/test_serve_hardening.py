@@ -1,7 +1,7 @@
 """dflash.serve against clients that try to hurt it (issue #25), on one real server process: numerics that once
 killed every running row, templates from requests, chunked and slow bodies, idle connections and headers dribbled
-on a kept-alive one, admission at capacity, malformed tool calls, unimplemented fields, the API key on /metrics,
-duplicate Authorization headers and the counts of refusals."""
+on a kept-alive one, admission at capacity, malformed tool calls, out-of-range penalty fields, unimplemented fields,
+the API key on /metrics, duplicate Authorization headers and the counts of refusals."""
 
 from __future__ import annotations
 
@@ -78,6 +78,15 @@ def test_tiny_temperature_beside_running_streams_hurts_nobody(server):
     (chat(repetition_penalty=1e-45), 400, "repetition_penalty"),  # once a 500 with a traceback at prefill
     (chat(repetition_penalty=1e30), 400, "repetition_penalty"),
     (chat(top_k=-1), 200, None),  # vLLM's "off"
+    (chat(presence_penalty=2, frequency_penalty=-2, logit_bias={"5": -100, "7": 100}), 200, None),  # OpenAI's bounds
+    (chat(presence_penalty=2.5), 400, "presence_penalty"),
+    (chat(frequency_penalty=-2.01), 400, "frequency_penalty"),
+    (chat(presence_penalty="1"), 400, "presence_penalty"),
+    (chat(logit_bias={"5": 101}), 400, "logit_bias"),
+    (chat(logit_bias={"the": 1}), 400, "logit_bias"),
+    (chat(logit_bias={"-1": 1}), 400, "logit_bias"),
+    (chat(logit_bias={"99999999": 1}), 400, "logit_bias"),  # outside the vocabulary
+    (chat(logit_bias={"5": "x"}), 400, "logit_bias.5"),
     (chat(top_k=-2), 400, "top_k"),
     (chat(chat_template_kwargs={"chat_template": "{{ 'x' }}"}), 400, "chat_template_kwargs.chat_template"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": ["abc"]}], "max_tokens": 4}, 400,

@@ -61,3 +61,30 @@ def test_mlx_server_batches_concurrent_requests(server):
                   if line.startswith('dflash_step_rows_bucket{le="1.0"}'))
     total = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("dflash_step_rows_count"))
     assert total > single, "no engine step decoded two rows or more"
+
+
+def test_greedy_rows_with_a_repetition_penalty_join_greedy_streams(start_server, tmp_path, monkeypatch):
+    """A long greedy stream, then a greedy request with repetition_penalty: both once ended with 'engine failure:
+    IndexError' (a penalised row's tree padded to a wider row's had no history for its padding slots), and so did
+    the reverse and two penalised rows. --verify auto under CPU-like costs gives the rows trees of their own widths."""
+    from serving import penalised_rows_join_greedy_streams, seed_costs
+
+    seed_costs(tmp_path, "mlx")
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    penalised_rows_join_greedy_streams(start_server("--backend", "mlx", "--verify", "auto"))
+
+
+def test_penalty_fields_equal_target_only_decoding(server):
+    """presence_penalty, frequency_penalty and logit_bias (once accepted and ignored): the server's speculative
+    greedy output with each equals python -m dflash.generate --no-draft's with the same flag, and differs from plain
+    greedy output."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=120)
+    prompt = "import os\n"
+    plain = generate("--prompt", prompt, "--max-new-tokens", "40", "--no-draft")
+    cases = [({"presence_penalty": 1.5}, ["--presence-penalty", "1.5"]),
+             ({"frequency_penalty": 0.8}, ["--frequency-penalty", "0.8"]),
+             ({"logit_bias": {str(plain["tokens"][2]): -100}}, ["--logit-bias", f"{plain['tokens'][2]}:-100"])]
+    for field, flags in cases:
+        r = client.completions.create(model="dflash-bundled", prompt=prompt, max_tokens=40, temperature=0, **field)
+        want = generate("--prompt", prompt, "--max-new-tokens", "40", "--no-draft", *flags)
+        assert r.choices[0].text == want["text"] != plain["text"], field

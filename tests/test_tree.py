@@ -75,6 +75,7 @@ def test_tree_inputs_pad_rows_to_the_widest():
     assert inputs.allowed[1, 2].tolist() == [False, False, True]  # padding sees only itself
     assert inputs.allowed[0].tolist() == chain_tree(1, [2, 3]).mask()
     assert inputs.depths[0].tolist() == [0, 1, 2]
+    assert inputs.paths == [[[1], [1, 2], [1, 2, 3]], [[4], [4], [4]]]  # padding: the root's history
     t = Tree([9, 1, 2, 3, 4], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2], [1, .5, .4, .3, .2], [False] * 5)
     assert TreeInputs.of([t]).allowed[0].tolist() == t.mask()
 

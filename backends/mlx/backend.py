@@ -81,14 +81,14 @@ class MLXTarget:
         self.samplers = [MLXSampler(params)] * len(self.samplers)
 
     def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None, paths=None,
-               logprobs: int | None = None, draws=None, draft=None):
+               logprobs: int | None = None, draws=None, draft=None, starts: list[int] | None = None):
         """Every row with its own history, processors and draws: see dflash/core/contract.py."""
         if draws is None and logprobs is None and all(not s.processors for s in self.samplers):
             return mx.argmax(logits, axis=-1).astype(mx.int32)  # all greedy: one argmax for the batch
         tokens, stats = [], []
         for i, sampler in enumerate(self.samplers):
             scores = sampler.processed(logits[i], histories[i], None if block is None else block[i],
-                                       None if paths is None else paths[i])
+                                       None if paths is None else paths[i], 0 if starts is None else starts[i])
             draw = draws[i] if draws is not None else None
             n = scores.shape[0] - 1  # (a chain may verify fewer positions than its draws cover)
             row = sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[: n + 1])

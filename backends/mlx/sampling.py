@@ -1,9 +1,11 @@
 """Drawing the target's token at each verified position with mlx-lm's own samplers and logits processors.
 
 Row i of a verified block is processed with the history it would have in target-only decoding: the committed tokens
-plus block[0..i]. The repetition penalty sees the whole history (mlx-lm defaults to the last 20 tokens; the torch
-backend, like transformers, uses all of them). The filters are mlx-lm's, in transformers' order (the temperature
-first, dflash.core.rules.filters), so both backends draw from the same distribution.
+plus block[0..i]. The processors are mlx-lm's, in its order (the logit bias, the repetition, presence and frequency
+penalties), each over the whole history it counts (mlx-lm defaults to the last 20 tokens; the torch backend, like
+transformers and vLLM, uses all of them): the repetition penalty the prompt and the output, the presence and frequency
+penalties the output only (OpenAI's and vLLM's reading). The filters are mlx-lm's, in transformers' order (the
+temperature first, dflash.core.rules.filters), so both backends draw from the same distribution.
 """
 
 from __future__ import annotations
@@ -25,26 +27,35 @@ class MLXSampler:
 
     def __init__(self, params: SamplingParams):
         p = self.params = params
-        self.processors = []
-        if p.repetition_penalty != 1.0:
-            self.processors = make_logits_processors(repetition_penalty=p.repetition_penalty,
-                                                     repetition_context_size=_WHOLE_HISTORY)
+        # (history processors see the prompt and the output; output processors the output alone)
+        self.history = make_logits_processors(
+            logit_bias=dict(p.logit_bias) or None, repetition_context_size=_WHOLE_HISTORY,
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None)
+        self.output = make_logits_processors(
+            presence_penalty=p.presence_penalty, presence_context_size=_WHOLE_HISTORY,
+            frequency_penalty=p.frequency_penalty, frequency_context_size=_WHOLE_HISTORY)
+        self.processors = self.history + self.output
 
     def processed(self, logits: mx.array, history: list[int], block: mx.array | None,
-                  paths: list[list[int]] | None = None) -> mx.array:
-        """The logits after the logits processors (the repetition penalty)."""
+                  paths: list[list[int]] | None = None, start: int = 0) -> mx.array:
+        """The logits after the logits processors; the output starts at history[start]."""
         if not self.processors:
             return logits
-        hist = mx.array(history, dtype=mx.int32)
         rows = []
         for i in range(logits.shape[0]):
             if paths is not None:
-                tokens = mx.array(history + paths[i], dtype=mx.int32)
+                extra = mx.array(paths[i], dtype=mx.int32)
             else:
-                tokens = hist if block is None else mx.concatenate([hist, block[: i + 1].astype(mx.int32)])
+                extra = mx.array([], dtype=mx.int32) if block is None else block[: i + 1].astype(mx.int32)
             row = logits[i:i + 1].astype(mx.float32)
-            for proc in self.processors:
-                row = proc(tokens, row)
+            if self.history:
+                tokens = mx.concatenate([mx.array(history, dtype=mx.int32), extra])
+                for proc in self.history:
+                    row = proc(tokens, row)
+            if self.output:
+                tokens = mx.concatenate([mx.array(history[start:], dtype=mx.int32), extra])
+                for proc in self.output:
+                    row = proc(tokens, row)
             rows.append(row)
         return mx.concatenate(rows, axis=0)
 

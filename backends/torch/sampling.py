@@ -1,8 +1,9 @@
 """Drawing the target's token at each verified position, exactly as transformers' generate() would.
 
-The processors are transformers' own (repetition penalty, then temperature, top-k, top-p, min-p: generate()'s
-order). Row i of a verified block is processed with the history it would have in target-only decoding: the
-committed tokens plus block[0..i].
+The logits are processed in vLLM's and mlx-lm's order: the logit bias, the repetition penalty (transformers' own
+processor, over the prompt and the output), the presence and frequency penalties (over the output), then
+transformers' warpers (temperature, top-k, top-p, min-p: generate()'s order). Row i of a verified block is processed
+with the history it would have in target-only decoding: the committed tokens plus block[0..i].
 """
 
 from __future__ import annotations
@@ -23,22 +24,30 @@ class TorchSampler:
 
     def __init__(self, params: SamplingParams, device=None):
         self.params = p = params
-        procs = [RepetitionPenaltyLogitsProcessor(p.repetition_penalty)] if p.repetition_penalty != 1.0 else []
+        self.repetition = RepetitionPenaltyLogitsProcessor(p.repetition_penalty) if p.repetition_penalty != 1.0 \
+            else None
         self.warpers = LogitsProcessorList(warpers(p))
-        self.processors = LogitsProcessorList(procs + list(self.warpers))
+        self.processors = bool(p.logit_bias or self.repetition or p.output_penalties or self.warpers)
 
     def scores(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None,
-               paths: list[list[int]] | None = None) -> torch.Tensor:
+               paths: list[list[int]] | None = None, start: int = 0) -> torch.Tensor:
         """The processed logits (T, V) the token is drawn from (filtered tokens at -inf), for the T positions that
-        follow history + block[:i+1] (a tree: history + paths[i])."""
+        follow history + block[:i+1] (a tree: history + paths[i]); the output starts at history[start]."""
         if not self.processors:
             return logits
-        scores = logits.float()
-        if self.params.repetition_penalty != 1.0:
+        p, scores = self.params, logits.float()
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias)
+            scores = scores.index_add(-1, torch.tensor(ids, device=scores.device),
+                                      torch.tensor(values, device=scores.device).expand(scores.shape[0], -1))
+        if self.repetition is not None:
             hist = _histories(history, block, logits.device) if paths is None else \
                 _tree_histories(history, paths, logits.device)
-            return self.processors(hist, scores)
-        return self.processors(None, scores)
+            scores = self.repetition(hist, scores)
+        if p.output_penalties:
+            counts = _counts(history[start:], block, paths, scores)
+            scores = scores - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        return self.warpers(None, scores)
 
     def draw(self, scores: torch.Tensor, gumbel: torch.Tensor | None) -> torch.Tensor:
         if gumbel is None:
@@ -96,6 +105,26 @@ def _histories(history: list[int], block: torch.Tensor | None, device) -> torch.
     upper = torch.triu(torch.ones(t, t, dtype=torch.bool, device=device), diagonal=1)
     rows[upper] = b[0]
     return torch.cat([hist[None].expand(t, -1), rows], dim=1)
+
+
+def _counts(output: list[int], block: torch.Tensor | None, paths: list[list[int]] | None,
+            scores: torch.Tensor) -> torch.Tensor:
+    """(T, V) like scores: how often each token occurs in the history of position i's token, from the output's start
+    (output + block[:i+1], or output + paths[i])."""
+    (t, vocab), device = scores.shape, scores.device
+    counts = torch.zeros(vocab + 1, device=device).index_add_(0, torch.tensor(output, dtype=torch.long, device=device),
+                                                               torch.ones(len(output), device=device))
+    counts = counts.expand(t, -1).clone()
+    if paths is not None:  # (padded with id `vocab`: a column dropped below)
+        width = max(len(q) for q in paths)
+        extra = torch.tensor([q + [vocab] * (width - len(q)) for q in paths], dtype=torch.long, device=device)
+    elif block is not None:
+        b = block.reshape(-1)[:t]
+        extra = b[None, :].expand(t, t).masked_fill(torch.ones(t, t, dtype=torch.bool, device=device).triu(1), vocab)
+    else:
+        return counts[:, :vocab]
+    counts.scatter_add_(1, extra, torch.ones(extra.shape, device=device))
+    return counts[:, :vocab]
 
 
 def _tree_histories(history: list[int], paths: list[list[int]], device) -> torch.Tensor:

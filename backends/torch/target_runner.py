@@ -82,17 +82,19 @@ class TorchTarget:
         self.samplers = [TorchSampler(params, self.device)] * len(self.samplers)
 
     def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None,
-               paths: list[list[list[int]]] | None = None, logprobs: int | None = None, draws=None, draft=None):
+               paths: list[list[list[int]]] | None = None, logprobs: int | None = None, draws=None, draft=None,
+               starts: list[int] | None = None):
         """The target's token at every position of every row (rows, T), each row with its own history, processors
         and draws (dflash.core.sampling.RowDraw; None: all greedy); rejection rows verify `draft`'s sampled proposals.
-        For a tree, position j follows history + paths[row][j]. With logprobs=k also (chosen, top-k ids, top-k
-        log-probs) of the distributions the tokens were drawn from."""
+        For a tree, position j follows history + paths[row][j]; row i's output starts at histories[i][starts[i]].
+        With logprobs=k also (chosen, top-k ids, top-k log-probs) of the distributions the tokens were drawn from."""
         if draws is None and all(not s.processors for s in self.samplers):
             scores = logits  # the common case: one argmax for the whole batch
             tokens = logits.argmax(dim=-1)
         else:
             per_row = [s.scores(logits[i], histories[i], None if block is None else block[i],
-                                None if paths is None else paths[i]) for i, s in enumerate(self.samplers)]
+                                None if paths is None else paths[i], 0 if starts is None else starts[i])
+                       for i, s in enumerate(self.samplers)]
             tokens = []
             for i, (sampler, scores) in enumerate(zip(self.samplers, per_row)):
                 draw = draws[i] if draws is not None else None

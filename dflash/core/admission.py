@@ -23,7 +23,7 @@ class Admission:
     """A row being prefilled into caches of its own before it joins `engine`'s batch."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], sampling: SamplingParams | None = None,
-                 chunk: int | None = None):
+                 chunk: int | None = None, generated: int = 0):
         self.engine, self.prompt_tokens = engine, len(prompt_ids)
         self.started = time.perf_counter()
         self.first: int | None = None  # its first token, once the whole prompt is in
@@ -33,7 +33,7 @@ class Admission:
         row.logprobs, row.verify_mode = engine.logprobs, engine.verify_mode
         row.set_sampling(sampling or engine.sampling)
         self.row = row
-        self._chunks = row.prefill_chunks(prompt_ids)
+        self._chunks = row.prefill_chunks(prompt_ids, generated)
 
     def advance(self) -> bool:
         """Prefill the next chunk; True once the prompt is in."""

@@ -111,9 +111,12 @@ class Target(Protocol):
     def set_sampling(self, params: SamplingParams) -> None: ...            # every row; spawn/merge/select keep
     # each row's own settings; sample: (rows, T, V) -> (rows, T), each row drawn with its RowDraw's noise (draws
     # None: all greedy), rejection rows verifying the draft's sampled proposals (Draft.q_ids / q_probs); with
-    # logprobs=k also (chosen, top-k ids, top-k log-probs), each (rows, T[, k]), of the distributions drawn from
+    # logprobs=k also (chosen, top-k ids, top-k log-probs), each (rows, T[, k]), of the distributions drawn from.
+    # Position j of row i follows histories[i] + block[i][:j+1] (a tree: + paths[i][j]); its output starts at
+    # histories[i][starts[i]] (presence and frequency penalties count the output only; None: all of it)
     def sample(self, logits, histories: list[list[int]], block, paths=None, logprobs: int | None = None,
-               draws: list[RowDraw] | None = None, draft: Draft | None = None): ...
+               draws: list[RowDraw] | None = None, draft: Draft | None = None,
+               starts: list[int] | None = None): ...
     def gumbel(self, keys: list[int]): ...                                  # (len(keys), V) noise, a row per key
 
     # the model and its cache

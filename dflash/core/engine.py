@@ -180,42 +180,44 @@ class Engine:
         self.reset()
         return [self.admit(p, s) for p, s in zip(prompts, samplings)]
 
-    def admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None) -> int:
+    def admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, generated: int = 0) -> int:
         """A new row joins the running batch between cycles: its prompt is prefilled alone, then its caches are
-        appended to the batch's. It samples with `sampling` (default: the engine's). Returns its first token."""
+        appended to the batch's. It samples with `sampling` (default: the engine's). `generated`: the last that many
+        ids are the row's own output already (a row rebuilt from its committed tokens). Returns its first token."""
         prompt_ids = list(prompt_ids)
         check_fits(prompt_ids, self.max_context)
         if not self.rows:
             if sampling is not None:
                 self.set_sampling(sampling)
             self._adopt_prefix(prompt_ids)
-            return self._prefill_single(prompt_ids)
-        admission = self.begin_admit(prompt_ids, sampling)
+            return self._prefill_single(prompt_ids, generated)
+        admission = self.begin_admit(prompt_ids, sampling, generated=generated)
         while not admission.advance():
             pass
         return self.end_admit(admission)
 
     def begin_admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
-                    chunk: int | None = None) -> Admission:
+                    chunk: int | None = None, generated: int = 0) -> Admission:
         """admit() in steps, for a caller that interleaves a joining prompt with the batch's cycles: the prompt is
         prefilled `chunk` tokens per Admission.advance() into caches of its own (dflash/core/admission.py), then
         end_admit merges it."""
         prompt_ids = list(prompt_ids)
         check_fits(prompt_ids, self.max_context)
-        return Admission(self, prompt_ids, sampling, chunk)
+        return Admission(self, prompt_ids, sampling, chunk, generated)
 
     def end_admit(self, admission: Admission, alone: bool = False) -> int:
         """Merge a prefilled row into the batch, target and drafter caches together or neither; `alone`: the batch
         emptied meanwhile, so the row's caches become the engine's. Returns its first token."""
         return admission.join(alone)
 
-    def _prefill_single(self, prompt_ids: list[int]) -> int:
-        for first in self.prefill_chunks(prompt_ids):
+    def _prefill_single(self, prompt_ids: list[int], generated: int = 0) -> int:
+        for first in self.prefill_chunks(prompt_ids, generated):
             pass
         return first
 
-    def prefill_chunks(self, prompt_ids: list[int]):
-        """Prefill chunk by chunk: yields None after every chunk but the last, then the first token."""
+    def prefill_chunks(self, prompt_ids: list[int], generated: int = 0):
+        """Prefill chunk by chunk: yields None after every chunk but the last, then the first token. `generated`:
+        the last that many ids are the row's own output (see admit)."""
         self._copies = []
         self.crop(common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
         if not self.rows:  # (a fresh engine, or the crop had to start over)
@@ -224,7 +226,8 @@ class Engine:
         self.last_reused = start
         # a fresh noise seed per generation (unless the request has one): its draws are keyed by position
         self.row_sampling = [RowSampling.admit(self.sampling, getattr(self.drafter, "distribution", False),
-                                               trees=self.verify_mode == "tree")]
+                                               trees=self.verify_mode == "tree",
+                                               prompt_tokens=len(prompt_ids) - generated)]
         for at in range(start, len(prompt_ids), self.prefill_chunk):
             chunk = prompt_ids[at:at + self.prefill_chunk]
             logits, features = self.target.forward(self.target.ids([chunk]), last_only=True)
@@ -403,10 +406,13 @@ class Engine:
     def _sample(self, logits, histories, block, paths=None, draws=None, draft=None):
         """(the target's tokens, None); with self.logprobs set, (tokens, (chosen, tops)): per row and position the
         chosen token's log-probability and its top (id, log-probability) pairs, on the host."""
+        starts = [r.prompt_tokens for r in self.row_sampling]
         if self.logprobs is None:
-            return self.target.sample(logits, histories, block, paths, draws=draws, draft=draft), None
+            return self.target.sample(logits, histories, block, paths, draws=draws, draft=draft,
+                                      starts=starts), None
         tokens, (chosen, top_ids, top_lps) = self.target.sample(logits, histories, block, paths,
-                                                                logprobs=self.logprobs, draws=draws, draft=draft)
+                                                                logprobs=self.logprobs, draws=draws, draft=draft,
+                                                                starts=starts)
         chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
         tops = [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)]
         return tokens, (chosen, tops)

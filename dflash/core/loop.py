@@ -6,6 +6,7 @@ state over the backend's Target and Drafter (dflash/core/contract.py).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence
@@ -14,6 +15,8 @@ from .errors import DFlashError
 from .sampling import SamplingParams
 from .stats import cycle_counts, mean_acceptance_length
 from .text import Detokenizer, find_stop
+
+log = logging.getLogger("dflash.batch")
 
 
 @dataclass
@@ -203,18 +206,18 @@ class Batch:
         except Exception as e:
             if len(self.rows) == 1:
                 raise  # nothing to isolate: the caller fails this generation
-            self._isolate(e)
-            return []
-        out = []
-        for row, step in zip(self.rows, steps):
-            row.lengths.append(len(step.tokens))
-            row.verified.append(step.verified)
-            row.draft_forwards.append(step.draft_forward)
-            if row.gen.trace:
-                row.drafted.append(step.drafted)
-            out.append((row.gen, row.add(step.tokens, step.logprobs, step.top_logprobs)))
+            return self._isolate(e)
+        out = [(row.gen, self._record(row, step)) for row, step in zip(self.rows, steps)]
         self._leave()
         return out
+
+    def _record(self, row: _Row, step) -> Increment:
+        row.lengths.append(len(step.tokens))
+        row.verified.append(step.verified)
+        row.draft_forwards.append(step.draft_forward)
+        if row.gen.trace:
+            row.drafted.append(step.drafted)
+        return row.add(step.tokens, step.logprobs, step.top_logprobs)
 
     def cancel(self, gen: "Generation") -> None:
         """Drop a live generation now (finish_reason "cancelled"); its row is freed before the next cycle."""
@@ -223,38 +226,47 @@ class Batch:
                 row.finish = "cancelled"
         self._leave()
 
-    def _isolate(self, error: Exception) -> None:
+    def _isolate(self, error: Exception) -> list[tuple["Generation", Increment]]:
         """A batched step raised. Its caches may hold half a cycle (drafted, forwarded, not committed), and undoing
-        that in place would need every backend to rewind a failed forward, so none of it is trusted: the engine is
-        reset and each row replays one step alone, rebuilt from its committed tokens (prompt + tokens[:-1] cached,
-        tokens[-1] the anchor: exactly the state after a commit). A row whose replay raises fails alone (finish
-        "error", its own message); the others are rebuilt into a fresh batch and go on. If no row fails alone, the
-        failure needs the batch, and every row fails with it (no retry loop). Greedy rows continue as they would
-        have, and so do seeded sampled rows (their noise is keyed by position, not by the draws before)."""
-        engine, failed = self.engine, {}
+        that in place would need every backend to rewind a failed forward, so none of it is trusted: each row replays
+        the cycle alone, rebuilt from its committed tokens (prompt + tokens[:-1] cached, tokens[-1] the anchor:
+        exactly the state after a commit), and its replay is its cycle. A row whose replay raises fails alone (finish
+        "error", its own message). When every row replays clean, the failure was the batch's, not a request's: it is
+        logged once (the traceback at debug level) and no row fails. The rows left are rebuilt into a fresh batch and
+        go on; each has committed a cycle, so a batch that fails every cycle still finishes its rows. Greedy rows
+        continue as they would have, and so do seeded sampled rows (their noise is keyed by position, not by the
+        draws before)."""
+        engine, failed, out = self.engine, {}, []
         for row in self.rows:
             engine.reset()
             try:
                 self._rebuild(row)
-                engine.step([row.tokens[-1]])
+                step = engine.step([row.tokens[-1]])[0]
             except Exception as e:  # noqa: BLE001  (the row's own failure, reported on it)
                 failed[id(row)] = f"{type(e).__name__}: {e}"
+                continue
+            out.append((row.gen, self._record(row, step)))
         engine.reset()
         if not failed:
-            failed = {id(r): f"{type(error).__name__}: {error}" for r in self.rows}
-        survivors = [r for r in self.rows if id(r) not in failed]
-        for row in survivors:
-            self._rebuild(row)
+            log.warning("batch step failed with every one of its %d rows replaying clean alone (a batch fault, not "
+                         "a request's): %s: %s; the rows go on in a rebuilt batch", len(self.rows),
+                         type(error).__name__, error)
+            log.debug("the batch fault", exc_info=error)
         now = time.perf_counter()
         for row in self.rows:
             if id(row) in failed:
-                row.finish, row.error, row.seconds = "error", failed[id(row)], now - row.started
+                row.finish, row.error = "error", failed[id(row)]
+            if row.finish is not None:  # (failed, or finished by its replay)
+                row.seconds = now - row.started
                 row.gen.result = row.result(engine)
-        self.rows = survivors
+        self.rows = [r for r in self.rows if r.finish is None]
+        for row in self.rows:
+            self._rebuild(row)
         self._want_logprobs()
+        return out
 
     def _rebuild(self, row: _Row) -> None:
-        self.engine.admit(row.gen.prompt_ids + row.tokens[:-1], row.gen.sampling)
+        self.engine.admit(row.gen.prompt_ids + row.tokens[:-1], row.gen.sampling, generated=len(row.tokens) - 1)
 
     def _leave(self) -> None:
         done = [j for j, r in enumerate(self.rows) if r.finish is not None]

@@ -29,9 +29,12 @@ from .errors import DFlashError
 
 # vLLM's conventions: a temperature below this is greedy (dividing logits by 1e-38 overflows to inf and the softmax to
 # nan); top_k -1 is "off" like 0. The repetition penalty divides (or multiplies) logits by itself, so it is kept
-# within a range that cannot overflow float16/32 logits.
+# within a range that cannot overflow float16/32 logits. The presence and frequency penalties and the logit bias take
+# OpenAI's ranges.
 SAMPLING_EPS = 1e-5
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PRESENCE_PENALTY_RANGE = FREQUENCY_PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # divides a seen token's positive logit, multiplies a negative one
+    # OpenAI's: subtracted from the logit of every token the output holds so far (presence), once per occurrence
+    # (frequency); the prompt is not counted (vLLM's reading), unlike the repetition penalty's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
     seed: int | None = None
     accept: str = "auto"  # the acceptance rule when sampling: "auto", "match" or "rejection" (acceptance_rule)
 
@@ -48,15 +56,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> "SamplingParams":
-        """Refuse what no sampler can use; returns the settings normalised (a temperature below SAMPLING_EPS is
-        greedy: 0; top_k -1 is off: 0)."""
+    @property
+    def output_penalties(self) -> bool:
+        """The presence or the frequency penalty is on (their counts are over the output only)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Refuse what no sampler can use (logit_bias ids outside 0 .. vocab_size - 1 when it is given); returns the
+        settings normalised (a temperature below SAMPLING_EPS is greedy: 0; top_k -1 is off: 0; logit_bias sorted,
+        zero biases dropped)."""
         def bad(flag: str, value, expected: str):
             raise DFlashError(f"--{flag}: got {value!r}, expected {expected}")
 
         for flag, value in (("temperature", self.temperature), ("top-p", self.top_p), ("min-p", self.min_p),
-                            ("repetition-penalty", self.repetition_penalty)):
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                            ("repetition-penalty", self.repetition_penalty),
+                            ("presence-penalty", self.presence_penalty),
+                            ("frequency-penalty", self.frequency_penalty)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 bad(flag, value, "a finite number")
         if self.temperature < 0:
             bad("temperature", self.temperature, ">= 0 (0 = greedy)")
@@ -69,14 +85,40 @@ class SamplingParams:
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
             bad("repetition-penalty", self.repetition_penalty, f"a value in [{low:g}, {high:g}] (1 = off)")
+        for flag, value, (low, high) in (("presence-penalty", self.presence_penalty, PRESENCE_PENALTY_RANGE),
+                                         ("frequency-penalty", self.frequency_penalty, FREQUENCY_PENALTY_RANGE)):
+            if not low <= value <= high:
+                bad(flag, value, f"a value in [{low:g}, {high:g}] (0 = off)")
+        bias = _checked_bias(self.logit_bias, vocab_size)
         if self.seed is not None and self.seed < 0:
             bad("seed", self.seed, ">= 0")
         if self.accept not in ACCEPT_RULES:
             bad("accept", self.accept, " or ".join(repr(r) for r in ACCEPT_RULES))
-        if self.temperature < SAMPLING_EPS and self.temperature != 0.0 or self.top_k == -1:
+        if self.temperature < SAMPLING_EPS and self.temperature != 0.0 or self.top_k == -1 or bias != self.logit_bias:
             return replace(self, temperature=0.0 if self.temperature < SAMPLING_EPS else self.temperature,
-                           top_k=max(self.top_k, 0))
+                           top_k=max(self.top_k, 0), logit_bias=bias)
         return self
+
+
+def _checked_bias(pairs, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs without zeros; one line for the first bad pair."""
+    low, high = LOGIT_BIAS_RANGE
+    out = {}
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise DFlashError(f"--logit-bias: got {pair!r}, expected (token id, bias) pairs")
+        token, value = pair
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or \
+                vocab_size is not None and token >= vocab_size:
+            span = f"0 .. {vocab_size - 1}" if vocab_size is not None else ">= 0"
+            raise DFlashError(f"--logit-bias: token id {token!r} is outside the vocabulary ({span})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise DFlashError(f"--logit-bias: token {token}: got {value!r}, expected a bias in [{low:g}, {high:g}]")
+        if token in out:
+            raise DFlashError(f"--logit-bias: token {token} is biased twice")
+        if value:
+            out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 ACCEPT_RULES = ("auto", "match", "rejection")
@@ -132,16 +174,18 @@ def uniforms(seed: int, stream: str, positions) -> list[float]:
 @dataclass(frozen=True)
 class RowSampling:
     """What one row samples with, fixed when it is admitted: its settings, its acceptance rule and its noise seed
-    (the request's, or one drawn at admission)."""
+    (the request's, or one drawn at admission), and where its output starts."""
 
     params: SamplingParams
     rule: str
     seed: int
+    prompt_tokens: int = 0  # the row's cached tokens before its output (what presence/frequency penalties skip)
 
     @classmethod
-    def admit(cls, params: SamplingParams, has_distribution: bool = False, trees: bool = False) -> "RowSampling":
+    def admit(cls, params: SamplingParams, has_distribution: bool = False, trees: bool = False,
+              prompt_tokens: int = 0) -> "RowSampling":
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return cls(params, acceptance_rule(params, has_distribution, trees), seed)
+        return cls(params, acceptance_rule(params, has_distribution, trees), seed, prompt_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -257,12 +257,14 @@ def choose_counts(values: Sequence[Sequence[float]], verify_seconds: Callable[[i
 class TreeInputs:
     """What one tree verify forward needs, for every row padded to the widest tree (numpy arrays): row i's slot j
     holds token ids[i, j] at position (the row's next position) + depths[i, j] and attends to the committed context
-    and to the slots allowed[i, j]; real[i, j] is False for padding."""
+    and to the slots allowed[i, j]; real[i, j] is False for padding. paths[i][j]: the tokens from the root to slot j,
+    the history its target token follows (a padding slot is a copy of the root, and its path the root's)."""
 
     ids: np.ndarray  # (rows, width) int64
     depths: np.ndarray  # (rows, width) int64
     allowed: np.ndarray  # (rows, width, width) bool
     real: np.ndarray  # (rows, width) bool
+    paths: list[list[list[int]]]  # (rows, width, depth + 1)
 
     @classmethod
     def of(cls, trees: Sequence[Tree]) -> "TreeInputs":
@@ -280,7 +282,9 @@ class TreeInputs:
             real[r, :n] = True
             for i in range(1, n):  # parents come first: a node sees what its parent sees, and itself
                 allowed[r, i, :i] |= allowed[r, t.parents[i], :i]
-        return cls(ids, depths, allowed, real)
+        # every slot gets a path, padding too: a sampler processes all `width` positions of every row
+        paths = [t.paths() + [t.tokens[:1]] * (width - len(t.tokens)) for t in trees]
+        return cls(ids, depths, allowed, real, paths)
 
     @property
     def width(self) -> int:

@@ -42,7 +42,7 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
         for draw, depths in zip(draws, inputs.depths.tolist()):
             if draw.gumbel is not None:
                 draw.gumbel = draw.gumbel[target.ids([depths])[0]]
-    tokens, logprobs = engine._sample(logits, engine.rows, ids, [t.paths() for t in plan.trees], draws)
+    tokens, logprobs = engine._sample(logits, engine.rows, ids, inputs.paths, draws)
     tokens = target.to_host(tokens)
     steps, paths, slots = [], [], []
     for tree, row_tokens in zip(plan.trees, tokens):

@@ -129,7 +129,7 @@ class Intake:
             raise ApiError(400, f"n: got {req.n}, only n=1 is supported (send n requests instead)", "n")
         _unsupported(req, chat)
         try:
-            sampling = req.sampling(self.sampling_defaults).validate()
+            sampling = req.sampling(self.sampling_defaults).validate(self.engine.info.vocab_size)
         except DFlashError as e:
             raise _sampling_error(e) from None
         if req.seed is not None and req.seed >= 2**63:

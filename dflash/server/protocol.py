@@ -1,7 +1,7 @@
 """OpenAI's request bodies (the fields dflash serves) and error objects.
 
 Types are strict (a string temperature is refused, not coerced); unknown fields are ignored, as OpenAI-compatible
-servers do, so clients that send `presence_penalty` or `user` still work.
+servers do, so clients that send `user` or `metadata` still work.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class _Sampled(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token ids (as strings) -> bias
     seed: int | None = None
     accept: Literal["auto", "match", "rejection"] = "auto"  # the acceptance rule when sampling (dflash.core.sampling)
     n: int = 1
@@ -63,7 +66,19 @@ class _Sampled(BaseModel):
         OpenAI's (temperature 1, everything else off)."""
         values = {**OPENAI_DEFAULTS, **(defaults or {})}
         values.update({k: getattr(self, k) for k in OPENAI_DEFAULTS if getattr(self, k) is not None})
-        return SamplingParams(**values, seed=self.seed, accept=self.accept)
+        return SamplingParams(**values, presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0, logit_bias=self.bias_pairs(),
+                              seed=self.seed, accept=self.accept)
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs: OpenAI's keys are token ids written as strings."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ApiError(400, f"logit_bias: key {key[:20]!r} is not a token id (expected ids as strings, "
+                               "e.g. {\"50256\": -100})", "logit_bias")
+            pairs.append((int(key), value))
+        return tuple(pairs)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

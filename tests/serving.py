@@ -1,0 +1,79 @@
+"""Cases shared by the server tests of both backends (tests/test_serve.py, tests/test_serve_mlx.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+
+# a CPU-like device where every verified token costs: --verify auto then sizes each row's tree by its own drafts
+# (and verifies copied branches alone while drafting pauses), so rows' trees differ in width
+STEEP_COSTS = {"draft_seconds": 0.5, "verify_seconds": [[1, 1.0], [2, 1.2], [16, 1.6], [64, 4.5]]}
+
+
+def seed_costs(cache_dir: Path, backend: str, costs: dict = STEEP_COSTS) -> None:
+    """Write `costs` as the bundled pair's --verify auto profile on `backend` under cache_dir (DFLASH_CACHE_DIR),
+    keyed as a server started with the same environment keys it, so the server runs auto under these costs instead
+    of measuring its own."""
+    code = ("import dflash; from dflash.core.costs import cost_key; "
+            f"print(cost_key(dflash.load(backend={backend!r}, verify='chain').backend))")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DFLASH_CACHE_DIR=str(cache_dir))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         check=True)
+    path = cache_dir / "costs" / f"{out.stdout.split()[-1]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(costs))
+
+
+def complete(server, prompt: str, max_tokens: int, **fields) -> str:
+    r = httpx.post(server.url + "/v1/completions", timeout=300,
+                   json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def stream(server, prompt: str, max_tokens: int, started: threading.Event, out: dict, **fields) -> None:
+    """A streamed greedy completion; `started` is set at its first token, out["text"] / out["error"] at its end."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **fields}
+    text = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out["error"] = event["error"]["message"]
+                continue
+            text.append(event["choices"][0]["text"])
+            started.set()
+    started.set()
+    out["text"] = "".join(text)
+
+
+PENALTY = {"repetition_penalty": 1.05}
+# a long greedy stream on a prompt prompt-lookup can copy from, and a request that joins it: greedy + penalty joining
+# greedy, the reverse, and two penalised rows
+JOINS = [({}, PENALTY), (PENALTY, {}), (PENALTY, PENALTY)]
+LONG_PROMPT = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\nx = 1\n"
+JOIN_PROMPT = "def fibonacci(n):"
+
+
+def penalised_rows_join_greedy_streams(server) -> None:
+    """Each pair of JOINS: the joining request and the running stream both succeed with their outputs alone."""
+    for first, second in JOINS:
+        want = complete(server, LONG_PROMPT, 96, **first), complete(server, JOIN_PROMPT, 48, **second)
+        started, out = threading.Event(), {}
+        runner = threading.Thread(target=stream, args=(server, LONG_PROMPT, 96, started, out), kwargs=first)
+        runner.start()
+        assert started.wait(120)
+        joined = complete(server, JOIN_PROMPT, 48, **second)
+        runner.join(300)
+        assert "error" not in out, (first, second, out["error"])
+        assert (out["text"], joined) == want, (first, second)
+    log = server.log()
+    assert "engine failure" not in log and "batch fault" not in log and "Traceback" not in log, log[-3000:]
