@@ -219,7 +219,8 @@ def test_target_to_mlx(tmp_path, tiny_target_dir, transformers_5_llama, capsys):
     # mlx-lm copies a transformers-5 config as it is: the written one carries RoPE at the top level too
     from dflash.converters.target import target_to_mlx
 
-    config = json.loads((target_to_mlx(transformers_5_llama[0], tmp_path / "t5", quiet=True) / "config.json").read_text())
+    written = target_to_mlx(transformers_5_llama[0], tmp_path / "t5", quiet=True)
+    config = json.loads((written / "config.json").read_text())
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 100000.0
     # a directory that is not a model: one line, and no output directory
     empty = tmp_path / "empty"
