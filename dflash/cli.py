@@ -12,7 +12,7 @@ from .api import load
 from .core import blas
 from .core.budget import ITL_LIMIT
 from .core.errors import DFlashError
-from .core.sampling import SamplingParams
+from .core.sampling import ACCEPT_RULES, SamplingParams
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -54,18 +54,24 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "tokens on the same machine, whatever the verify mode, budget or batch chose (every draw is "
                    "keyed by the token's position); default: a fresh seed every run")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: EOS only)")
-    p.add_argument("--accept", default="auto", choices=("auto", "match", "rejection"),
-                   help="acceptance rule when sampling: match (the draft proposes the token the target's own noise "
-                        "picks under the draft's distribution; output = target-only sampling with the same seed, "
-                        "chains and trees) or rejection (exact rejection sampling against the draft's distribution, "
-                        "chains; accepts more); default: %(default)s = match with --seed (its promise holds "
-                        "whatever the verify budget chose), else rejection")
+    p.add_argument("--accept", default="auto", choices=ACCEPT_RULES,
+                   help="acceptance rule when sampling (docs/sampling.md): match (the draft proposes the token the "
+                        "target's own noise picks under the draft's distribution; output = target-only sampling with "
+                        "the same seed, chains and trees); rejection, argmax, sharpened (exact rejection sampling "
+                        "against the draft's q, its argmax as a one-hot q, or q^(1/t) with --draft-temperature t; "
+                        "chains); shaped (rejection with the shape each request's cycles accept best: argmax, "
+                        "t = 0.5 or q); multi (trees: several one-hot children per node, recursive rejection; a "
+                        "chain verifies like argmax); default: %(default)s = shaped, or match with --seed (its "
+                        "promise holds whatever the verify budget chose) or --verify tree, the draft's shape chosen "
+                        "per request")
+    p.add_argument("--draft-temperature", type=float, default=0.5,
+                   help="--accept sharpened: the drafts come from q^(1/t), t in (0, 1] (default: %(default)s)")
 
 
 def sampling_from(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty, seed=args.seed,
-                          accept=args.accept).validate()
+                          accept=args.accept, draft_temperature=args.draft_temperature).validate()
 
 
 def restart_if_mlx(args) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.sampling import SamplingParams
+from ..core.sampling import ACCEPT_RULES, SamplingParams
 
 
 class ApiError(Exception):
@@ -52,7 +52,8 @@ class _Sampled(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    accept: Literal["auto", "match", "rejection"] = "auto"  # the acceptance rule when sampling (dflash.core.sampling)
+    accept: Literal[ACCEPT_RULES] = "auto"  # the acceptance rule when sampling (dflash.core.sampling)
+    draft_temperature: float = 0.5  # accept "sharpened": the drafts come from q^(1/t)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,7 +64,7 @@ class _Sampled(BaseModel):
         OpenAI's (temperature 1, everything else off)."""
         values = {**OPENAI_DEFAULTS, **(defaults or {})}
         values.update({k: getattr(self, k) for k in OPENAI_DEFAULTS if getattr(self, k) is not None})
-        return SamplingParams(**values, seed=self.seed, accept=self.accept)
+        return SamplingParams(**values, seed=self.seed, accept=self.accept, draft_temperature=self.draft_temperature)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
