@@ -19,10 +19,13 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     from .sampling import SamplingParams
 
-SHAPES = (0.0, 0.5, 1.0)  # the draft temperatures an unseeded DFlash row chooses from (argmax, sharpened, q)
-MATCH_SHAPES = (0.0, 1.0)  # ... and a matched one (argmax, coupled)
-EXPLORE = 0.1  # the share of cycles that try a shape at random (keyed by position: dflash.core.sampling)
-DECAY = 0.9  # per observation of a shape: its estimate follows the text as it changes
+# the draft temperatures an unseeded DFlash row chooses from (q, sharpened, argmax; ties go to the first), and a
+# matched one (coupled, argmax)
+SHAPES = (1.0, 0.5, 0.0)
+MATCH_SHAPES = (1.0, 0.0)
+MIN_TESTED = 8  # draft positions each shape tests before the estimates choose (one lucky cycle decides nothing)
+EXPLORE = 0.05  # the share of cycles after that which try a shape at random (keyed by position: dflash.core.sampling)
+DECAY = 0.95  # per observation of a shape: its estimate follows the text as it changes
 
 
 def draft_temperatures(rule: str, params: SamplingParams, auto: bool) -> tuple[float, ...]:
@@ -54,9 +57,9 @@ class ShapeChoice:
         n = len(self.temperatures)
         if n == 1:
             return self.temperatures[0]
-        for t, tested in zip(self.temperatures, self.tested):
-            if tested == 0:
-                return t  # every shape once first
+        least = min(range(n), key=lambda i: self.tested[i])
+        if self.tested[least] < MIN_TESTED:
+            return self.temperatures[least]  # every shape tests MIN_TESTED positions first, in turn
         if u < self.explore:
             return self.temperatures[min(int(u / self.explore * n), n - 1)]
         return self.temperatures[max(range(n), key=self.rate)]
