@@ -1,7 +1,7 @@
 """Per-position acceptance of every sampling rule on the bundled pair (docs/sampling.md): acceptance, not timing, so
 any machine may run it.
 
-For each temperature and rule, the bundled held-out reference prompts are sampled (prompt i with seed i) by a fixed
+For each temperature and rule, the bundled held-out reference prompts are sampled (prompt i with seed + i) by a fixed
 chain of block 16 (verify chain: every cycle verifies 15 proposals) or a fixed tree of 15 nodes (verify tree), and
 each cycle's accepted length is counted. Acceptance at position k = cycles that accepted >= k draft tokens over
 cycles that accepted >= k - 1 (and verified >= k): the probability that the k-th proposal is kept given the ones
@@ -45,7 +45,8 @@ def main() -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.3, 0.7, 1.0])
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--rules", help="comma-separated labels' accept rules to run (default: all)")
+    ap.add_argument("--rules", help="comma-separated accept rules to run (default: all)")
+    ap.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
     ap.add_argument("--out", help="JSON rows (also printed, one per line)")
     args = ap.parse_args()
     target, draft = reference_dirs()
@@ -62,7 +63,7 @@ def main() -> None:
             accepted, verified, tokens = [], [], 0
             for seed, prompt in enumerate(prompts):
                 pipes[mode].backend.reset()
-                params = SamplingParams(temperature=temperature, seed=seed, accept=rule,
+                params = SamplingParams(temperature=temperature, seed=args.seed + seed, accept=rule,
                                         draft_temperature=draft_temperature if rule == "sharpened" else 0.5)
                 r = generate(pipes[mode].backend, prompt["ids"], max_new_tokens=args.max_new_tokens, sampling=params)
                 accepted += [n - 1 for n in r.acceptance_lengths]
