@@ -13,7 +13,7 @@ from .api import load
 from .core import blas
 from .core.budget import ITL_LIMIT
 from .core.errors import DFlashError, did_you_mean
-from .core.sampling import SamplingParams
+from .core.sampling import ACCEPT_RULES, CHAIN_ONLY_RULES, SamplingParams
 
 
 class Parser(argparse.ArgumentParser):
@@ -99,12 +99,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "tokens on the same machine, whatever the verify mode, budget or batch chose (every draw is "
                    "keyed by the token's position); default: a fresh seed every run")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: EOS only)")
-    p.add_argument("--accept", default="auto", choices=("auto", "match", "rejection"),
-                   help="acceptance rule when sampling: match (the draft proposes the token the target's own noise "
-                        "picks under the draft's distribution; output = target-only sampling with the same seed, "
-                        "chains and trees) or rejection (exact rejection sampling against the draft's distribution, "
-                        "chains; accepts more); default: %(default)s = match with --seed (its promise holds "
-                        "whatever the verify budget chose), else rejection")
+    p.add_argument("--accept", default="auto", choices=ACCEPT_RULES,
+                   help="acceptance rule when sampling (docs/sampling.md): match (the draft proposes the token the "
+                        "target's own noise picks under the draft's distribution; output = target-only sampling with "
+                        "the same seed, chains and trees); rejection, argmax, sharpened (exact rejection sampling "
+                        "against the draft's q, its argmax as a one-hot q, or q^(1/t) with --draft-temperature t; "
+                        "chains); shaped (rejection with the shape each request's cycles accept best: argmax, "
+                        "t = 0.5 or q); multi (trees: several one-hot children per node, recursive rejection; a "
+                        "chain verifies like argmax); default: %(default)s = rejection, or match with --seed (its "
+                        "promise holds whatever the verify budget chose) or --verify tree")
+    p.add_argument("--draft-temperature", type=float, default=0.5,
+                   help="--accept sharpened: the drafts come from q^(1/t), t in (0, 1] (default: %(default)s)")
 
 
 def sampling_from(args, vocab_size: int | None = None) -> SamplingParams:
@@ -112,10 +117,11 @@ def sampling_from(args, vocab_size: int | None = None) -> SamplingParams:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, logit_bias=logit_bias(args.logit_bias),
-                            seed=args.seed, accept=args.accept).validate(vocab_size)
-    if args.verify == "tree" and params.accept == "rejection" and not params.greedy and not args.no_draft:
-        raise DFlashError("--accept rejection verifies chains only: with --verify tree use --accept match, or "
-                          "--verify chain / auto")
+                            seed=args.seed, accept=args.accept,
+                            draft_temperature=args.draft_temperature).validate(vocab_size)
+    if args.verify == "tree" and params.accept in CHAIN_ONLY_RULES and not params.greedy and not args.no_draft:
+        raise DFlashError(f"--accept {params.accept} verifies chains only: with --verify tree use --accept match or "
+                          "multi, or --verify chain / auto")
     return params
 
 

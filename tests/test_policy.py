@@ -1,6 +1,8 @@
 """The rules written once in dflash/core/rules.py give the same numbers on both backends, side by side: the sampling
-filters in one order (the temperature first, as transformers), the rejection rule with its residual draw, the
-inverse-CDF draw and the drafter's logit scaling."""
+filters in one order (the temperature first, as transformers), the rejection rule with its residual draw,
+multi-candidate rejection at tree nodes, the inverse-CDF draw and the drafter's logit scaling."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -45,6 +47,22 @@ def test_the_rejection_rule_and_its_draws_agree():
     u = RNG.random(b).astype(np.float32)
     assert (torch_sampling.inverse_cdf(torch.tensor(p), torch.tensor(u)).tolist()
             == np.array(mlx_sampling.inverse_cdf(mx.array(p), mx.array(u))).tolist())
+
+
+def test_multi_candidate_rejection_agrees():
+    """Nodes with three children, one child, none (a leaf) and children that cover all of p's mass."""
+    v = 12
+    p = RNG.dirichlet(np.ones(v), size=4).astype(np.float32)
+    p[3] = 0
+    p[3, [2, 5]] = [0.25, 0.75]
+    children = np.array([[4, 1, 7], [3, 3, 3], [0, 0, 0], [2, 5, 2]])
+    counted = np.array([[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]], dtype=np.float32)
+    for _ in range(20):
+        draw = SimpleNamespace(children=children, counted=counted, child_u=RNG.random((4, 3)),
+                               residual_u=RNG.random(4))
+        ours = torch_sampling.multi_candidate_tokens(torch.tensor(p), draw).tolist()
+        theirs = np.array(mlx_sampling.multi_candidate_tokens(mx.array(p), draw)).tolist()
+        assert ours == theirs and ours[3] in (2, 5)  # (the last node's children hold all of p)
 
 
 @pytest.mark.parametrize("multiplier,cap", [(1.0, None), (2.0, None), (0.5, 30.0)])

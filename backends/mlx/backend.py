@@ -27,7 +27,7 @@ from dflash.core.tree import TreeInputs
 from .draft_runner import MLXDraft
 from .drafter import DFlashDrafter
 from .rewind import MLXRewind, needs_rewind
-from .sampling import MLXSampler, gumbel, rejection_tokens
+from .sampling import MLXSampler, gumbel, multi_candidate_tokens, rejection_tokens
 from .target import TargetRunner, embedding, lm_head, target_info
 from .tree import explicit_positions, keep_path, positions_refusal
 
@@ -92,7 +92,9 @@ class MLXTarget:
             draw = draws[i] if draws is not None else None
             n = scores.shape[0] - 1  # (a chain may verify fewer positions than its draws cover)
             row = sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[: n + 1])
-            if draw is not None and draw.rule == "rejection" and draft is not None and draft.q_probs is not None:
+            if draw is not None and draw.children is not None:  # a multi row's tree: rejection at every node
+                row = multi_candidate_tokens(sampler.probabilities(scores), draw)
+            elif draw is not None and draw.rejects and draft is not None and draft.q_probs is not None:
                 row = rejection_tokens(sampler.probabilities(scores), block[i, 1:], draft.q_ids[i, :n],
                                        draft.q_probs[i, :n], mx.array(draw.accept_u[:n]),
                                        mx.array(draw.residual_u[:n]), row[-1])

@@ -111,3 +111,11 @@ def inverse_cdf(probs: mx.array, u: mx.array) -> mx.array:
 def rejection_tokens(p, drafted, q_ids, q_probs, accept_u, residual_u, bonus) -> mx.array:
     """dflash.core.rules.rejection_tokens on mx.arrays."""
     return rules.rejection_tokens(MLXOps, p, drafted, q_ids, q_probs, accept_u, residual_u, bonus)
+
+
+def multi_candidate_tokens(p: mx.array, draw) -> mx.array:
+    """dflash.core.rules.multi_candidate_tokens at a tree's nodes, with a multi row's children and noise
+    (dflash.core.sampling.RowDraw)."""
+    return rules.multi_candidate_tokens(MLXOps, p, mx.array(draw.children, dtype=mx.int32),
+                                        *(mx.array(x, dtype=mx.float32) for x in (draw.counted, draw.child_u,
+                                                                                 draw.residual_u)))

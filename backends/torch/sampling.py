@@ -85,6 +85,15 @@ def rejection_tokens(p, drafted, q_ids, q_probs, accept_u, residual_u, bonus) ->
     return rules.rejection_tokens(TorchOps, p, drafted, q_ids, q_probs, accept_u, residual_u, bonus)
 
 
+def multi_candidate_tokens(p: torch.Tensor, draw) -> torch.Tensor:
+    """dflash.core.rules.multi_candidate_tokens at a tree's nodes, with a multi row's children and noise
+    (dflash.core.sampling.RowDraw)."""
+    def tensor(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=p.device)
+    return rules.multi_candidate_tokens(TorchOps, p, tensor(draw.children, torch.long), tensor(draw.counted),
+                                        tensor(draw.child_u), tensor(draw.residual_u))
+
+
 def log_probs(scores: torch.Tensor, tokens: torch.Tensor, top: int):
     """(chosen, top ids, top log-probs) of processed scores (..., V) and the tokens drawn from them."""
     lp = torch.log_softmax(scores.float(), dim=-1)

@@ -22,7 +22,7 @@ from dflash.core.tree import TreeInputs
 from .attention import GROUPED_SDPA
 from .kv_cache import growing
 from .rewind import CacheRewind, bounded_layers
-from .sampling import TorchSampler, gumbel, log_probs, rejection_tokens
+from .sampling import TorchSampler, gumbel, log_probs, multi_candidate_tokens, rejection_tokens
 from .target import LayerCapture, target_info
 
 
@@ -100,7 +100,9 @@ class TorchTarget:
                 draw = draws[i] if draws is not None else None
                 t = scores.shape[0]  # (a chain may verify fewer positions than its draws cover)
                 row = sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[:t])
-                if draw is not None and draw.rule == "rejection" and draft is not None and draft.q_probs is not None:
+                if draw is not None and draw.children is not None:  # a multi row's tree: rejection at every node
+                    row = multi_candidate_tokens(torch.softmax(scores.float(), dim=-1), draw)
+                elif draw is not None and draw.rejects and draft is not None and draft.q_probs is not None:
                     as_tensor = lambda u: torch.tensor(u[:t - 1], device=self.device)  # noqa: E731
                     row = rejection_tokens(torch.softmax(scores.float(), dim=-1), block[i, 1:], draft.q_ids[i, :t - 1],
                                            draft.q_probs[i, :t - 1].float(), as_tensor(draw.accept_u),

@@ -34,6 +34,7 @@ from ..core.deps import install_hint
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
 from ..core.plots import can_plot
+from ..core.sampling import ACCEPT_RULES, SamplingParams
 from ..core.tokenizer import eos_token_ids, load_tokenizer
 from ..reference.ar_draft import ensure_ar_draft
 from .methods import BASELINES, METHODS, Method
@@ -74,8 +75,12 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked against the "
                    "baseline); > 0 = pure temperature sampling, no top-k/top-p (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
-    p.add_argument("--accept", default="auto", choices=("auto", "match", "rejection"),
-                   help="acceptance rule of the DFlash methods when sampling (default: %(default)s)")
+    p.add_argument("--accept", default="auto", choices=ACCEPT_RULES,
+                   help="acceptance rule of the DFlash methods when sampling (docs/sampling.md; every prompt is "
+                        "seeded, so auto matches: `shaped` is what auto picks for an unseeded request; default: "
+                        "%(default)s)")
+    p.add_argument("--draft-temperature", type=float, default=0.5,
+                   help="--accept sharpened: the drafts come from q^(1/t) (default: %(default)s)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by batched speculative "
                    "decoding (PyTorch DFlash methods: no_draft, dflash_b16, dflash_b8; default 1)")
@@ -151,6 +156,8 @@ def main(argv=None) -> int:
         raise DFlashError(f"--max-new-tokens: got {args.max_new_tokens}, expected >= 1")
     if args.temperature < 0:
         raise DFlashError(f"--temperature: got {args.temperature}, expected >= 0 (0 = greedy)")
+    SamplingParams(temperature=args.temperature, accept=args.accept,
+                   draft_temperature=args.draft_temperature).validate()  # (one line before any worker starts)
     if args.num_prompts is not None and args.num_prompts < 1:
         raise DFlashError(f"--num-prompts: got {args.num_prompts}, expected >= 1")
     if args.warmup < 0:
@@ -186,7 +193,8 @@ def main(argv=None) -> int:
                 "ar_draft": str(Path(ar_draft).resolve()) if ar_draft else None, "dtype": args.dtype,
                 "device": args.device,
                 "threads": threads, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "accept": args.accept, "seed": args.seed, "eos_token_ids": eos, "ignore_eos": args.ignore_eos,
+                "accept": args.accept, "draft_temperature": args.draft_temperature, "seed": args.seed,
+                "eos_token_ids": eos, "ignore_eos": args.ignore_eos,
                 "pad_token_id": tokenizer.pad_token_id, "lookup_tokens": args.lookup_tokens,
                 "mlx_draft_tokens": args.mlx_draft_tokens, "warmup": args.warmup,
                 "warmup_ids": prompts[0]["ids"], "batch_size": args.batch_size, "tree_budget": args.tree_budget}

@@ -116,7 +116,8 @@ class DFlashRunner:
     def generate(self, ids: list[int], seed: int) -> dict:
         self.pipe.backend.reset()  # no prompt-prefix reuse across prompts: every method prefills from scratch
         sampling = SamplingParams(temperature=self.cfg["temperature"], seed=seed,
-                                  accept=self.cfg.get("accept", "auto"))
+                                  accept=self.cfg.get("accept", "auto"),
+                                  draft_temperature=self.cfg.get("draft_temperature", 0.5))
         t0 = time.perf_counter()
         r = self.pipe.generate(ids, max_new_tokens=self.cfg["max_new_tokens"], sampling=sampling)
         return self._record(r, time.perf_counter() - t0)
@@ -132,7 +133,8 @@ class DFlashRunner:
         """One batch through batched speculative decoding (torch). Each row is charged the batch's wall time in
         proportion to its tokens, so per-token times and throughput are the batch's."""
         sampling = SamplingParams(temperature=self.cfg["temperature"], seed=seed,
-                                  accept=self.cfg.get("accept", "auto"))
+                                  accept=self.cfg.get("accept", "auto"),
+                                  draft_temperature=self.cfg.get("draft_temperature", 0.5))
         t0 = time.perf_counter()
         results = self.pipe.generate_batch(prompts, max_new_tokens=self.cfg["max_new_tokens"], sampling=sampling)
         wall = time.perf_counter() - t0

@@ -35,7 +35,7 @@ class Draft:
     top_ids: object = None
     top_probs: object = None
     # when the drafter sampled its proposals (rejection verification): per proposal the candidate ids and the draft
-    # distribution q over them (rows, B-1, k)
+    # distribution q over them (rows, B-1, k), in the cycle's shape (q sharpened, or one-hot at the argmax)
     q_ids: object = None
     q_probs: object = None
 
@@ -110,7 +110,8 @@ class Target(Protocol):
     # sampling: the target's token at each position, as target-only decoding would draw it
     def set_sampling(self, params: SamplingParams) -> None: ...            # every row; spawn/merge/select keep
     # each row's own settings; sample: (rows, T, V) -> (rows, T), each row drawn with its RowDraw's noise (draws
-    # None: all greedy), rejection rows verifying the draft's sampled proposals (Draft.q_ids / q_probs); with
+    # None: all greedy), rejection rows verifying the draft's sampled proposals (Draft.q_ids / q_probs), multi rows
+    # in a tree their nodes' children (RowDraw.children: dflash.core.rules.multi_candidate_tokens); with
     # logprobs=k also (chosen, top-k ids, top-k log-probs), each (rows, T[, k]), of the distributions drawn from.
     # Position j of row i follows histories[i] + block[i][:j+1] (a tree: + paths[i][j]); its output starts at
     # histories[i][starts[i]] (presence and frequency penalties count the output only; None: all of it)
@@ -148,8 +149,8 @@ class Drafter(Protocol):
 
     def extend(self, pending: Pending | None) -> None: ...                 # absorb context without drafting (prefill)
     # proposals per row by its draw: greedy rows the argmax; match rows argmax(warped logits + the target's own
-    # Gumbel noise); rejection rows a sample of q (returned as Draft.q_ids / q_probs); with top_k the per-position
-    # candidates (greedy: by probability; sampled: by the noise-perturbed score)
+    # Gumbel noise); rejection rows a sample of q in the cycle's shape (returned as Draft.q_ids / q_probs); with
+    # top_k the per-position candidates (greedy and multi: by probability; matched: by the noise-perturbed score)
     def propose(self, anchor_ids, pending: Pending | None, block_size: int, top_k: int = 0,
                 draws: list[RowDraw] | None = None) -> Draft: ...
     def crop(self, position: int) -> bool: ...

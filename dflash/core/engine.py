@@ -93,7 +93,8 @@ class Engine:
 
     @property
     def accept_rules(self) -> list[str]:
-        """Each row's acceptance rule: greedy, match or rejection (dflash.core.sampling)."""
+        """Each row's acceptance rule: greedy, match, rejection, argmax, sharpened, shaped or multi
+        (dflash.core.sampling)."""
         return [r.rule for r in self.row_sampling]
 
     def set_verify(self, mode: str = "chain", budget: int | None = None, costs: Costs | None = None,
@@ -262,7 +263,7 @@ class Engine:
             return steps
         if self.planner is not None:
             start = time.perf_counter()
-            path = self.planner.path() if "rejection" not in self.accept_rules else "chain"
+            path = self.planner.path() if not any(r.chains_only for r in self.row_sampling) else "chain"
             steps = tree_step(self, list(anchors)) if path == "tree" else self._chain_step(anchors, top_k=0)
             self.planner.observe_speed(path, [s.accepted for s in steps], time.perf_counter() - start)
             return steps
@@ -282,6 +283,9 @@ class Engine:
         drafted = length != 0 and self.drafter is not None
         steps = [Step(t[: accepted_length(d, t) + 1], d, len(d), drafted)
                  for d, t in zip(result.proposals, result.tokens)]
+        if draws is not None and length != 0:  # what each row's proposal shape accepted (dflash.core.shapes)
+            for draw, step in zip(draws, steps):
+                draw.sampling.shapes.observe(draw.draft_temperature, step.accepted, step.verified)
         if result.logprobs is not None:
             for step, chosen, top in zip(steps, result.logprobs, result.top_logprobs):
                 step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]
@@ -300,8 +304,9 @@ class Engine:
 
     def verify(self, draft: Draft, draws: list[RowDraw] | None = None) -> Verified:
         """The target's token at every position of each row's block, in one forward, under the row's rule: its own
-        draw (greedy, match), or, for a rejection row, the draft token where rejection sampling accepts it and the
-        residual's draw where it does not (so the longest agreeing prefix is the accepted one either way)."""
+        draw (greedy, match), or, for a row verifying by rejection (any proposal shape), the draft token where
+        rejection sampling accepts it and the residual's draw where it does not (so the longest agreeing prefix is
+        the accepted one either way)."""
         logits, features = self.target.forward(draft.ids, last_only=False)
         tokens, logprobs = self._sample(logits, self.rows, draft.ids, draws=draws, draft=draft)
         rows = self.target.to_host(self.target.cat([draft.ids, tokens]))  # the cycle's one device -> host read

@@ -45,7 +45,7 @@ class GenerationResult:
     verified: list[int] = field(default_factory=list)  # draft tokens the target verified, per cycle
     draft_forwards: list[bool] = field(default_factory=list)  # per cycle: whether it ran a draft forward
     verify_note: str = ""
-    accept_rule: str = "greedy"  # greedy, match or rejection (dflash.core.sampling)
+    accept_rule: str = "greedy"  # greedy, or a sampled row's rule (dflash.core.sampling.acceptance_rule)
     error: str = ""  # finish_reason "error": why this row failed (the batch's other rows went on)
 
     @property

@@ -2,12 +2,14 @@
 draft logits to [anchor, proposals] per row by its rule, the tree candidates, and the draft distribution q that
 rejection rows verify against (docs/sampling.md).
 
-- DFlash (`choose`): greedy rows take the argmax; match rows the argmax of the filtered logits plus the target's own
-  Gumbel noise at each position (the token the target draws whenever the draft's distribution equals its own);
-  rejection rows draw from q, the filtered distribution on its Q_CANDIDATES most probable tokens, renormalised, with
-  the draft stream's uniforms. Sampled rows rank their tree candidates by the same perturbed score.
+- DFlash (`choose`): greedy rows take the argmax; match rows the argmax of the filtered logits, sharpened by the
+  cycle's draft temperature t, plus the target's own Gumbel noise at each position (t = 1: the token the target
+  draws whenever the draft's distribution equals its own; t = 0: the plain argmax); rejection rows draw from q_t,
+  the filtered distribution sharpened to q^(1/t) on its Q_CANDIDATES most probable tokens, renormalised, with the
+  draft stream's uniforms (t = 0: the one-hot q at the argmax). Sampled rows rank their tree candidates by the
+  same score (multi rows: q's top-k, fixed before any target draw).
 - DFlash2 (`selector_walk`): the candidate selector's walk from the anchor, greedy, or for rejection rows drawn from
-  q_t = softmax(S_t(a, .) / T) with the same uniforms.
+  q_t = softmax(S_t(a, .) / (T t)) with the same uniforms (t = 0: the greedy walk, q one-hot).
 
 The backend supplies `filtered(params, logits)`: its own sampling filters (transformers' warpers, mlx-lm's samplers)
 applied to one row's logits (P, V), as log-weights whose softmax is the distribution the row samples from.
@@ -34,18 +36,25 @@ def choose(ops: ArrayOps, anchor_ids, logits, draws, top_k: int, filtered: Calla
         if draw.rule == "greedy":
             proposals.append(greedy[i])
             continue
-        warped = filtered(draw.params, logits[i])
-        if draw.rule == "match":
-            perturbed = warped + draw.gumbel[:positions]
-            proposals.append(ops.argmax(perturbed, axis=-1))
+        warped, t = filtered(draw.params, logits[i]), draw.draft_temperature
+        if draw.rule == "match":  # t = 0: the plain argmax; else argmax(log q_t + the target's own noise)
+            score = warped if t == 0 else (warped if t == 1.0 else warped / t) + draw.gumbel[:positions]
+            proposals.append(ops.argmax(score, axis=-1))
             if top_k:
-                tops[i] = ops.top_k(ops.softmax(perturbed, axis=-1), top_k)
+                tops[i] = ops.top_k(ops.softmax(score, axis=-1), top_k)
             continue
-        probs, ids = ops.top_k(ops.softmax(warped, axis=-1), min(Q_CANDIDATES, warped.shape[-1]))
-        probs = probs / ops.sum(probs, axis=-1, keepdims=True)
-        pick = inverse_cdf(ops, probs, ops.from_host(draw.draft_u[:positions], like=probs))
-        proposals.append(ops.gather(ids, pick[:, None], axis=1)[:, 0])
+        probs, ids = ops.top_k(ops.softmax(warped / t if 0 < t < 1.0 else warped, axis=-1),
+                               min(Q_CANDIDATES, warped.shape[-1]))
+        if t == 0:  # one-hot: the argmax, and q certain of it
+            probs = one_hot(ops, ops.token_ids(ops.zeros_like(probs[:, 0])), probs)
+            proposals.append(ids[:, 0])
+        else:
+            probs = probs / ops.sum(probs, axis=-1, keepdims=True)
+            pick = inverse_cdf(ops, probs, ops.from_host(draw.draft_u[:positions], like=probs))
+            proposals.append(ops.gather(ids, pick[:, None], axis=1)[:, 0])
         qs[i] = (ids, probs)
+        if top_k:  # (multi rows: the tree's children are q's most probable tokens)
+            tops[i] = ops.top_k(ops.softmax(warped, axis=-1), top_k)
     draft = Draft(ops.concatenate([anchor_ids, ops.token_ids(ops.stack(proposals))], axis=1))
     if any(q is not None for q in qs):
         ids, probs = next(q for q in qs if q is not None)
@@ -61,17 +70,19 @@ def choose(ops: ArrayOps, anchor_ids, logits, draws, top_k: int, filtered: Calla
 def selector_walk(ops: ArrayOps, anchor_ids, candidates, scores, draws, logits, top_k: int) -> Draft:
     """DFlash2: candidates (rows, P, k) and the selector's pair scores (rows, P, k, k) -> the Draft of every row."""
     greedy, _ = walk(ops, candidates, scores)
-    sampled = [i for i, d in enumerate(draws or ()) if d.rule == "rejection"]
+    sampled = [i for i, d in enumerate(draws or ()) if d.rejects]
     if not sampled:
         return _with_top(ops, Draft(ops.concatenate([anchor_ids, ops.token_ids(greedy)], axis=1)), logits, top_k)
     rows = [greedy[i] for i in range(greedy.shape[0])]
     q_probs = [None] * len(rows)
     for i in sampled:
         draw = draws[i]
-        t = draw.params.temperature
+        t = draw.params.temperature * draw.draft_temperature
         u = ops.from_host(draw.draft_u[:candidates.shape[1]], like=scores)[None]
         tokens, scored = walk(ops, candidates[i:i + 1], scores[i:i + 1], t, u)
-        rows[i], q_probs[i] = tokens[0], ops.softmax(scored[0] / t, axis=-1)
+        rows[i] = tokens[0]
+        q_probs[i] = ops.softmax(scored[0] / t, axis=-1) if t else \
+            one_hot(ops, ops.argmax(scored[0], axis=-1), scored[0])
     zeros = ops.zeros_like(q_probs[sampled[0]])  # (greedy rows: no q; their acceptance never reads it)
     draft = Draft(ops.concatenate([anchor_ids, ops.token_ids(ops.stack(rows))], axis=1))
     draft.q_ids, draft.q_probs = candidates, ops.stack([q if q is not None else zeros for q in q_probs])
@@ -95,6 +106,12 @@ def walk(ops: ArrayOps, candidates, scores, temperature: float = 0.0, u=None):
         chosen.append(row)
     index = ops.concatenate(picks, axis=1)
     return ops.gather(candidates, index[:, :, None], axis=-1)[..., 0], ops.stack(chosen, axis=1)
+
+
+def one_hot(ops: ArrayOps, index, like):
+    """(P, k) shaped like `like`: 1 at index[p] in row p, 0 elsewhere (a point-mass q over k candidates)."""
+    ones = ops.zeros_like(like[:, :1]) + 1.0
+    return ops.scatter(like, ops.token_ids(index)[:, None], ones, axis=1)
 
 
 def _with_top(ops: ArrayOps, draft: Draft, logits, top_k: int) -> Draft:

@@ -1,6 +1,7 @@
 """The sampling rules that are not array plumbing, written once over a small array namespace (`ArrayOps`) that
 each backend provides for its own arrays: the order of the sampling filters, the rejection rule with its residual
-draw (docs/sampling.md), the inverse-CDF draw, the drafter's logit scaling, and the refusals both backends give
+draw (any proposal shape: q, q sharpened, one-hot), multi-candidate rejection at tree nodes (docs/sampling.md),
+the inverse-CDF draw, the drafter's logit scaling, and the refusals both backends give
 (what a draft proposes: dflash/core/proposals.py). tests/test_policy.py runs each rule on both backends side by
 side."""
 
@@ -74,6 +75,26 @@ def rejection_tokens(ops: ArrayOps, p, drafted, q_ids, q_probs, accept_u, residu
     residual = ops.where(ops.sum(residual, axis=-1, keepdims=True) > 0, residual, p[:-1])  # p == q: never rejected
     redrawn = inverse_cdf(ops, residual, residual_u)
     return ops.concatenate([ops.where(accept, drafted, redrawn), ops.token_ids(bonus)[None]], axis=0)
+
+
+def multi_candidate_tokens(ops: ArrayOps, p, children, counted, child_u, residual_u):
+    """Recursive rejection sampling at N tree nodes (SpecInfer, arXiv 2305.09781) with one-hot proposals: p (N, V)
+    the target's probabilities at each node; children (N, m) its candidate tokens in the order they are tried, the
+    first counted[n] (a 0/1 mask, (N, m)) real and distinct, the rest repeating the first. Child c_j is kept with
+    probability p'(c_j), p' = p with c_1 .. c_j-1 removed and renormalised (the residual max(p' - q', 0) of a
+    one-hot q'), i.e. when child_u[:, j] * (1 - p(c_1) - .. - p(c_j-1)) <= p(c_j); no child kept: a draw from p with
+    every child removed, with residual_u (N,). Returns the token each node decides (N,): a kept child, or a
+    token that is none of them (so a walk that descends while a child matches accepts exactly the kept one)."""
+    children = ops.token_ids(children)
+    pc = ops.gather(p, children, axis=1) * counted
+    removed_before = ops.cumsum(pc, axis=1) - pc
+    kept = (child_u * (1.0 - removed_before) <= pc) & (counted > 0)
+    first = kept & (ops.cumsum(ops.token_ids(kept), axis=1) == 1)
+    token = ops.sum(ops.token_ids(first) * children, axis=1)
+    removed = ops.scatter(p, children, ops.broadcast_to(counted[:, :1], children.shape), axis=1)
+    residual = p * (1.0 - removed)
+    residual = ops.where(ops.sum(residual, axis=-1, keepdims=True) > 0, residual, p)  # children cover p: never used
+    return ops.where(ops.sum(ops.token_ids(first), axis=1) > 0, token, inverse_cdf(ops, residual, residual_u))
 
 
 def scale_logits(ops: ArrayOps, logits, multiplier: float, softcap: float | None):

@@ -13,6 +13,13 @@ Rules (a row's `RowSampling.rule`, chosen when it is admitted; ../docs/sampling.
   the first rejection draws from max(0, p - q) normalised; a full block draws the bonus from p. Acceptance per
   position is 1 - TV(p_i, q_i). DFlash's q_i does not condition on the earlier draft tokens, which the proof does not
   need: x_i is drawn from the q_i the ratio uses, given everything before.
+- argmax / sharpened: rejection against another proposal shape, the draft temperature t (dflash.core.shapes):
+  q_t proportional to q^(1/t), drafted from q_t and verified against q_t; t = 0 is the one-hot q at argmax q, kept
+  with probability p(x), the residual p with x removed. shaped: each cycle's t
+  chosen per row from the acceptance its earlier cycles saw.
+- multi (trees): a node's children, one-hot proposals tried in order, child c_j kept with probability p'(c_j),
+  p' = p with the children before it removed, renormalised; no child kept: a draw from p with all of them removed
+  (recursive rejection sampling, SpecInfer). A chain cycle of a multi row verifies like argmax.
 The draft draw, the acceptance test and the residual draw use noise streams of their own (a shared one biases the
 output), keyed by position like the target's.
 """
@@ -21,10 +28,11 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from .errors import DFlashError
+from .shapes import ShapeChoice, draft_temperatures
 
 
 # vLLM's conventions: a temperature below this is greedy (dividing logits by 1e-38 overflows to inf and the softmax to
@@ -50,7 +58,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
     seed: int | None = None
-    accept: str = "auto"  # the acceptance rule when sampling: "auto", "match" or "rejection" (acceptance_rule)
+    accept: str = "auto"  # the acceptance rule when sampling: one of ACCEPT_RULES (acceptance_rule)
+    draft_temperature: float = 0.5  # accept="sharpened": the drafts come from q^(1/t) renormalised
 
     @property
     def greedy(self) -> bool:
@@ -94,6 +103,8 @@ class SamplingParams:
             bad("seed", self.seed, ">= 0")
         if self.accept not in ACCEPT_RULES:
             bad("accept", self.accept, " or ".join(repr(r) for r in ACCEPT_RULES))
+        if not isinstance(self.draft_temperature, (int, float)) or not 0 < self.draft_temperature <= 1:
+            bad("draft-temperature", self.draft_temperature, "a value in (0, 1] (1: q itself)")
         if self.temperature < SAMPLING_EPS and self.temperature != 0.0 or self.top_k == -1 or bias != self.logit_bias:
             return replace(self, temperature=0.0 if self.temperature < SAMPLING_EPS else self.temperature,
                            top_k=max(self.top_k, 0), logit_bias=bias)
@@ -121,18 +132,25 @@ def _checked_bias(pairs, vocab_size: int | None) -> tuple[tuple[int, float], ...
     return tuple(sorted(out.items()))
 
 
-ACCEPT_RULES = ("auto", "match", "rejection")
+ACCEPT_RULES = ("auto", "match", "rejection", "argmax", "sharpened", "shaped", "multi")
 # What "auto" picks when sampling, per drafter kind: rejection accepted more than coupled match for DFlash2's
-# selector (docs/dflash2.md) and for DFlash blocks at temperatures 0.3 and 0.8, level at 1.0 (docs/sampling.md); a
-# seeded DFlash request (or one verified by trees) matches instead, since its output must not depend on the budget.
+# selector (docs/dflash2.md) and for DFlash blocks; no other proposal shape (argmax, sharpened, shaped) accepted
+# more than q on the bundled pair at 0.3 / 0.7 / 1.0, and shaped accepted less at 0.3 (docs/sampling.md); a seeded DFlash request (or one verified by trees) matches instead, since its output must not
+# depend on the budget, and chooses its draft's shape the same way (match's output never depends on the draft).
 DISTRIBUTION_DEFAULT = "rejection"
 BLOCK_DEFAULT = "rejection"
+# the rules that verify a chain by rejection against the draft's q (Draft.q_ids / q_probs), and those of them
+# that never verify a tree
+REJECTION_RULES = frozenset({"rejection", "argmax", "sharpened", "shaped", "multi"})
+CHAIN_ONLY_RULES = REJECTION_RULES - {"multi"}
 
 
 def acceptance_rule(params: SamplingParams, has_distribution: bool, trees: bool = False) -> str:
     """"greedy" (argmax and equality), "match" (sample-and-match against a proposal drawn with the target's own
-    noise) or "rejection" (exact rejection sampling against the draft distribution q). trees: every cycle verifies
-    a tree (--verify tree), which auto then matches (rejection verifies chains)."""
+    noise), "rejection" / "argmax" / "sharpened" / "shaped" (exact rejection sampling against the draft's q, q's
+    argmax, q sharpened, or the shape the row's cycles accept best) or "multi" (trees: several one-hot children per
+    node). trees: every cycle verifies a tree (--verify tree), which auto then matches (rejection verifies chains);
+    multi without trees is argmax (a chain is a tree of one child per node)."""
     if params.greedy:
         return "greedy"
     if params.accept == "auto":
@@ -140,6 +158,8 @@ def acceptance_rule(params: SamplingParams, has_distribution: bool, trees: bool 
             return DISTRIBUTION_DEFAULT
         # a seed promises the same tokens whatever the verify budget chose, which only match's output keeps
         return "match" if trees or params.seed is not None else BLOCK_DEFAULT
+    if params.accept == "multi" and not trees:
+        return "argmax"
     return params.accept
 
 
@@ -148,8 +168,8 @@ def acceptance_rule(params: SamplingParams, has_distribution: bool, trees: bool 
 # never by how many draws came before: the same seeded request then gives the same tokens whatever the verify mode,
 # the budget, the batch or the cycle boundaries were. Streams are independent (a shared one biases rejection
 # sampling): the target's draw (Gumbel noise over the vocabulary), the draft's draw, the acceptance test and the
-# residual's draw (one uniform each).
-NOISE_STREAMS = {"target": 1, "draft": 2, "accept": 3, "residual": 4}
+# residual's draw (one uniform each), a cycle's choice of proposal shape, and a tree node's tests of its children.
+NOISE_STREAMS = {"target": 1, "draft": 2, "accept": 3, "residual": 4, "explore": 5, "children": 6}
 _MASK64 = (1 << 64) - 1
 
 
@@ -168,28 +188,50 @@ def noise_key(seed: int, stream: str, position: int) -> int:
 
 def uniforms(seed: int, stream: str, positions) -> list[float]:
     """One uniform in (0, 1) per position, from its key alone."""
-    return [((noise_key(seed, stream, p) >> 10) + 0.5) / 2.0 ** 53 for p in positions]
+    return [_uniform(noise_key(seed, stream, p)) for p in positions]
+
+
+def uniform_rows(seed: int, stream: str, positions, width: int) -> list[list[float]]:
+    """`width` uniforms per position (a tree node's children, tried in order), each from (key, index) alone."""
+    return [[_uniform(_mix(noise_key(seed, stream, p) ^ j) >> 1) for j in range(width)] for p in positions]
+
+
+def _uniform(key: int) -> float:
+    return ((key >> 10) + 0.5) / 2.0 ** 53
 
 
 @dataclass(frozen=True)
 class RowSampling:
-    """What one row samples with, fixed when it is admitted: its settings, its acceptance rule and its noise seed
-    (the request's, or one drawn at admission), and where its output starts."""
+    """What one row samples with, fixed when it is admitted: its settings, its acceptance rule, its noise seed
+    (the request's, or one drawn at admission), where its output starts, and the proposal shapes its draft chooses
+    from (dflash.core.shapes; the chooser's estimates are the one thing that changes, from the row's past cycles)."""
 
     params: SamplingParams
     rule: str
     seed: int
     prompt_tokens: int = 0  # the row's cached tokens before its output (what presence/frequency penalties skip)
+    shapes: ShapeChoice = field(default_factory=lambda: ShapeChoice((1.0,)), compare=False)
 
     @classmethod
     def admit(cls, params: SamplingParams, has_distribution: bool = False, trees: bool = False,
               prompt_tokens: int = 0) -> "RowSampling":
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return cls(params, acceptance_rule(params, has_distribution, trees), seed, prompt_tokens)
+        rule = acceptance_rule(params, has_distribution, trees)
+        auto = params.accept == "auto" and not has_distribution
+        return cls(params, rule, seed, prompt_tokens, ShapeChoice(draft_temperatures(rule, params, auto)))
 
     @property
     def greedy(self) -> bool:
         return self.rule == "greedy"
+
+    @property
+    def rejects(self) -> bool:
+        """A chain cycle verifies the draft's q by rejection (Draft.q_ids / q_probs)."""
+        return self.rule in REJECTION_RULES
+
+    @property
+    def chains_only(self) -> bool:
+        return self.rule in CHAIN_ONLY_RULES
 
     def gumbel_keys(self, positions) -> list[int]:
         return [noise_key(self.seed, "target", p) for p in positions]
@@ -207,10 +249,20 @@ class RowDraw:
     draft_u: list[float] | None = None
     accept_u: list[float] | None = None
     residual_u: list[float] | None = None
+    draft_temperature: float = 1.0  # the cycle's proposal shape (0: argmax; dflash.core.shapes)
+    # multi rows in a tree cycle (set by the tree step): per node its children (nodes, m) tried in order, how many
+    # are real (the rest repeat the first), and a uniform per (node, child)
+    children: list[list[int]] | None = None
+    counted: list[list[float]] | None = None
+    child_u: list[list[float]] | None = None
 
     @property
     def rule(self) -> str:
         return self.sampling.rule
+
+    @property
+    def rejects(self) -> bool:
+        return self.sampling.rejects
 
     @property
     def params(self) -> SamplingParams:
@@ -249,7 +301,8 @@ def row_draws(rows: Sequence[Sequence[int]], samplings: Sequence[RowSampling], g
         draw = RowDraw(sampling, positions.start)
         if not sampling.greedy:
             draw.gumbel = gumbel(sampling.gumbel_keys(positions[:noise]))
-        if sampling.rule == "rejection":
+            draw.draft_temperature = sampling.shapes.choose(uniforms(sampling.seed, "explore", [positions.start])[0])
+        if sampling.rejects:
             draw.draft_u, draw.accept_u, draw.residual_u = (uniforms(sampling.seed, stream, positions)
                                                             for stream in ("draft", "accept", "residual"))
         draws.append(draw)

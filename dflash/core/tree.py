@@ -57,6 +57,19 @@ class Tree:
             out.append((out[parent] if parent >= 0 else []) + [self.tokens[i]])
         return out
 
+    def children(self, width: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Per slot (nodes, then padding up to `width`) its children's tokens in node order (a token's first node,
+        as walk takes it), padded to the most children by repeating the first (0 for a leaf), and a 0/1 mask of the
+        real ones: the candidates multi-candidate rejection tries (dflash.core.rules.multi_candidate_tokens)."""
+        kids: list[list[int]] = [[] for _ in range(width)]
+        for i in range(1, len(self.tokens)):
+            siblings = kids[self.parents[i]]
+            if self.tokens[i] not in siblings:
+                siblings.append(self.tokens[i])
+        m = max(1, max(map(len, kids)))
+        return ([k + [k[0] if k else 0] * (m - len(k)) for k in kids],
+                [[1.0] * len(k) + [0.0] * (m - len(k)) for k in kids])
+
     def walk(self, target: Sequence[int]) -> tuple[list[int], int]:
         """Descend from the root while the target's token at the current node is one of its children's tokens.
         Returns the accepted nodes (root excluded) and the bonus token: the target's token with no matching child."""

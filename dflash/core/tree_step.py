@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .contract import Pending, Step
+from .sampling import uniform_rows
 from .tree import CopyIndex, TreeInputs
 
 if TYPE_CHECKING:
@@ -39,9 +40,14 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
     ids = target.ids(inputs.ids.tolist())
     logits, features = target.forward(ids, last_only=False, tree=inputs)
     if draws is not None:  # the node at depth d draws the token at the anchor's position + 1 + d
-        for draw, depths in zip(draws, inputs.depths.tolist()):
+        for draw, tree, depths in zip(draws, plan.trees, inputs.depths.tolist()):
             if draw.gumbel is not None:
                 draw.gumbel = draw.gumbel[target.ids([depths])[0]]
+            if draw.rule == "multi":  # its nodes' children, tried in order, each with a uniform of its own
+                draw.children, draw.counted = tree.children(inputs.width)
+                draw.child_u = [row for d in depths for row in uniform_rows(
+                    draw.sampling.seed, "children", [draw.position + d], len(draw.children[0]))]
+                draw.residual_u = [draw.residual_u[d] for d in depths]
     tokens, logprobs = engine._sample(logits, engine.rows, ids, inputs.paths, draws)
     tokens = target.to_host(tokens)
     steps, paths, slots = [], [], []

@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.sampling import SamplingParams
+from ..core.sampling import ACCEPT_RULES, SamplingParams
 
 
 class ApiError(Exception):
@@ -55,7 +55,8 @@ class _Sampled(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token ids (as strings) -> bias
     seed: int | None = None
-    accept: Literal["auto", "match", "rejection"] = "auto"  # the acceptance rule when sampling (dflash.core.sampling)
+    accept: Literal[ACCEPT_RULES] = "auto"  # the acceptance rule when sampling (dflash.core.sampling)
+    draft_temperature: float = 0.5  # accept "sharpened": the drafts come from q^(1/t)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -68,7 +69,8 @@ class _Sampled(BaseModel):
         values.update({k: getattr(self, k) for k in OPENAI_DEFAULTS if getattr(self, k) is not None})
         return SamplingParams(**values, presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0, logit_bias=self.bias_pairs(),
-                              seed=self.seed, accept=self.accept)
+                              seed=self.seed, accept=self.accept,
+                              draft_temperature=self.draft_temperature)
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs: OpenAI's keys are token ids written as strings."""

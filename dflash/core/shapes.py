@@ -1,0 +1,81 @@
+"""The shape of a sampled row's proposals, chosen per row from the acceptance its own earlier cycles saw.
+
+A shape is a draft temperature t: the drafter's distribution q (at the request's temperature and filters)
+sharpened to q_t proportional to q^(1/t); t = 1 is q itself, t = 0 the one-hot q at argmax q. Under rejection a
+position accepts with probability 1 - TV(p, q_t), which for t = 0 is p(argmax q): when the drafter is sharper than
+the target at the request's temperature (a drafter trained on greedy answers, sampled at 0.8), a small t accepts
+more. Under coupled match (the draft proposes argmax(log q_t + the target's own Gumbel noise)) t only changes what
+is drafted, never what is emitted.
+
+The choice for cycle k reads cycles before k only (and its own exploration uniform), never the current cycle's
+draws, so every row stays an exact sample whatever it chose: conditioned on the past, a cycle verifies a proposal
+fixed before any of its own noise is read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from .sampling import SamplingParams
+
+# the draft temperatures an unseeded DFlash row chooses from (q, sharpened, argmax; ties go to the first), and a
+# matched one (coupled, argmax)
+SHAPES = (1.0, 0.5, 0.0)
+MATCH_SHAPES = (1.0, 0.0)
+MIN_TESTED = 8  # draft positions each shape tests before the estimates choose (one lucky cycle decides nothing)
+EXPLORE = 0.05  # the share of cycles after that which try a shape at random (keyed by position: dflash.core.sampling)
+DECAY = 0.95  # per observation of a shape: its estimate follows the text as it changes
+
+
+def draft_temperatures(rule: str, params: SamplingParams, auto: bool) -> tuple[float, ...]:
+    """The draft temperatures a row of this rule chooses from (one: fixed). auto: the request left the rule to
+    dflash (--accept auto), so a matched row may choose its shape too."""
+    if rule in ("argmax", "multi"):
+        return (0.0,)
+    if rule == "sharpened":
+        return (float(params.draft_temperature),)
+    if rule == "shaped":
+        return SHAPES
+    if rule == "match" and auto:
+        return MATCH_SHAPES
+    return (1.0,)
+
+
+class ShapeChoice:
+    """One row's running estimate, per shape, of the share of verified draft positions it accepted (a decaying
+    count of accepted positions over positions tested: a chain of any length accepts more as that share grows)."""
+
+    def __init__(self, temperatures: Sequence[float], explore: float = EXPLORE, decay: float = DECAY):
+        self.temperatures = tuple(temperatures)
+        self.explore, self.decay = explore, decay
+        self.accepted = [0.0] * len(self.temperatures)
+        self.tested = [0.0] * len(self.temperatures)
+
+    def choose(self, u: float) -> float:
+        """The next cycle's draft temperature; u: the cycle's exploration uniform in (0, 1)."""
+        n = len(self.temperatures)
+        if n == 1:
+            return self.temperatures[0]
+        least = min(range(n), key=lambda i: self.tested[i])
+        if self.tested[least] < MIN_TESTED:
+            return self.temperatures[least]  # every shape tests MIN_TESTED positions first, in turn
+        if u < self.explore:
+            return self.temperatures[min(int(u / self.explore * n), n - 1)]
+        return self.temperatures[max(range(n), key=self.rate)]
+
+    def rate(self, i: int) -> float:
+        return self.accepted[i] / self.tested[i] if self.tested[i] else 0.0
+
+    def observe(self, temperature: float, accepted: int, verified: int) -> None:
+        """A drafted cycle with this shape verified `verified` proposals and accepted the first `accepted`: the
+        positions tested are the accepted ones and the first rejected one."""
+        if verified == 0 or temperature not in self.temperatures:
+            return
+        i = self.temperatures.index(temperature)
+        self.accepted[i] = self.decay * self.accepted[i] + accepted
+        self.tested[i] = self.decay * self.tested[i] + min(accepted + 1, verified)
+
+    def counts(self) -> dict[float, float]:
+        """Per shape, the decayed count of positions it tested (introspection)."""
+        return dict(zip(self.temperatures, self.tested))
