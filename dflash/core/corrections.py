@@ -2,10 +2,12 @@
 
 A profile measured while another process held the core (a plain step of 120 ms where it takes 11) would otherwise
 be trusted forever. Every cycle the engine times gives the ratio of its wall time to what the profile predicts for
-its shape (drafted or not, rows and tokens per row in power-of-two buckets); an exponential moving average of that
-ratio per shape multiplies the profile's prediction from then on, so a shape the engine runs is repaired within a
-few dozen cycles (a 10x error is within 10% after 21). The factors are written next to the profile every SAVE_EVERY
-observations and read back with it.
+its shape (drafted or not, rows and tokens per row in power-of-two buckets). A shape's first ratio becomes its
+factor and later ones move it by an exponential moving average; the factor multiplies the profile's prediction for
+that shape from then on, so a shape the engine runs is repaired within a few dozen cycles even when its cycles are
+noisy. A shape not run yet takes the average over all cycles: a profile that is off everywhere (measured under
+load) keeps its shapes' proportions instead of making the shapes run so far look cheap beside the others. The
+factors are written next to the profile every SAVE_EVERY observations and read back with it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 SMOOTHING = 0.2  # weight of one cycle's ratio in its shape's factor
 LIMITS = (0.02, 50.0)  # one cycle's ratio is clamped to these (a cycle stalled by a page fault is not the device)
 SAVE_EVERY = 64  # observations between writes of the factors
+ALL = "all"  # the factor of every cycle, for shapes not run yet
 
 
 def bucket(n: int) -> int:
@@ -38,16 +41,16 @@ class Corrections:
         return f"{'draft' if drafted else 'plain'}:{bucket(rows)}x{bucket(tokens)}"
 
     def factor(self, tokens: int, rows: int, drafted: bool) -> float:
-        return self.factors.get(self.key(tokens, rows, drafted), 1.0)
+        return self.factors.get(self.key(tokens, rows, drafted), self.factors.get(ALL, 1.0))
 
     def observe(self, tokens: int, rows: int, drafted: bool, predicted: float, seconds: float) -> None:
         """One cycle of this shape took `seconds` where the uncorrected profile predicted `predicted`."""
         if predicted <= 0 or seconds <= 0:
             return
         ratio = min(max(seconds / predicted, LIMITS[0]), LIMITS[1])
-        key = self.key(tokens, rows, drafted)
-        old = self.factors.get(key, 1.0)  # (from 1: one stalled cycle moves a new shape's factor only part way)
-        self.factors[key] = old + self.smoothing * (ratio - old)
+        for key in (self.key(tokens, rows, drafted), ALL):
+            old = self.factors.get(key)
+            self.factors[key] = ratio if old is None else old + self.smoothing * (ratio - old)
         self.observed += 1
         if self.observed % SAVE_EVERY == 0:
             self.save()

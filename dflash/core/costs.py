@@ -109,7 +109,7 @@ def cached(engine, path: Path, max_tokens: int) -> tuple[Costs | None, str]:
     if measured_for < max_tokens:
         return None, f"up to {max_tokens} tokens"
     live = live_plain_step(engine)
-    cached_step = costs.verify_seconds(1, context=CONTEXT)
+    cached_step = costs.verify_seconds(1, context=fitting(engine, CONTEXT))
     if not 1 / LIVE_TOLERANCE <= live / cached_step <= LIVE_TOLERANCE:
         return None, (f"its cached plain step, {cached_step * 1e3:.1f} ms, is far from this run's, "
                       f"{live * 1e3:.1f} ms")
@@ -132,9 +132,14 @@ def insane(costs: Costs) -> str | None:
     return None
 
 
+def fitting(engine, context: int) -> int:
+    """`context`, or half the target's context where that is shorter (a target of 16 positions is profiled too)."""
+    return max(1, min(context, (engine.max_context or 2 * context) // 2))
+
+
 def live_plain_step(engine, repeats: int = 3) -> float:
     """The median of `repeats` plain steps (one token, one row) after CONTEXT positions, timed now (engine reset)."""
-    probe = Probe(engine, CONTEXT)
+    probe = Probe(engine, fitting(engine, CONTEXT))
     probe.verify(1)  # (warm-up)
     seconds = statistics.median(probe.verify(1) for _ in range(repeats))
     engine.reset()
@@ -190,9 +195,9 @@ def measure(engine, max_tokens: int = 257) -> Costs:
     """The profile after CONTEXT cached positions, and a plain step, a block's verify and a draft after
     LONGER_CONTEXT (where the target's context allows): the planner interpolates between the two for the rows' real
     lengths."""
-    costs = measure_at(engine, CONTEXT, max_tokens, full=True)
-    longer = min(LONGER_CONTEXT, (engine.max_context or LONGER_CONTEXT * 2) // 2)
-    if longer > CONTEXT:
+    costs = measure_at(engine, fitting(engine, CONTEXT), max_tokens, full=True)
+    longer = fitting(engine, LONGER_CONTEXT)
+    if longer > costs.context:
         costs.longer = measure_at(engine, longer, min(max_tokens, engine.block_size), full=False)
     engine.reset()
     return costs
@@ -214,7 +219,9 @@ def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -
 
     probe.verify(1)  # (warm-up)
     plain = 0.0
-    grid = [g for g in GRID if g <= max(max_tokens, 1)] if full else sorted({1, min(block, max(max_tokens, 1))})
+    room = (engine.max_context or context + max_tokens) - context  # (the forwards must fit after the context)
+    max_tokens = max(min(max_tokens, room), 1)
+    grid = [g for g in GRID if g <= max_tokens] if full else sorted({1, min(block, max_tokens)})
     for n in grid:
         seconds = timed(f"v{n}", lambda n=n: probe.verify(n))
         plain = plain or seconds
