@@ -106,6 +106,7 @@ def test_identical_trees_paths_and_tokens(trained_pair, mode, budget):
             be.planner.path = lambda: "tree"
             for clock in be.planner.clock.values():  # (the profile as it is: pauses then follow the plans alone)
                 clock.observe = lambda *a: None
+            costs.corrections.observe = lambda *a: None  # (nor its per-shape corrections from the cycles' times)
         seen = records[name] = []
         step = be.step
 
