@@ -3,11 +3,14 @@ batch that verifies trees of different widths (padding slots need a history too:
 the batch); every penalty field exact under speculative decoding (greedy output equals target-only greedy output
 with the same field, token for token), and each field changes the output."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from dflash import backends
 from dflash.core.budget import Costs
+from dflash.core.corrections import Corrections
 from dflash.core.loop import Batch, Generation, generate
 from dflash.core.sampling import SamplingParams
 
@@ -25,7 +28,9 @@ def load(pair, name, draft=True):
 def tree_engine(pair, name):
     """An engine that verifies a tree every cycle, sized per row by auto's rule under STEEP costs."""
     engine = load(pair, name)
-    engine.set_verify("auto", 48, STEEP)
+    costs = replace(STEEP, corrections=Corrections())
+    costs.corrections.observe = lambda *a: None  # (nor do the profile's per-shape corrections learn from wall time)
+    engine.set_verify("auto", 48, costs)
     engine.planner.path = lambda: "tree"  # (auto's chain-or-tree choice follows wall time; its sizes do not)
     for clock in engine.planner.clock.values():
         clock.observe = lambda *a: None
