@@ -81,7 +81,7 @@ def write(report: dict, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.bench output-length", description=__doc__,
+    p = cli.Parser(prog="python -m dflash.bench output-length", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, conflict_handler="resolve")
     cli.add_model_args(p)
     p.add_argument("--methods", default="plain,chain,auto",
