@@ -46,5 +46,6 @@ def test_lengths_past_the_context_are_shortened(tiny_target_dir, random_draft_di
                              "--lengths", "4096", "--num-prompts", "1", "--max-new-tokens", "4",
                              "--draft-window", "64", "--out", str(out)]) == 0
     report = json.loads((out / "results.json").read_text())
-    assert report["lengths"] == [4092] and 4084 <= report["rows"][0]["prompt_tokens"][0] <= 4092
+    # (the passage is cut at a word: one word of code can take tens of tokens in the tiny tokenizer)
+    assert report["lengths"] == [4092] and 3900 <= report["rows"][0]["prompt_tokens"][0] <= 4092
     assert "shortened to 4092" in capsys.readouterr().err

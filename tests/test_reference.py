@@ -145,21 +145,21 @@ def test_fast_build(tmp_path):
 def test_interrupted_build_resumes(tmp_path, monkeypatch, capsys):
     """A build stopped mid-answers, then mid-drafter, keeps what it wrote: the rerun continues the answers where
     they stopped and the drafter from its last checkpoint, and a finished phase is not redone."""
-    from dflash.backends.torch import regeneration
+    from dflash.core.answers import AnswerFile
     from dflash.backends.torch.training import loop
     from dflash.reference.build import PACKAGE_DIR, BuildConfig, build
 
     cfg = BuildConfig.fast()
     cfg.drafter = dict(cfg.drafter, save_every=2)
     out, target = tmp_path / "ref", PACKAGE_DIR / "assets" / "target"
-    append, step = regeneration._append, loop.train_step
+    append, step = AnswerFile.append, loop.train_step
 
-    def append_three(f, row):
-        if sum(1 for _ in open(f.name)) == 3:
+    def append_three(self, row):
+        if self.path.exists() and sum(1 for _ in open(self.path)) == 3:
             raise KeyboardInterrupt
-        append(f, row)
+        append(self, row)
 
-    monkeypatch.setattr(regeneration, "_append", append_three)
+    monkeypatch.setattr(AnswerFile, "append", append_three)
     with pytest.raises(KeyboardInterrupt):
         build(out, cfg, target=target)
     answers = (out / "answers_chat.jsonl").read_text().splitlines()
@@ -170,7 +170,7 @@ def test_interrupted_build_resumes(tmp_path, monkeypatch, capsys):
             raise KeyboardInterrupt
         return step(run, i)
 
-    monkeypatch.setattr(regeneration, "_append", append)
+    monkeypatch.setattr(AnswerFile, "append", append)
     monkeypatch.setattr(loop, "train_step", three_steps)
     capsys.readouterr()
     with pytest.raises(KeyboardInterrupt):

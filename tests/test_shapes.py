@@ -38,7 +38,7 @@ def test_exploration_covers_every_shape_and_reads_only_its_uniform():
 
 
 @pytest.mark.parametrize("accept, seed, shapes", [
-    ("auto", None, SHAPES), ("auto", 3, MATCH_SHAPES), ("argmax", None, (0.0,)), ("sharpened", None, (0.25,)),
+    ("auto", None, (1.0,)), ("auto", 3, MATCH_SHAPES), ("argmax", None, (0.0,)), ("sharpened", None, (0.25,)),
     ("rejection", None, (1.0,)), ("match", 3, (1.0,)), ("shaped", 3, SHAPES)])
 def test_each_rule_chooses_among_its_shapes(accept, seed, shapes):
     params = SamplingParams(temperature=0.8, seed=seed, accept=accept, draft_temperature=0.25)
