@@ -20,13 +20,21 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "costs"
 
 
+@pytest.fixture
+def steady(monkeypatch):
+    """Timing rules that load on a shared CPU would otherwise trip: every batch shape is measured, and a cached
+    profile is read back whatever this run's plain step takes (the rules themselves have their own tests)."""
+    monkeypatch.setattr(costs, "BATCH_SECONDS", float("inf"))
+    monkeypatch.setattr(costs, "LIVE_TOLERANCE", float("inf"))
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_target_dir, random_draft_dir):
     return torch_engine(load_target(tiny_target_dir, torch.float32, "cpu"), load_drafter(random_draft_dir),
                         block_size=8)
 
 
-def test_measured_once_with_a_notice_then_read_from_the_cache(engine, cache, monkeypatch, capsys):
+def test_measured_once_with_a_notice_then_read_from_the_cache(engine, cache, monkeypatch, capsys, steady):
     first = costs.measured_costs(engine, max_tokens=17, label="tiny")
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("dflash: measuring this device's draft and verify costs for tiny")
@@ -46,6 +54,12 @@ def test_measured_once_with_a_notice_then_read_from_the_cache(engine, cache, mon
     monkeypatch.setattr(costs, "measure", lambda *a, **k: calls.append(1))
     again = costs.measured_costs(engine, max_tokens=17)
     assert again == first and not calls and capsys.readouterr().err == ""
+
+
+def test_batches_are_left_out_where_one_row_of_as_many_tokens_is_already_slow(engine, cache, monkeypatch):
+    monkeypatch.setattr(costs, "BATCH_SECONDS", 0.0)
+    profile = costs.measured_costs(engine, max_tokens=17, use_cache=False)
+    assert profile.batch == {} and profile.draft_batch == {} and costs.insane(profile) is None
 
 
 def test_a_damaged_cache_file_is_measured_again(tiny_target_dir, cache):
@@ -107,7 +121,7 @@ def test_a_profile_off_everywhere_keeps_its_proportions_in_shapes_not_run_yet():
     assert abs(busy.cycle_seconds(1, drafted=False) - 1.0) < 1e-6  # never run: the average factor
 
 
-def test_corrections_are_learnt_from_the_engine_and_saved_with_the_profile(engine, cache, monkeypatch):
+def test_corrections_are_learnt_from_the_engine_and_saved_with_the_profile(engine, cache, monkeypatch, steady):
     monkeypatch.setattr("dflash.core.corrections.SAVE_EVERY", 4)
     profile = costs.measured_costs(engine, max_tokens=17)
     engine.set_verify("auto", None, profile)
