@@ -153,6 +153,7 @@ def test_answer_file_is_created_with_its_first_row(tmp_path):
     assert (tmp_path / "sub" / "answers.jsonl").read_text() == '{"id": "a", "status": "ok"}\n'
 
 
+@pytest.mark.slow
 def test_regenerate_sigkill_and_resume(tiny_target_dir, tmp_path):
     inp = prompts_file(tmp_path / "prompts.jsonl")
     cmd = lambda out: [sys.executable, "-m", "dflash.data", "regenerate", "--model", str(tiny_target_dir),

@@ -293,6 +293,7 @@ def test_both_rules_are_lossless(small_vocab_pair, accept, backend):
     assert ok, why
 
 
+@pytest.mark.slow
 def test_accepting_every_sampled_draft_would_fail(small_vocab_pair, monkeypatch):
     """Power: emitting the drafter's samples unchecked (a wrong rule) is rejected by the same bound."""
     from dflash.backends.torch import target_runner

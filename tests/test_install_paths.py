@@ -137,6 +137,7 @@ def test_readme_paths_exist_or_are_written_by_a_named_command():
             assert list(ROOT.glob(p)) or list((ROOT / "docs").glob(p)), path
 
 
+@pytest.mark.slow
 def test_readme_train_section_runs_as_written(tmp_path):
     """The Train section's regenerate and train lines, with the bundled target for Qwen/Qwen3-8B and tiny sizes
     added: the shipped prompt file exists where the README names it (from a checkout's root), and both commands

@@ -33,6 +33,7 @@ def long_pair(tmp_path_factory, tiny_tokenizer_dir):
     return d / "target", d / "draft"
 
 
+@pytest.mark.slow
 def test_8k_prompt_peak_memory_is_bounded(long_pair):
     target, draft = long_pair
     runs = {}

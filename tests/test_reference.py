@@ -126,6 +126,7 @@ def test_prompt_cuts():
 
 
 # ---- the build pipeline ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fast_build(tmp_path):
     out = tmp_path / "ref"
     r = run_cli("-m", "dflash.reference", "build", "--fast", "--out", str(out), timeout=600)
@@ -142,6 +143,7 @@ def test_fast_build(tmp_path):
     assert rows and "heldout_loss" in rows[-1]
 
 
+@pytest.mark.slow
 def test_interrupted_build_resumes(tmp_path, monkeypatch, capsys):
     """A build stopped mid-answers, then mid-drafter, keeps what it wrote: the rerun continues the answers where
     they stopped and the drafter from its last checkpoint, and a finished phase is not redone."""

@@ -107,6 +107,7 @@ def wrong_rejection(kind):
 
 
 @pytest.mark.parametrize("kind", ["shared noise", "another q", "residual from p"])
+@pytest.mark.slow
 def test_subtly_wrong_rejection_rules_fail(small_vocab_pair, monkeypatch, kind):
     """Power: the same bound rejects each wrong variant."""
     if kind == "shared noise":  # the acceptance test reads the draft's own uniforms
@@ -151,6 +152,7 @@ def wrong_multi(p, draw):
 
 @pytest.mark.parametrize("accept, kind", [("argmax", "residual from p"), ("sharpened", "another q"),
                                           ("multi", "residual keeps the children")])
+@pytest.mark.slow
 def test_wrong_residuals_of_the_new_rules_fail(small_vocab_pair, monkeypatch, accept, kind):
     """Power: the one-hot rule whose residual forgets to remove x, the sharpened rule whose ratio reads another q
     than the one drafted from, and multi-candidate rejection whose residual keeps the rejected children."""

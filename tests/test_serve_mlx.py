@@ -74,6 +74,7 @@ def test_greedy_rows_with_a_repetition_penalty_join_greedy_streams(start_server,
     penalised_rows_join_greedy_streams(start_server("--backend", "mlx", "--verify", "auto"))
 
 
+@pytest.mark.slow
 def test_penalty_fields_equal_target_only_decoding(server):
     """presence_penalty, frequency_penalty and logit_bias (once accepted and ignored): the server's speculative
     greedy output with each equals python -m dflash.generate --no-draft's with the same flag, and differs from plain

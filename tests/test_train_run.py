@@ -93,6 +93,7 @@ def test_two_process_loss_curve_matches_one_process(parallel, tiny_target_dir, d
     assert (out / "draft" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_dflash2_two_process_fsdp_curve_matches_one_process(tiny_target_dir, data_file, tmp_path):
     """The selector's codebooks are used by the loss after the wrapped forward: FSDP2 (and DDP) still reduce their
     gradients, so the curve is the one process's."""
@@ -106,6 +107,7 @@ def test_dflash2_two_process_fsdp_curve_matches_one_process(tiny_target_dir, dat
     assert losses(out) == pytest.approx(one, rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_gives_identical_weights(tiny_target_dir, data_file, tmp_path):
     from safetensors.torch import load_file
 

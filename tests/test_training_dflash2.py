@@ -110,6 +110,7 @@ def sharp_pair(tmp_path_factory):
     return root / "target", data, samples[:24], samples[24:]
 
 
+@pytest.mark.slow
 def test_arch_dflash2_run_lowers_its_loss_and_exports_a_lossless_drafter(sharp_pair, tmp_path):
     import dflash
     from dflash.core.spec import DraftSpec
