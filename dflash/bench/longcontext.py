@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import re
 import sys
@@ -30,10 +29,10 @@ from tqdm import tqdm
 
 from .. import cli
 from ..core.errors import DFlashError
-from ..core.io import atomic_write_text
-from ..core.plots import can_plot, pyplot, save
+from ..core.plots import pyplot, save
 from ..core.stats import mean_acceptance_length, per_position_acceptance
 from ..core.tokenizer import chat_ids
+from .report import write_report
 
 LENGTHS = (256, 1024, 2048, 4096, 8192)
 WINDOWS = (None, 256, 1024)
@@ -172,11 +171,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def write(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(str(out / "results.json"), json.dumps(report, indent=2))
-    atomic_write_text(str(out / "results.md"), markdown(report))
-    if can_plot("long-context"):
-        plot(report, out / "tau_vs_context.png")
+    write_report(out, report, markdown(report), plot, "tau_vs_context.png", "long-context")
 
 
 # ---- command line ---------------------------------------------------------------------------------------------------

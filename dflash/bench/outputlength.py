@@ -16,7 +16,6 @@ tokens_per_second.png.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,9 +24,9 @@ from tqdm import tqdm
 
 from .. import cli
 from ..core.errors import DFlashError
-from ..core.io import atomic_write_text
 from ..core.loop import Generation
-from ..core.plots import can_plot, pyplot, save
+from ..core.plots import pyplot, save
+from .report import write_report
 
 LENGTHS = (200, 500, 1000, 2000)
 METHODS = {"plain": {"no_draft": True}, "chain": {"verify": "chain"}, "tree": {"verify": "tree"},
@@ -73,11 +72,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def write(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(str(out / "results.json"), json.dumps(report, indent=2))
-    atomic_write_text(str(out / "results.md"), markdown(report))
-    if can_plot("output-length"):
-        plot(report, out / "tokens_per_second.png")
+    write_report(out, report, markdown(report), plot, "tokens_per_second.png", "output-length")
 
 
 def main(argv=None) -> int:

@@ -3,12 +3,15 @@ check against the baseline), machine info, the Markdown table and the plots."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
-from ..core.plots import pyplot, save
+from ..core.io import atomic_write_text
+from ..core.plots import can_plot, pyplot, save
 from ..core.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 from .methods import BASELINES, Method
 
@@ -219,3 +222,14 @@ def plots(report: dict, out: Path) -> list[Path]:
     paths.append(out / "per_position_acceptance.png")
     save(fig, paths[-1], dpi=110)
     return paths
+
+
+def write_report(out: Path, report: dict, markdown_text: str, plot: Callable[[dict, Path], None], png: str,
+                 what: str) -> None:
+    """A bench's outputs in `out`: results.json, results.md, and the plot `png` where matplotlib is installed
+    (`what` names the bench in the notice when it is not)."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(str(out / "results.json"), json.dumps(report, indent=2))
+    atomic_write_text(str(out / "results.md"), markdown_text)
+    if can_plot(what):
+        plot(report, out / png)
