@@ -22,7 +22,7 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=8000, help="0 .. 65535; 0 = any free port (default: %(default)s)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
     p.add_argument("--served-model-name", help="the model id clients send (default: --model, or dflash-bundled)")
-    p.add_argument("--max-batch", type=int, default=16, help="rows decoded together (default: %(default)s; MLX: 1)")
+    p.add_argument("--max-batch", type=int, default=16, help="rows decoded together, on both backends (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a row before 503 (default: %(default)s)")
     p.add_argument("--prefill-step", type=int, default=256,
