@@ -3,7 +3,7 @@
 import types
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash.backends.torch.attention import GROUPED_SDPA, sdpa_grouped

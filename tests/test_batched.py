@@ -3,7 +3,7 @@ row's greedy output equals its batch-1 output, rows stop on their own, holes in 
 changing a token."""
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import load_drafter

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file
 
 from dflash import cli

@@ -4,7 +4,7 @@ when read back, and corrected online from the cycles the engine ran."""
 import json
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter

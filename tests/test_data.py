@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash.core.datasets import load_samples, read_rows, row_messages, tokenize_conversation
 from dflash.core.errors import DFlashError

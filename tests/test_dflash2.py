@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dflash import backends  # noqa: E402
+pytest.importorskip("torch")
 from dflash.backends.torch.drafter import CandidateSelector, DynamicConv, load_drafter, scale_logits  # noqa: E402
 from dflash.backends.torch.ops import TorchOps  # noqa: E402
 from dflash.core.proposals import walk  # noqa: E402

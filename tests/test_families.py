@@ -24,7 +24,7 @@ import random
 import time
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 from fakes import OracleDrafter
 
 from dflash.backends.torch.backend import torch_engine

@@ -1,7 +1,7 @@
 """The fast path (preallocated StaticCache, torch.compile of the fixed-shape decode forwards) stays lossless."""
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import load_drafter

@@ -19,17 +19,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.mlx,
               pytest.mark.skipif(sys.platform not in ("linux", "darwin"), reason="mlx wheels: Linux and macOS")]
 
 
-@pytest.fixture(scope="module")
-def mlx_only(tmp_path_factory):
-    env_dir = tmp_path_factory.mktemp("mlx-only-venv")
+def fresh_venv(env_dir: Path, extras: str) -> Path:
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    p = subprocess.run([python, "-m", "pip", "install", "-q", "-e", f"{ROOT}[mlx]"], capture_output=True, text=True,
-                       timeout=900)
+    p = subprocess.run([python, "-m", "pip", "install", "-q", "-e", f"{ROOT}[{extras}]"], capture_output=True,
+                       text=True, timeout=900)
     if p.returncode and any(n in p.stderr for n in NETWORK):
         pytest.skip(f"no package index reachable: {p.stderr.strip().splitlines()[-1]}")
     assert p.returncode == 0, p.stderr
     return python
+
+
+@pytest.fixture(scope="module")
+def mlx_only(tmp_path_factory):
+    return fresh_venv(tmp_path_factory.mktemp("mlx-only-venv"), "mlx")
 
 
 def run(python, *args):
@@ -48,6 +51,16 @@ def one_error_line(p) -> str:
 def test_the_venv_has_no_torch(mlx_only):
     assert run(mlx_only, "-c", "import torch").returncode == 1
     assert run(mlx_only, "-c", "import dflash.generate, mlx_lm").returncode == 0
+
+
+def test_the_suite_collects_without_torch(tmp_path):
+    """With the MLX and test extras but no torch, test files that need torch skip themselves; none fails to import."""
+    python = fresh_venv(tmp_path / "venv", "mlx,test")
+    assert run(python, "-c", "import torch").returncode == 1
+    p = run(python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", ROOT / "tests")
+    summary = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    assert p.returncode == 0 and "collected" in summary and "error" not in summary, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "tests/test_mlx_backend.py::" in p.stdout  # the MLX tests are collected, not skipped wholesale
 
 
 def test_generate_picks_mlx(mlx_only):

@@ -3,7 +3,9 @@ assignments, with copies that amortise (a decode step writes in place; the buffe
 
 import math
 
-import torch
+import pytest
+
+torch = pytest.importorskip("torch")
 from transformers.cache_utils import DynamicLayer
 
 from dflash.backends.torch.kv_cache import GrowingLayer, growing

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 RSS = """
 import json, resource, sys

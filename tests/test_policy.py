@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")

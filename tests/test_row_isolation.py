@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+pytest.importorskip("torch")
 from dflash.backends.torch.sampling import TorchSampler  # noqa: E402
 from dflash.core.loop import Generation  # noqa: E402
 from dflash.core.sampling import SamplingParams  # noqa: E402

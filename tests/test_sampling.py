@@ -8,7 +8,7 @@ draft, reading the wrong position) fails the same bound by a wide margin.
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflash.backends.torch.backend import torch_engine

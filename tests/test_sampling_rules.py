@@ -10,7 +10,7 @@ partly, so both acceptance and rejection happen at every block position.
 from types import SimpleNamespace
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash import backends
 from dflash.backends.torch import target_runner

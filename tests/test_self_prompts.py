@@ -6,6 +6,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+pytest.importorskip("torch")
 from dflash.backends.torch.self_prompts import excluded_prompts, user_turn_prefix, write_self_prompts
 from dflash.core.errors import DFlashError
 

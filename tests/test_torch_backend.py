@@ -4,7 +4,7 @@ import json
 import shutil
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash.backends.torch import load
 from dflash.backends.torch.backend import torch_engine

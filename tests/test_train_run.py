@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash.backends.torch.training import TrainConfig, train
 

@@ -5,7 +5,7 @@ until the REAL speculative loop accepts nearly whole blocks."""
 from __future__ import annotations
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash.backends.torch.draft_cache import DraftContextCache
 from dflash.backends.torch.draft_runner import draft_step, extend_context

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash.backends.torch.draft_cache import DraftContextCache
 from dflash.backends.torch.draft_runner import draft_step, extend_context

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash.backends.torch.draft_cache import DraftContextCache
 from dflash.backends.torch.draft_runner import draft_step

@@ -4,7 +4,9 @@ ranking (a drafter fitted to it matches the target's distribution, not only its 
 
 from __future__ import annotations
 
-import torch
+import pytest
+
+torch = pytest.importorskip("torch")
 import torch.nn.functional as F
 
 from dflash.backends.torch.training import chunked_block_loss

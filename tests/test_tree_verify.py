@@ -2,7 +2,7 @@
 children), exact sampling, the cache after a tree commit, torch == MLX, batched rows == batch 1, refusals, auto."""
 
 import pytest
-import torch
+torch = pytest.importorskip("torch")
 
 from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter
