@@ -242,8 +242,9 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def load_drafter(directory: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu",
+def load_drafter(directory: str | os.PathLike, dtype: torch.dtype | None = torch.float32, device="cpu",
                  spec: DraftSpec | None = None) -> DFlashDrafter:
+    """The drafter in `directory`, strictly validated, its floating weights in `dtype` (None: as stored)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
