@@ -96,6 +96,22 @@ def test_the_dtype_converter_carries_the_maps(vocab_pair, tmp_path):
     assert load_mlx(tmp_path / "bf16").target_ids().tolist() == VOCAB
 
 
+def test_mlx_quantization_keeps_the_maps_and_the_check_reports_them(vocab_pair, tiny_target_dir, tmp_path, prompts):
+    pytest.importorskip("mlx_lm")
+    from dflash.converters import compat
+    from dflash.converters.quantize import quantize_drafter
+
+    _, _, vocab = vocab_pair
+    quantize_drafter(vocab, tmp_path / "q8", bits=8, group_size=32)
+    header = read_header(tmp_path / "q8" / "model.safetensors")
+    assert header["lm_head.weight"][0] == "U32" and header["d2t"][0] == "I64" and header["t2d"][0] == "BOOL"
+    quantized, plain = run_both(tiny_target_dir, tmp_path / "q8", "mlx"), run_both(tiny_target_dir, None, "mlx")
+    assert generate(quantized, prompts[0], max_new_tokens=24).tokens == \
+        generate(plain, prompts[0], max_new_tokens=24).tokens
+    report = compat.report_lines(compat.check(tiny_target_dir, vocab))
+    assert any(f"draft vocabulary of {len(VOCAB)}" in line for line in report)
+
+
 def test_bad_maps_are_refused(vocab_pair, tmp_path):
     from safetensors.torch import load_file, save_file
 
