@@ -46,6 +46,24 @@ def test_ranking_ties_padding_and_offsets():
     assert count_answer_tokens(samples) == {5: 2}  # supervised (assistant) tokens only
 
 
+def test_config_field(tiny_target_dir):
+    from dflash.core.checkpoint import expected_shapes
+
+    spec = tiny.draft_spec_for(tiny_target_dir, num_layers=1, block_size=4)
+    cfg = spec.to_dict()
+    with_vocab = DraftSpec.from_dict(dict(cfg, draft_vocab_size=100))
+    assert with_vocab.has_draft_vocab and with_vocab.to_dict()["draft_vocab_size"] == 100
+    assert expected_shapes(with_vocab)["d2t"] == (100,) and "lm_head.weight" not in expected_shapes(spec)
+    whole = DraftSpec.from_dict(dict(cfg, draft_vocab_size=spec.vocab_size))  # N = V: no draft vocabulary (vLLM)
+    assert not whole.has_draft_vocab and whole.to_dict()["draft_vocab_size"] == spec.vocab_size
+    for bad in (0, spec.vocab_size + 1, "100"):
+        with pytest.raises(DFlashError, match="draft_vocab_size"):
+            DraftSpec.from_dict(dict(cfg, draft_vocab_size=bad))
+    dflash2 = tiny.dflash2_spec(spec).to_dict()
+    with pytest.raises(DFlashError, match="supported for DFlashDraftModel only"):
+        DraftSpec.from_dict(dict(dflash2, draft_vocab_size=100))
+
+
 @pytest.fixture(scope="module")
 def vocab_pair(tmp_path_factory, tiny_target_dir):
     """(target model, plain drafter dir, the same drafter with the VOCAB draft vocabulary)."""

@@ -4,8 +4,8 @@ The checkpoint config is a Qwen3 config plus `architectures: ["DFlashDraftModel"
 `num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`. DFlash2 drafters
 (`["DFlash2DraftModel"]`) add to `dflash_config` the convolution (`conv_kernel_size`, `conv_group_size`) and the
 candidate selector (`selector_rank`, `selector_top_k`). Either may carry `output_multiplier`,
-`final_logit_softcapping` and `input_embedding_scale`, and a draft vocabulary (`draft_vocab_size` at top level:
-dflash.core.draft_vocab). Unknown keys other tools add (top level or inside
+`final_logit_softcapping` and `input_embedding_scale`; a DFlash drafter may carry a draft vocabulary
+(`draft_vocab_size` at top level: dflash.core.draft_vocab). Unknown keys other tools add (top level or inside
 `dflash_config`) are kept and written back unchanged.
 """
 
