@@ -87,7 +87,8 @@ def check(model_dir: str | os.PathLike, draft_dir: str | os.PathLike) -> dict:
         "draft": {"dir": str(draft_dir), "architecture": spec.architecture,
                   "num_hidden_layers": spec.num_hidden_layers, "hidden_size": spec.hidden_size,
                   "target_layer_ids": spec.target_layer_ids, "num_target_layers": spec.num_target_layers,
-                  "vocab_size": spec.vocab_size, "mask_token_id": spec.mask_token_id, "block_size": spec.block_size,
+                  "vocab_size": spec.vocab_size, "draft_vocab_size": spec.draft_vocab_size if spec.has_draft_vocab
+                  else None, "mask_token_id": spec.mask_token_id, "block_size": spec.block_size,
                   "rope_theta": spec.rope_theta, "rope_scaling": spec.rope_scaling,
                   "quantization_bits": (spec.extra.get("quantization") or {}).get("bits"),
                   "selector": ({"rank": spec.selector_rank, "top_k": spec.selector_top_k,
@@ -146,7 +147,8 @@ def report_lines(r: dict) -> list[str]:
         f"  hidden size      {d['hidden_size']} = {t['hidden_size']}",
         f"  target layers    {d['target_layer_ids']} of {t['num_hidden_layers']}"
         + (f" (draft expects {d['num_target_layers']})" if d["num_target_layers"] != -1 else ""),
-        f"  vocabulary       {d['vocab_size']} = {t['embedding_rows']} embedding rows",
+        f"  vocabulary       {d['vocab_size']} = {t['embedding_rows']} embedding rows"
+        + (f"; draft vocabulary of {d['draft_vocab_size']} (own head, d2t / t2d)" if d["draft_vocab_size"] else ""),
         f"  mask token       {d['mask_token_id']}",
         f"  rope             theta {d['rope_theta']:g} (target {t['rope_theta'] if t['rope_theta'] is None else format(float(t['rope_theta']), 'g')})"
         + (f", scaling {d['rope_scaling']}" if d["rope_scaling"] else ""),

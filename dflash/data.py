@@ -7,6 +7,9 @@
   self-prompts    prompts the target writes itself (Magpie): sample its chat template's user-turn prefix:
                     python -m dflash.data self-prompts --model T --num-prompts 2000 --output prompts.jsonl \
                         --exclude dflash/bench/prompts/chat.jsonl
+  draft-vocab     give a drafter a draft vocabulary of the N tokens most frequent in the target's answers (FR-Spec;
+                  EAGLE-3's d2t/t2d, as vLLM reads them):
+                    python -m dflash.data draft-vocab --model T --data answers.jsonl --draft D --size 8192 --out D8K
   cache-features  precompute the target's hidden states for offline training (sharded safetensors):
                     python -m dflash.data cache-features --model T --data answers.jsonl --out feats/ --num-layers 5
 
@@ -73,6 +76,20 @@ def parse_args(argv=None):
     m.add_argument("--seed", type=int, default=0)
     _common(m)
 
+    v = sub.add_parser("draft-vocab", help="give a drafter a draft vocabulary ranked from the target's answers")
+    v.add_argument("--model", required=True, help="target: local HF directory or hub id (its LM head's rows)")
+    v.add_argument("--data", required=True, help="the target's answers: training JSONL or datasets directory (the "
+                   "assistant tokens are counted)")
+    v.add_argument("--draft", required=True, help="the drafter (directory or hub id), without a draft vocabulary")
+    v.add_argument("--size", type=int, required=True, help="tokens in the draft vocabulary")
+    v.add_argument("--out", required=True, help="output directory: the drafter with its draft vocabulary")
+    v.add_argument("--max-length", type=int, default=3072)
+    think = v.add_mutually_exclusive_group()
+    think.add_argument("--enable-thinking", dest="enable_thinking", action="store_true", default=None)
+    think.add_argument("--disable-thinking", dest="enable_thinking", action="store_false")
+    v.add_argument("--trust-remote-code", action="store_true")
+    v.add_argument("--debug", action="store_true", help="full tracebacks")
+
     c = sub.add_parser("cache-features", help="precompute target features for offline training")
     c.add_argument("--model", required=True, help="target: local HF directory or hub id")
     c.add_argument("--data", required=True, help="training JSONL (chat or tokenised rows) or datasets directory")
@@ -116,6 +133,8 @@ def main(argv=None) -> int:
                                    log=lambda m: print(m, file=sys.stderr))
         print(json.dumps(stats))
         return 0
+    if args.command == "draft-vocab":
+        return draft_vocab(args)
     if args.command == "regenerate":
         from dflash.backends.torch import regenerate
 
@@ -143,6 +162,19 @@ def regenerate_through(args) -> int:
                               log=lambda m: print(m, file=sys.stderr))
     print(json.dumps(stats))
     return 0 if stats["failed"] == 0 else 1
+
+
+def draft_vocab(args) -> int:
+    from dflash.backends.torch import write_draft_vocab
+
+    check_output_dir(args.out, "--out")
+    model_dir = hub.resolve(args.model, "--model")
+    samples = load_samples(args.data, load_tokenizer(model_dir, args.trust_remote_code), max_length=args.max_length,
+                           enable_thinking=args.enable_thinking)
+    stats = write_draft_vocab(model_dir, hub.resolve(args.draft, "--draft"), samples, args.size, args.out,
+                              trust_remote_code=args.trust_remote_code)
+    print(json.dumps({"out": str(args.out), **stats}))
+    return 0
 
 
 def cache_features(args) -> int:

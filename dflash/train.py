@@ -48,6 +48,9 @@ HELP = {
     "context_mode": "kv: DFlash (target features as K/V of every draft layer); ablation drafters, torch only, not "
                     "exportable to vLLM / SGLang: none (no target features), input (input fusion: the last context "
                     "feature added to the block's embeddings)",
+    "draft_vocab": "give the drafter a draft vocabulary (FR-Spec; EAGLE-3's d2t/t2d, as vLLM reads them): its own LM "
+                   "head over the N tokens most frequent in the training answers (the target's rows, frozen); "
+                   "slots labelled with other tokens carry no loss. Default: the target's whole vocabulary",
     "init_layers": "target: copy the target's last decoder layers where shapes match; target-first: its first "
                    "layers; random: HF-style init",
     "draft_window": "train with the draft context window inference will use (generate --draft-window N): each block "

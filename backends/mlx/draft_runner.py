@@ -10,7 +10,7 @@ from dflash.core.contract import Draft, Pending
 from dflash.core.sampling import RowDraw
 
 from .draft_cache import DraftContextCache
-from .drafter import DFlashDrafter, scale_logits
+from .drafter import DFlashDrafter, scale_logits, spread
 from .ops import MLXOps
 from .sampling import MLXSampler
 
@@ -26,6 +26,9 @@ class MLXDraft:
         self.drafter, self.embed, self.lm_head, self.window = drafter, embed, lm_head, window
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
         spec = drafter.spec
+        # a draft vocabulary: the drafter's own head over its tokens, the logits spread over the target's ids
+        self.head = drafter.lm_head if spec.has_draft_vocab else lm_head
+        self.vocab_ids = drafter.target_ids() if spec.has_draft_vocab else None
         self.spec = spec
         self.distribution = spec.is_dflash2  # the selector's q_t: a draft distribution of its own
         self.cache = DraftContextCache(spec, dtype, window=window)
@@ -80,7 +83,9 @@ class MLXDraft:
             x = layer(x, ctx, self.drafter.rope, at, cache, i, counts)
         cache.advance(counts)
         hidden = self.drafter.norm(x)[:, 1:]
-        logits = scale_logits(self.lm_head(hidden), *self.logit_scaling)
+        logits = scale_logits(self.head(hidden), *self.logit_scaling)
+        if self.vocab_ids is not None:
+            logits = spread(logits, self.vocab_ids, spec.vocab_size)
         if spec.is_dflash2:
             candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
                                                                              anchor_ids, spec.selector_top_k)

@@ -3,7 +3,8 @@
 A few Qwen3 decoder layers without embedding or LM head (the target's are shared). In every layer the keys and
 values are [proj(context) ; proj(block)] along the sequence axis and the queries come from the block only; attention
 is not causal. Context = hidden_norm(fc(concat of the target's hidden states at target_layer_ids)). DFlash2 drafters add the
-dynamic convolutions around every sublayer and the candidate selector (see backends/torch/drafter.py).
+dynamic convolutions around every sublayer and the candidate selector (see backends/torch/drafter.py). A drafter
+with a draft vocabulary (dflash.core.draft_vocab) has its own LM head over those tokens and the d2t / t2d maps.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from dflash.core import rules
 from dflash.core.checkpoint import validate_weights
+from dflash.core.draft_vocab import check_maps
 from dflash.core.errors import DFlashError
 from dflash.core.spec import DraftSpec
 
@@ -156,6 +158,14 @@ def scale_logits(logits: mx.array, multiplier: float, softcap: float | None) -> 
     return rules.scale_logits(MLXOps, logits, multiplier, softcap)
 
 
+def spread(logits: mx.array, target_ids: mx.array, vocab_size: int) -> mx.array:
+    """Draft-vocabulary logits (..., D) over the target's vocabulary (..., V), -inf elsewhere (see the torch
+    backend's spread)."""
+    full = mx.full((*logits.shape[:-1], vocab_size), -mx.inf, dtype=logits.dtype)
+    ids = mx.broadcast_to(target_ids, logits.shape)
+    return mx.put_along_axis(full, ids, logits, axis=-1)
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, spec: DraftSpec):
         super().__init__()
@@ -169,6 +179,10 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(spec.hidden_size * spec.num_context_layers, spec.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        if spec.has_draft_vocab:  # the names and dtypes speculators writes and vLLM reads
+            self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
+            self.d2t = mx.zeros((spec.draft_vocab_size,), dtype=mx.int64)
+            self.t2d = mx.zeros((spec.vocab_size,), dtype=mx.bool_)
         # one rope for all layers (no parameters); the checkpoint's rope_scaling is honoured as mlx-lm reads it
         self.rope = initialize_rope(spec.head_dim, base=spec.rope_theta, traditional=False,
                                     scaling_config=spec.rope_scaling,
@@ -176,6 +190,10 @@ class DFlashDrafter(nn.Module):
 
     def project_context(self, features: mx.array) -> mx.array:
         return self.hidden_norm(self.fc(features))
+
+    def target_ids(self) -> mx.array:
+        """The target id of every draft id (draft vocabulary only): i + d2t[i]."""
+        return mx.arange(self.spec.draft_vocab_size, dtype=mx.int64) + self.d2t.astype(mx.int64)
 
 
 def quantization_of(spec: DraftSpec) -> dict | None:
@@ -214,4 +232,6 @@ def load_drafter(directory: str | os.PathLike, dtype=mx.float32, spec: DraftSpec
     model.eval()
     mx.eval(model.parameters())
     model.source = str(directory)  # what errors about this drafter name
+    if spec.has_draft_vocab:
+        check_maps(model.d2t.tolist(), model.t2d.tolist(), spec.vocab_size, str(files[0]))
     return model

@@ -18,7 +18,7 @@ from dflash.core.errors import DFlashError
 from dflash.core.sampling import RowDraw
 
 from .draft_cache import BlockOnlyContext, DraftContextCache, StaticDraftCache
-from .drafter import DFlashDrafter, rotate, scale_logits
+from .drafter import DFlashDrafter, rotate, scale_logits, spread
 from .ops import TorchOps
 from .sampling import warpers
 
@@ -130,12 +130,15 @@ def _filtered(params, logits: torch.Tensor) -> torch.Tensor:
 
 
 class TorchDraft:
-    """A DFlash drafter and its context cache, sharing the target's embedding and LM head."""
+    """A DFlash drafter and its context cache, sharing the target's embedding and LM head (or, with a draft
+    vocabulary, scoring with its own head over those tokens and spreading the logits over the target's ids)."""
 
     def __init__(self, drafter: DFlashDrafter, embed, lm_head, *, window: int | None = None,
                  static_capacity: int | None = None, logit_scaling: tuple[float, float | None] = (1.0, None)):
         self.drafter, self.embed, self.lm_head, self.window = drafter, embed, lm_head, window
         spec = drafter.spec
+        self.head = drafter.lm_head if spec.has_draft_vocab else lm_head
+        self.vocab_ids = drafter.target_ids() if spec.has_draft_vocab else None
         self.logit_scaling = logit_scaling  # (multiplier, softcap): DraftSpec.logit_scaling
         self.spec = spec
         self.distribution = spec.is_dflash2  # the selector's q_t: a draft distribution of its own
@@ -211,8 +214,10 @@ class TorchDraft:
         # (rows * positions, H) in one matrix product: the block's slice of the drafter's states is not contiguous,
         # and a 3D slice through the LM head runs as a batched product over one copy of the head per row (4x
         # slower on a CPU at 8 rows)
-        flat = self.lm_head(hidden.reshape(-1, hidden.shape[-1]))
-        return scale_logits(flat.view(*hidden.shape[:-1], -1), *self.logit_scaling)
+        flat = scale_logits(self.head(hidden.reshape(-1, hidden.shape[-1])), *self.logit_scaling)
+        if self.vocab_ids is not None:
+            flat = spread(flat, self.vocab_ids, self.spec.vocab_size)
+        return flat.view(*hidden.shape[:-1], -1)
 
     def _static_forward(self, block, features, start, n):
         hidden = static_draft(self.drafter, self.embed_block(block), features, start, n, self.cache, *self._rope)

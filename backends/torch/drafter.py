@@ -8,10 +8,13 @@ DFlash2 drafters (spec.is_dflash2) wrap each sublayer in a two-tap dynamic convo
 their proposals with a candidate selector (a walk over the top-k of every position, scored by token pairs).
 The ablation modes of dflash.core.spec (`context_mode` none / input) run the same layers with an empty context; input
 fusion adds a projected feature to the block's input embeddings instead (`fused`).
+A drafter with a draft vocabulary (dflash.core.draft_vocab) has an LM head of its own over those tokens and the
+d2t / t2d maps; its logits are spread over the target's vocabulary, -inf elsewhere (`spread`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dflash.core import rules
 from dflash.core.checkpoint import validate_weights
+from dflash.core.draft_vocab import check_maps, vocab_maps
 from dflash.core.errors import DFlashError
 from dflash.core.spec import WEIGHTS_NAME, DraftSpec
 
@@ -167,6 +171,13 @@ def scale_logits(logits: torch.Tensor, multiplier: float, softcap: float | None)
     return rules.scale_logits(TorchOps, logits, multiplier, softcap)
 
 
+def spread(logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary logits (..., D) as logits over the target's vocabulary (..., V): -inf off the draft
+    vocabulary, so every distribution taken from them gives those tokens probability 0 (vLLM's compute_logits)."""
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, target_ids, logits)
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, spec: DraftSpec):
         super().__init__()
@@ -181,8 +192,16 @@ class DFlashDrafter(nn.Module):
             self.fc = nn.Linear(spec.hidden_size * spec.num_context_layers, spec.hidden_size, bias=False)
             self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        if spec.has_draft_vocab:  # the names and dtypes speculators writes and vLLM reads
+            self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
         self.rotary = Qwen3RotaryEmbedding(config)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def target_ids(self) -> torch.Tensor:
+        """The target id of every draft id (draft vocabulary only): i + d2t[i]."""
+        return torch.arange(self.spec.draft_vocab_size, device=self.d2t.device) + self.d2t.long()
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for absolute positions, shaped to broadcast over (batch, heads, seq, head_dim)."""
@@ -223,8 +242,9 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def load_drafter(directory: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu",
+def load_drafter(directory: str | os.PathLike, dtype: torch.dtype | None = torch.float32, device="cpu",
                  spec: DraftSpec | None = None) -> DFlashDrafter:
+    """The drafter in `directory`, strictly validated, its floating weights in `dtype` (None: as stored)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -241,7 +261,28 @@ def load_drafter(directory: str | os.PathLike, dtype: torch.dtype = torch.float3
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = Qwen3RotaryEmbedding(qwen3_config(spec))  # buffers were on meta
     model.source = str(directory)  # what errors about this drafter name
+    if spec.has_draft_vocab:
+        check_maps(model.d2t.tolist(), model.t2d.tolist(), spec.vocab_size, str(files[0]))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def with_draft_vocab(drafter: DFlashDrafter, token_ids: list[int], head: torch.Tensor) -> DFlashDrafter:
+    """The drafter with the draft vocabulary `token_ids` (ascending target ids, dflash.core.draft_vocab): the same
+    layers, and an LM head of the target head's rows `head[token_ids]` in the head's own dtype, so its logits are
+    the target head's, restricted. A vocabulary as large as the target's is none (no head, no maps)."""
+    spec = dataclasses.replace(drafter.spec, draft_vocab_size=len(token_ids))
+    spec.check("--draft-vocab")
+    state = {k: v for k, v in drafter.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    if spec.has_draft_vocab:
+        d2t, t2d = vocab_maps(token_ids, spec.vocab_size)
+        ids = torch.tensor(token_ids, device=head.device)
+        state.update({"lm_head.weight": head.detach()[ids].clone(), "d2t": torch.tensor(d2t, dtype=torch.long),
+                      "t2d": torch.tensor(t2d, dtype=torch.bool)})
+    with torch.device("meta"):
+        model = DFlashDrafter(spec)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary = Qwen3RotaryEmbedding(qwen3_config(spec))
+    return model.train(drafter.training)
 
 
 def save_drafter(model: DFlashDrafter, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
@@ -251,8 +292,8 @@ def save_drafter(model: DFlashDrafter, directory: str | os.PathLike, dtype: torc
     from dflash.core.io import atomic_path
 
     directory = Path(directory)
-    state = {k: (v.to(dtype) if dtype is not None else v).detach().contiguous().cpu()
-             for k, v in model.state_dict().items()}
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+             for k, v in model.state_dict().items()}  # the draft vocabulary's maps keep their integer dtypes
     with atomic_path(directory / WEIGHTS_NAME) as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
     model.spec.save(directory)

@@ -57,7 +57,14 @@ def expected_shapes(spec: DraftSpec) -> dict[str, tuple[int, ...]]:
         shapes.update({"candidate_selector.predecessor_codebook": (spec.vocab_size, spec.selector_rank),
                        "candidate_selector.successor_codebook": (spec.vocab_size, spec.selector_rank),
                        "candidate_selector.hidden_projection.weight": (spec.selector_rank, h)})
+    if spec.has_draft_vocab:  # dflash.core.draft_vocab: its own head and the two maps
+        shapes.update({"lm_head.weight": (spec.draft_vocab_size, h), "d2t": (spec.draft_vocab_size,),
+                       "t2d": (spec.vocab_size,)})
     return shapes
+
+
+# the dtypes of the draft vocabulary's maps (speculators writes int64 and bool; an int32 d2t reads the same)
+VOCAB_MAP_DTYPES = {"d2t": ("I64", "I32"), "t2d": ("BOOL",)}
 
 
 def read_header(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -159,8 +166,11 @@ def validate_weights(spec: DraftSpec, directory: str | os.PathLike, allow_quanti
     files = weight_files(directory)
     found: dict[str, tuple[int, ...]] = {}
     for f in files:
-        for name, (_, shape) in read_header(f).items():
+        for name, (dtype, shape) in read_header(f).items():
             found[name] = shape
+            if name in VOCAB_MAP_DTYPES and spec.has_draft_vocab and dtype not in VOCAB_MAP_DTYPES[name]:
+                raise DFlashError(f"{f}: tensor '{name}' has dtype {dtype}, expected "
+                                  f"{' or '.join(VOCAB_MAP_DTYPES[name])} (the draft vocabulary's map)")
     want = None
     if quant is not None:
         want = quantized_shapes(spec, quant, found, str(Path(directory) / "config.json"))
@@ -214,7 +224,8 @@ def check_names_and_shapes(spec: DraftSpec, found: dict[str, tuple[int, ...]], s
         if any(k.startswith(("embed_tokens", "lm_head", "model.embed_tokens")) for k in unexpected):
             name = next(k for k in unexpected if k.startswith(("embed_tokens", "lm_head", "model.embed_tokens")))
             raise DFlashError(f"{source}: unexpected weight {name!r}; a DFlash drafter shares the target's "
-                              "embedding and LM head and must not contain its own")
+                              "embedding and LM head and must not contain its own (only a drafter with a "
+                              "draft vocabulary, config.json 'draft_vocab_size', has an lm_head)")
         if missing:
             raise DFlashError(f"{source}: missing weight {missing[0]!r}" +
                               (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))

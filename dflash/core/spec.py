@@ -4,7 +4,8 @@ The checkpoint config is a Qwen3 config plus `architectures: ["DFlashDraftModel"
 `num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`. DFlash2 drafters
 (`["DFlash2DraftModel"]`) add to `dflash_config` the convolution (`conv_kernel_size`, `conv_group_size`) and the
 candidate selector (`selector_rank`, `selector_top_k`). Either may carry `output_multiplier`,
-`final_logit_softcapping` and `input_embedding_scale`. Unknown keys other tools add (top level or inside
+`final_logit_softcapping` and `input_embedding_scale`; a DFlash drafter may carry a draft vocabulary
+(`draft_vocab_size` at top level: dflash.core.draft_vocab). Unknown keys other tools add (top level or inside
 `dflash_config`) are kept and written back unchanged.
 """
 
@@ -83,6 +84,8 @@ class DraftSpec:
     output_multiplier: float | None = None
     final_logit_softcapping: float | None = None
     input_embedding_scale: float | None = None
+    # the draft vocabulary (dflash.core.draft_vocab): rows of the drafter's own LM head; None = the target's head
+    draft_vocab_size: int | None = None
     # How the drafter reads the target: "kv" (DFlash, the public format) or one of ABLATION_CONTEXT_MODES.
     context_mode: str = "kv"
     extra: dict = field(default_factory=dict)
@@ -96,6 +99,12 @@ class DraftSpec:
     @property
     def is_dflash2(self) -> bool:
         return self.architecture == DFLASH2
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        """Whether the drafter scores a subset of the target's vocabulary with its own head (a draft_vocab_size
+        equal to vocab_size is the whole vocabulary: vLLM and speculators read it as no draft vocabulary)."""
+        return self.draft_vocab_size is not None and self.draft_vocab_size != self.vocab_size
 
     def logit_scaling(self, target: TargetInfo | None = None) -> tuple[float, float | None]:
         """(multiplier, softcap) of the draft logits: the drafter's own when it sets either, else the target's cap
@@ -189,6 +198,7 @@ class DraftSpec:
             architecture=architecture,
             **dflash2,
             **scales,
+            draft_vocab_size=_optional_int(cfg, "draft_vocab_size", source),
             context_mode=dcfg.get("context_mode", "kv"),
             extra={k: v for k, v in cfg.items() if k not in owned},
             extra_dflash={k: v for k, v in dcfg.items() if k not in owned_dflash},
@@ -230,6 +240,13 @@ class DraftSpec:
             if self.selector_top_k > self.vocab_size:
                 raise DFlashError(f"{source}: field 'dflash_config.selector_top_k' ({self.selector_top_k}) must be at "
                                   f"most vocab_size ({self.vocab_size})")
+        if self.draft_vocab_size is not None:
+            if not _is_int(self.draft_vocab_size) or not 1 <= self.draft_vocab_size <= self.vocab_size:
+                raise DFlashError(f"{source}: field 'draft_vocab_size' must be an int in 1..vocab_size "
+                                  f"({self.vocab_size}), got {self.draft_vocab_size!r}")
+            if self.has_draft_vocab and self.is_dflash2:
+                raise DFlashError(f"{source}: field 'draft_vocab_size': a draft vocabulary is supported for "
+                                  f"{ARCHITECTURE} only (the {DFLASH2} selector scores the whole vocabulary)")
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
             raise DFlashError(f"{source}: field 'dflash_config.final_logit_softcapping' must be positive, got "
                               f"{self.final_logit_softcapping}")
@@ -297,6 +314,8 @@ class DraftSpec:
             num_target_layers=self.num_target_layers,
             dflash_config=dflash_config,
         )
+        if self.draft_vocab_size is not None:  # only drafters with one carry the key: the public format unchanged
+            cfg["draft_vocab_size"] = self.draft_vocab_size
         if self.context_mode != "kv":  # only ablation drafters carry the key: public checkpoints stay as they were
             cfg["dflash_config"]["context_mode"] = self.context_mode
         return cfg

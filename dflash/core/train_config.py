@@ -26,6 +26,7 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None
     context_mode: str = "kv"  # kv: DFlash; none / input: the ablation drafters of dflash.core.spec (torch only)
     init_layers: str = "target-first"  # copy the target's first decoder layers ("target": its last; "random": HF init)
+    draft_vocab: int | None = None  # a draft vocabulary of the N most frequent answer tokens (dflash.core.draft_vocab)
     # DFlash2: the two-tap dynamic convolutions and the candidate selector (new drafter)
     conv_kernel_size: int = 2
     conv_group_size: int = 16

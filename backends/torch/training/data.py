@@ -73,13 +73,16 @@ def sample_anchors_of(sample: dict, num_anchors: int, seed: int, epoch: int, ind
     return a[0], v[0]
 
 
-def sample_weight(sample: dict, anchors, valid, block_size: int, gamma: float) -> float:
-    """sum of loss weights of one sample's blocks (for the global normaliser), without building the blocks."""
+def sample_weight(sample: dict, anchors, valid, block_size: int, gamma: float, vocab=None) -> float:
+    """sum of loss weights of one sample's blocks (for the global normaliser), without building the blocks.
+    `vocab`: a draft vocabulary's t2d (CPU), whose off-vocabulary labels carry no loss (objective.draft_labels)."""
     mask = torch.as_tensor(sample["loss_mask"], dtype=torch.bool)
     s = mask.shape[0]
     k = torch.arange(1, block_size)
     pos = anchors[valid][:, None] + k
     ok = (pos < s) & mask[pos.clamp(max=s - 1)]
+    if vocab is not None:
+        ok &= vocab[torch.as_tensor(sample["input_ids"], dtype=torch.long)[pos.clamp(max=s - 1)]]
     return float((torch.exp(-(k.float() - 1) / gamma) * ok).sum())
 
 

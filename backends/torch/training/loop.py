@@ -40,7 +40,8 @@ def train_step(run: Run, step: int) -> dict:
     mine = idx[d.rank * b * accum:(d.rank + 1) * b * accum]
     anchors = [sample_anchors_of(run.samples[i], cfg.num_anchors, cfg.seed, epoch, i) for i in mine]
     # 2. the global normaliser: sum of loss weights over the whole global batch
-    wsum = torch.tensor(sum(sample_weight(run.samples[i], a, v, spec.block_size, run.gamma)
+    vocab = run.drafter.t2d.cpu() if spec.has_draft_vocab else None
+    wsum = torch.tensor(sum(sample_weight(run.samples[i], a, v, spec.block_size, run.gamma, vocab)
                             for i, (a, v) in zip(mine, anchors)), dtype=torch.float64)
     wsum = float(d.sum(wsum).clamp(min=1e-6))
     lr = cosine_lr(step, run.total, cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio)

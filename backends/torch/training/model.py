@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash.core.draft_vocab import count_answer_tokens, select_tokens
 from dflash.core.errors import DFlashError
 from dflash.core.spec import DFLASH2, DraftSpec, default_target_layer_ids
 
-from ..drafter import DFlashDrafter, load_drafter
+from ..drafter import DFlashDrafter, load_drafter, with_draft_vocab
 from .objective import packed_states
 
 
@@ -181,6 +182,21 @@ def build_drafter(cfg, target_model, tokenizer) -> DFlashDrafter:
         return drafter.train()
     spec = new_draft_spec(cfg, target_model, tokenizer)
     return init_drafter(spec, target_model, cfg.init_layers, cfg.seed)
+
+
+def restrict_vocab(drafter: DFlashDrafter, size: int, samples: list[dict], head: torch.Tensor,
+                   init_from: str | None = None) -> DFlashDrafter:
+    """--draft-vocab N: the drafter with a draft vocabulary of the N tokens most frequent among the supervised
+    tokens of the training samples (the target's own answers), its head the target's rows. A drafter that has one
+    already keeps it (N must be its size)."""
+    spec = drafter.spec
+    if spec.draft_vocab_size is not None:
+        if size != spec.draft_vocab_size:
+            raise DFlashError(f"--draft-vocab: {init_from} has a draft vocabulary of {spec.draft_vocab_size} tokens "
+                              f"already; drop --draft-vocab or pass {spec.draft_vocab_size}")
+        return drafter
+    ids = select_tokens(count_answer_tokens(samples), size, spec.vocab_size)
+    return with_draft_vocab(drafter, ids, head.float())
 
 
 def checkpoint_layers(drafter: DFlashDrafter) -> None:

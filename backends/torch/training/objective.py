@@ -9,6 +9,10 @@ With `kl_weight` a, each slot's CE is blended with the cross-entropy against the
 distribution at that position (same optimum, a soft label that also ranks the target's other candidates):
   slot loss = (1 - a) CE(draft, x_{a_j+k}) + a H(p_target(. | x_<a_j+k), p_draft)
 (p_target optionally truncated to its top-k tokens: the same signal where the mass is, at a fraction of the cost).
+A drafter with a draft vocabulary (dflash.core.draft_vocab) scores with its own head over those tokens, as the
+field trains it: a slot whose label is outside the vocabulary carries no loss (EAGLE-3 masks those positions; the
+head cannot propose the token), and the soft label is the target's distribution restricted to the vocabulary,
+renormalised (EAGLE-3's and speculators' target_head = target logits at t2d).
 The same DFlashDrafter.forward runs here and at inference; only the attention mask differs (training/attention.py),
 so a test can check that the packed forward of every block equals the inference-time forward for that block.
 """
@@ -70,6 +74,14 @@ def build_blocks(input_ids, loss_mask, anchors, valid, block_size: int, mask_tok
     w = torch.exp(-(k.float() - 1).clamp(min=0) / gamma)
     weights = torch.where(supervised, w.expand_as(pos), torch.zeros((), device=w.device))
     return ids.flatten(1), pos.flatten(1), labels.flatten(1), weights.flatten(1)
+
+
+def draft_labels(drafter: DFlashDrafter, labels: torch.Tensor, weights: torch.Tensor):
+    """(labels as draft ids, weights with every slot whose label is outside the draft vocabulary at 0)."""
+    inside = drafter.t2d[labels]
+    index = torch.full_like(drafter.t2d, -1, dtype=torch.long)
+    index[drafter.target_ids()] = torch.arange(drafter.spec.draft_vocab_size, device=index.device)
+    return torch.where(inside, index[labels], 0), torch.where(inside, weights, torch.zeros_like(weights))
 
 
 def context_length(drafter: DFlashDrafter, seq_len: int) -> int:
@@ -183,9 +195,13 @@ def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, 
     `rules`: one LayerRule per draft layer (default: full attention, the whole context). `target_final` (b, S, H):
     the target's final-normed hidden states, needed when kl_weight > 0 (soft label: its top `kl_top_k` tokens, or
     the whole distribution with kl_top_k 0). A DFlash2 drafter's selector is trained alongside, with weight
-    `selector_weight` (0: not at all)."""
+    `selector_weight` (0: not at all). A drafter with a draft vocabulary uses its own head in place of `lm_head`
+    (for the soft label too: the target's rows of those tokens)."""
     gamma = gamma or default_gamma(block_size)
     ids, pos, labels, weights = build_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, gamma)
+    if drafter.spec.has_draft_vocab:
+        lm_head = drafter.lm_head
+        labels, weights = draft_labels(drafter, labels, weights)
     s = input_ids.shape[1]
     use_flex = features.is_cuda if use_flex is None else use_flex
     rules = rules or [LayerRule()] * drafter.spec.num_hidden_layers

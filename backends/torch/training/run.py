@@ -21,7 +21,7 @@ from .config import TrainConfig
 from .data import load_samples, split_eval_prompts
 from .distributed import Dist, init_distributed
 from .features import FeatureCache, OnlineFeatures
-from .model import build_drafter, checkpoint_layers, wrap_for_parallel
+from .model import build_drafter, checkpoint_layers, restrict_vocab, wrap_for_parallel
 from .objective import default_gamma
 
 
@@ -78,6 +78,11 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.arch == "dflash2" and cfg.context_mode != "kv":
         raise DFlashError(f"--arch dflash2: reads the target as K/V context only; drop --context-mode "
                           f"{cfg.context_mode}")
+    if cfg.draft_vocab is not None and cfg.draft_vocab < 1:
+        raise DFlashError(f"--draft-vocab: got {cfg.draft_vocab}, expected a positive number of tokens")
+    if cfg.draft_vocab is not None and cfg.arch == "dflash2":
+        raise DFlashError("--draft-vocab: a draft vocabulary is supported for DFlash drafters only (the DFlash2 "
+                          "selector scores the whole vocabulary); drop one of --draft-vocab / --arch dflash2")
     if cfg.kl_weight > 0 and cfg.features:
         raise DFlashError("--kl-weight: needs online target features (a feature cache holds no target logits); "
                           "drop --features or pass --kl-weight 0")
@@ -126,16 +131,21 @@ def prepare(cfg: TrainConfig, target_dir: Path) -> Run:
 
     # drafter, parallel wrapping, optimiser, feature source
     drafter = build_drafter(cfg, target, tokenizer)
+    if cfg.draft_vocab is not None:
+        drafter = restrict_vocab(drafter, cfg.draft_vocab, samples, target.get_output_embeddings().weight,
+                                 cfg.init_from)
     spec = drafter.spec
     if cache is not None and cache.target_layer_ids != spec.target_layer_ids:
         raise DFlashError(f"--features: cached layers {cache.target_layer_ids} differ from the drafter's "
                           f"target_layer_ids {spec.target_layer_ids}")
     drafter.to(device).float().requires_grad_(True)
+    if spec.has_draft_vocab:  # the target's LM-head rows: frozen, as the target's head is
+        drafter.lm_head.requires_grad_(False)
     if cfg.activation_checkpointing:
         checkpoint_layers(drafter)
     module, fsdp = wrap_for_parallel(drafter, cfg.parallel, d, device)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=cfg.lr,
+                                  betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     features = OnlineFeatures(target, spec.target_layer_ids) if cache is None else cache
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and autocast_bf16_by_default(device))
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
