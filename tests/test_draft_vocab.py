@@ -7,7 +7,8 @@ target's (chi-square), and the training objective's handling of labels outside t
 import json
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from dflash import backends
 from dflash.backends.torch.draft_runner import TorchDraft

@@ -7,7 +7,8 @@ import json
 from collections import Counter
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from dflash import backends
 from dflash.backends.torch.drafter import load_drafter, with_draft_vocab
