@@ -2,6 +2,8 @@
 function of the history, and a drafter that proposes that continuation for its first `good` block positions, then
 a wrong token. The engine, the loop and the contract tests run over them."""
 
+from collections import Counter
+
 import numpy as np
 
 from dflash.core.contract import Capabilities, Draft
@@ -177,3 +179,21 @@ class OracleDrafter:
         self.drafter.propose(anchor_ids, pending, block_size, top_k, draws)
         anchors = [row[0] for row in self.target.to_host(anchor_ids)]
         return Draft(self.target.ids([[a] + list(self.proposals(r, a)) for r, a in enumerate(anchors)]))
+
+
+class Counting:
+    """Stands in for a backend's Target or Drafter and counts the calls of each of its methods by name (every other
+    attribute read passes through), so a test can say which primitives a cycle used."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+        return counted
