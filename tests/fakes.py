@@ -40,6 +40,12 @@ class FakeTarget:
     pad_rows = staticmethod(lambda f, n: np.concatenate([f, np.zeros((n, *f.shape[1:]))]))
     to_host = staticmethod(lambda x: x.tolist())
 
+    @staticmethod
+    def gather(features, slots):
+        """Row i's features at slots[i], packed to the left (padded with its last)."""
+        width = max(len(s) for s in slots)
+        return np.stack([features[i, s + [s[-1]] * (width - len(s))] for i, s in enumerate(slots)])
+
     def settle(self, *arrays):
         pass
 
