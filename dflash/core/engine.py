@@ -282,9 +282,11 @@ class Engine:
     def _chain_step(self, anchors: Sequence[int], top_k: int, length: int | None = None) -> list[Step]:
         """Draft, verify the first `length` proposals (default: all B-1; 0: no draft forward), commit."""
         verified = self.block_size if length is None else length + 1
-        # a matched row's draft reads the noise of every block position; otherwise only the verified ones are drawn
+        # a matched row's draft reads the noise of every block position; otherwise only the verified ones are drawn,
+        # and a cycle without a draft forward draws what a plain step does: its one token's
         drafts_read_noise = length != 0 and "match" in self.accept_rules
-        draws = self._row_draws(self.block_size, noise=self.block_size if drafts_read_noise else verified)
+        draws = self._row_draws(self.block_size if length != 0 else 1,
+                                noise=self.block_size if drafts_read_noise else verified)
         if length == 0:  # (the pending features wait for the next draft forward: see commit)
             draft = Draft(self.target.ids([[a] for a in anchors]))
         else:  # (a draft of `length` proposals fills just those positions: the drafter's work grows with them)
