@@ -157,14 +157,17 @@ def test_auto_with_an_untrained_drafter_mostly_skips_the_draft(tiny_target_dir, 
 
 
 def test_a_paused_cycle_is_the_plain_step(tiny_target_dir, random_draft_dir, prompts):
+    model = load_target(tiny_target_dir, torch.float32, "cpu")
+    check_paused_cycles(torch_engine(model, load_drafter(random_draft_dir), block_size=16), torch_engine(model),
+                        prompts[0])
+
+
+def check_paused_cycles(backend, ar, prompt, paused=6):
     """--verify auto pausing an untrained drafter, without the copied branch: each paused cycle calls the target's
     primitives exactly as a target-only step does (no feature join, no slicing), plans nothing and leaves the drafter
     alone; the probe that ends the pause reads every position the pause committed in one Pending, and the output is
-    the target's."""
-    model = load_target(tiny_target_dir, torch.float32, "cpu")
-    backend = torch_engine(model, load_drafter(random_draft_dir), block_size=16)
+    the target's. `ar`: a target-only engine on the same target."""
     backend.set_verify("auto", None, STEEP, copy_branch=False)
-    ar, prompt, paused = torch_engine(model), prompts[0], 6
     want = generate(ar, prompt, max_new_tokens=32).tokens
     plans, read = [], []  # plan() calls; the pending positions each draft forward reads
     plan, propose = backend.planner.plan, backend.drafter.propose
