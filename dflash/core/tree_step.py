@@ -33,7 +33,7 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
         plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
     else:
         plan = planner.plan(anchors, copies=copies)
-    if all(len(t.tokens) == 1 for t in plan.trees):  # no node worth its verify cost: a plain step after the draft
+    if all(len(t.tokens) == 1 for t in plan.trees):  # no node (drafted or copied) worth its verify cost: a plain step
         steps = engine._chain_step(anchors, top_k=0, length=0)
         for step in steps:
             step.draft_forward = plan.drafted
