@@ -2,6 +2,8 @@
 function of the history, and a drafter that proposes that continuation for its first `good` block positions, then
 a wrong token. The engine, the loop and the contract tests run over them."""
 
+from collections import Counter
+
 import numpy as np
 
 from dflash.core.contract import Capabilities, Draft
@@ -37,6 +39,12 @@ class FakeTarget:
     take_rows = staticmethod(lambda f, rows: f[rows])
     pad_rows = staticmethod(lambda f, n: np.concatenate([f, np.zeros((n, *f.shape[1:]))]))
     to_host = staticmethod(lambda x: x.tolist())
+
+    @staticmethod
+    def gather(features, slots):
+        """Row i's features at slots[i], packed to the left (padded with its last)."""
+        width = max(len(s) for s in slots)
+        return np.stack([features[i, s + [s[-1]] * (width - len(s))] for i, s in enumerate(slots)])
 
     def settle(self, *arrays):
         pass
@@ -177,3 +185,21 @@ class OracleDrafter:
         self.drafter.propose(anchor_ids, pending, block_size, top_k, draws)
         anchors = [row[0] for row in self.target.to_host(anchor_ids)]
         return Draft(self.target.ids([[a] + list(self.proposals(r, a)) for r, a in enumerate(anchors)]))
+
+
+class Counting:
+    """Stands in for a backend's Target or Drafter and counts the calls of each of its methods by name (every other
+    attribute read passes through), so a test can say which primitives a cycle used."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+        return counted

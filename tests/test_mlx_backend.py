@@ -59,6 +59,12 @@ def test_greedy_lossless(target, random_draft_dir, few, baseline, block_size):
         assert all(len(d) == block_size - 1 for d in r.drafted)
 
 
+def test_a_paused_cycle_is_the_plain_step(target, random_draft_dir, few):
+    from test_tree_verify import check_paused_cycles
+
+    check_paused_cycles(mlx_engine(*target, load_drafter(random_draft_dir), block_size=16), mlx_engine(*target), few[0])
+
+
 def with_oracle(backend, truth, prompt_len):
     """Runs the real drafter, then replaces its proposals by the known continuation with slot `k` made wrong, k
     cycling through 0..B-1 (B-1: nothing wrong): every acceptance length 1..B is committed in turn."""

@@ -222,6 +222,7 @@ class TreePlanner:
         # no longer enumerates, calibrates and sorts 256 candidates per cycle; a plan that uses them all doubles it)
         self.reach = min(budget, 2 * (block_size - 1))
         self.calibration = Calibration(block_size - 1)
+        self.idle_trees = 0  # root-only trees of plain cycles not yet forgotten by (Calibration.age) the calibration
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
@@ -265,6 +266,7 @@ class TreePlanner:
     def plan(self, anchors: Sequence[int], top_ids=None, top_probs=None,
              copies: Sequence[Sequence[int]] = ()) -> Plan:
         """Trees for this cycle. top_ids / top_probs (rows, B-1, k) host lists when the cycle drafted, else None."""
+        self._age()
         rows = len(anchors)
         copies = list(copies) if self.copy_branch and copies else [[] for _ in range(rows)]
         drafted = top_ids is not None
@@ -292,8 +294,18 @@ class TreePlanner:
         qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]
         return Plan(trees, qs, drafted, block)
 
+    def observe_plain(self, rows: int, seconds: float) -> None:
+        """Learn from a plain cycle run without a plan (a pause with nothing to copy): what observing its root-only
+        trees teaches, without building them. The calibration's forgetting waits for the next plan."""
+        self.idle_trees += rows
+        self.last_drafted = False
+        if self.costs is not None:
+            self.clock[False].observe(self.costs.cycle_seconds(1, rows, False, self.context), seconds)
+            self.costs.observe(1, rows, False, seconds, self.context)
+
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
+        self._age()
         for tree, qs, path in zip(plan.trees, plan.qs, paths):
             self.calibration.observe(tree, qs, list(path))
         self.last_drafted = plan.drafted
@@ -302,6 +314,11 @@ class TreePlanner:
             forwards = self.costs.cycle_seconds(width, rows, plan.drafted, self.context, plan.block)
             self.clock[plan.drafted].observe(forwards, seconds)
             self.costs.observe(width, rows, plan.drafted, seconds, self.context, plan.block)
+
+    def _age(self) -> None:
+        if self.idle_trees:
+            self.calibration.age(self.idle_trees)
+            self.idle_trees = 0
 
     # ---- auto ------------------------------------------------------------------------------------------------------
     def _counts(self, candidates, drafted: bool, limit: float | None,

@@ -23,17 +23,18 @@ import time
 from typing import Sequence
 
 from .admission import Admission
-from .budget import ITL_LIMIT, VERIFY_MODES, ChainBudget, Costs, TreePlanner
+from .budget import ITL_LIMIT, MAX_PAUSE, VERIFY_MODES, ChainBudget, Costs, TreePlanner
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
 from .errors import DFlashError
+from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
 from .sampling import RowDraw, RowSampling, SamplingParams, accepted_length, common_prefix, row_draws
 from .tree import CopyIndex
 from .tree_step import tree_step
 
 # features pending past which a cycle without a draft forward hands them to the drafter's context (the work the next
-# draft would do): joining grows with what is pending, so a long pause would otherwise cost more every cycle
-PENDING_ABSORB = 16
+# draft would do), which bounds what waits; a pause lasts at most MAX_PAUSE cycles, so its features are read once
+PENDING_ABSORB = MAX_PAUSE
 
 
 def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
@@ -57,7 +58,7 @@ class Engine:
         self.info = target.info
         self.rows: list[list[int]] = []  # per row: ids whose K/V is in the target cache
         self.shared = False  # rows share the caches (a batch was admitted): no prefix reuse until reset
-        self.pending: Pending | None = None
+        self.queue = PendingFeatures()  # target features the drafter has not read yet (see `pending`)
         self.top_k = 0  # > 0: every draft also returns the per-position top-k (tree verification)
         self.sampling = SamplingParams()  # the settings of rows admitted without their own
         self.row_sampling: list[RowSampling] = []  # per row: its settings, acceptance rule and noise seed
@@ -80,6 +81,15 @@ class Engine:
     @property
     def cached_tokens(self) -> list[int]:
         return self.tokens
+
+    @property
+    def pending(self) -> Pending | None:
+        """The target features the drafter has not read yet, as one Pending (joined now if cycles left parts)."""
+        return self.queue.peek(self.target)
+
+    @pending.setter
+    def pending(self, pending: Pending | None) -> None:
+        self.queue.set(pending)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -272,9 +282,11 @@ class Engine:
     def _chain_step(self, anchors: Sequence[int], top_k: int, length: int | None = None) -> list[Step]:
         """Draft, verify the first `length` proposals (default: all B-1; 0: no draft forward), commit."""
         verified = self.block_size if length is None else length + 1
-        # a matched row's draft reads the noise of every block position; otherwise only the verified ones are drawn
+        # a matched row's draft reads the noise of every block position; otherwise only the verified ones are drawn,
+        # and a cycle without a draft forward draws what a plain step does: its one token's
         drafts_read_noise = length != 0 and "match" in self.accept_rules
-        draws = self._row_draws(self.block_size, noise=self.block_size if drafts_read_noise else verified)
+        draws = self._row_draws(self.block_size if length != 0 else 1,
+                                noise=self.block_size if drafts_read_noise else verified)
         if length == 0:  # (the pending features wait for the next draft forward: see commit)
             draft = Draft(self.target.ids([[a] for a in anchors]))
         else:  # (a draft of `length` proposals fills just those positions: the drafter's work grows with them)
@@ -323,24 +335,17 @@ class Engine:
             row.extend(block[:k])
         if self.drafter is None:
             return
-        self._queue_pending(Pending(self.target.head(verified.features, max(keeps)), keeps))
+        most, features = max(keeps), verified.features
+        self._queue_pending(Pending(features if most == len(verified.blocks[0]) else self.target.head(features, most),
+                                    keeps))
 
     def _queue_pending(self, new: Pending) -> None:
         """A cycle's committed features wait for the drafter. After a cycle without a draft forward (a plain step, or
-        copied nodes alone) they join the earlier pending ones: the next draft takes them all in one forward, so such a
-        cycle costs no drafter forward of its own (PENDING_ABSORB of them go to the drafter's context at once)."""
-        old = self.pending
-        if old is None:
-            self.pending = new
-            return
-        width = old.features.shape[1]
-        joined = self.target.cat([old.features, new.features])
-        counts = [a + b for a, b in zip(old.counts, new.counts)]
-        if any(a != width for a in old.counts):
-            slots = [list(range(a)) + [width + j for j in range(b)] for a, b in zip(old.counts, new.counts)]
-            joined = self.target.gather(joined, slots)
-        self.pending = Pending(joined, counts)
-        if max(counts) >= PENDING_ABSORB:
+        copied nodes alone) they wait behind the earlier pending ones, unjoined: the next draft takes them all in one
+        forward, so such a cycle costs no drafter forward of its own (PENDING_ABSORB of them go to the drafter's
+        context at once)."""
+        self.queue.add(new)
+        if max(self.queue.counts) >= PENDING_ABSORB:
             self.drafter.extend(self._take_pending())
 
     def retire(self, rows: Sequence[int]) -> None:
@@ -403,10 +408,7 @@ class Engine:
         return row_draws(self.rows, self.row_sampling, lambda keys: self.target.gumbel(keys), width, offset, noise)
 
     def _add_pending(self, features, n: int) -> None:
-        if self.pending is None:
-            self.pending = Pending(features, [n])
-        else:
-            self.pending = Pending(self.target.cat([self.pending.features, features]), [self.pending.counts[0] + n])
+        self.queue.add(Pending(features, [n]))
 
     def _sample(self, logits, histories, block, paths=None, draws=None, draft=None):
         """(the target's tokens, None); with self.logprobs set, (tokens, (chosen, tops)): per row and position the
@@ -423,5 +425,4 @@ class Engine:
         return tokens, (chosen, tops)
 
     def _take_pending(self) -> Pending | None:
-        pending, self.pending = self.pending, None
-        return pending
+        return self.queue.take(self.target)

@@ -169,13 +169,18 @@ class Calibration:
     def scale(self, depth: int) -> float:
         return (self.accepted[depth] + self.prior) / (self.predicted[depth] + self.prior)
 
+    def age(self, trees: int) -> None:
+        """Forget as `trees` observations of trees without a node do (one per row of a plain cycle)."""
+        factor = self.decay ** trees
+        for series in (self.predicted, self.accepted, self.copy_offered, self.copy_accepted):
+            for d in range(len(series)):
+                series[d] *= factor
+
     def copy_rate(self, depth: int) -> float:
         return (self.copy_accepted[depth] + self.prior * 0.5 ** depth) / (self.copy_offered[depth] + self.prior)
 
     def observe(self, tree: "Tree", qs: list[float], path: list[int]) -> None:
-        for series in (self.predicted, self.accepted, self.copy_offered, self.copy_accepted):
-            for d in range(len(series)):
-                series[d] *= self.decay
+        self.age(1)
         on_path = set(path)
         for i in range(1, len(tree.tokens)):
             d = tree.depths[i]

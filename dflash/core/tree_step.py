@@ -19,23 +19,27 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
     """One tree cycle for every row of `engine`; row i's anchor is its last committed token."""
     planner, target, b = engine.planner, engine.target, engine.block_size
     start = time.perf_counter()
-    if len(engine._copies) != len(engine.rows):
-        engine._copies = [CopyIndex() for _ in engine.rows]
-    copies = []
-    for index, row, anchor in zip(engine._copies, engine.rows, anchors):
-        index.update(row + [anchor])
-        copies.append(index.continuation(b - 1))
-    plan = None if planner.drafts_this_cycle() else planner.plan(anchors, copies=copies)
-    if plan is not None and all(len(t.tokens) == 1 for t in plan.trees):  # no draft, no copied node: a plain step
+    copies = _copies(engine, anchors) if planner.copy_branch else []
+    drafts = planner.drafts_this_cycle()
+    if not drafts and not any(copies):  # a pause with nothing to copy: the plain step, and nothing to plan
         steps = engine._chain_step(anchors, top_k=0, length=0)
-        planner.observe(plan, [[] for _ in steps], time.perf_counter() - start)
-        engine.last_trees, engine.last_paths = plan.trees, [[] for _ in steps]
+        planner.observe_plain(len(steps), time.perf_counter() - start)
+        engine.last_trees, engine.last_paths = [], [[] for _ in steps]
         return steps
     draws = engine._row_draws(b)
-    if plan is None:
+    if drafts:
         draft = engine.drafter.propose(target.ids([[a] for a in anchors]), engine._take_pending(),
                                        planner.draft_block, planner.top_k, draws)
         plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
+    else:
+        plan = planner.plan(anchors, copies=copies)
+    if all(len(t.tokens) == 1 for t in plan.trees):  # no node (drafted or copied) worth its verify cost: a plain step
+        steps = engine._chain_step(anchors, top_k=0, length=0)
+        for step in steps:
+            step.draft_forward = plan.drafted
+        planner.observe(plan, [[] for _ in steps], time.perf_counter() - start)
+        engine.last_trees, engine.last_paths = plan.trees, [[] for _ in steps]
+        return steps
     inputs = TreeInputs.of(plan.trees)
     ids = target.ids(inputs.ids.tolist())
     logits, features = target.forward(ids, last_only=False, tree=inputs)
@@ -71,3 +75,14 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
     engine._queue_pending(Pending(target.gather(features, slots), [len(s) for s in slots]))
     return steps
 
+
+
+def _copies(engine: Engine, anchors: list[int]) -> list[list[int]]:
+    """Each row's branch copied from its context (prompt lookup), brought up to its anchor."""
+    if len(engine._copies) != len(engine.rows):
+        engine._copies = [CopyIndex() for _ in engine.rows]
+    copies = []
+    for index, row, anchor in zip(engine._copies, engine.rows, anchors):
+        index.update(row + [anchor])
+        copies.append(index.continuation(engine.block_size - 1))
+    return copies

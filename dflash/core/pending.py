@@ -1,0 +1,65 @@
+"""The target features the drafter has not read yet, kept as the cycles committed them and joined once, when a
+draft (or an absorb) takes them.
+
+A cycle without a draft forward (a plain step, or copied nodes alone) commits features the next draft reads. Joining
+them into one array after every such cycle copies everything pending every cycle, work a plain decoder does not do;
+here a cycle appends its part (a view of the verify forward's features) and the join is one concatenation, plus one
+gather where rows kept different numbers of positions, at the draft that reads them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .contract import Pending
+
+if TYPE_CHECKING:
+    from .contract import Target
+
+
+class PendingFeatures:
+    """Parts (rows, w, K*H) in commit order; row i's first counts[i] positions of each part are real."""
+
+    def __init__(self) -> None:
+        self.parts: list[Pending] = []
+        self.counts: list[int] = []  # per row, over every part
+
+    def __bool__(self) -> bool:
+        return bool(self.parts)
+
+    def add(self, part: Pending) -> None:
+        self.parts.append(part)
+        self.counts = list(part.counts) if len(self.parts) == 1 else [a + b for a, b in
+                                                                      zip(self.counts, part.counts)]
+
+    def set(self, pending: Pending | None) -> None:
+        """Replace everything pending with `pending` (None: nothing)."""
+        self.parts, self.counts = [], []
+        if pending is not None:
+            self.add(pending)
+
+    def take(self, target: Target) -> Pending | None:
+        """Everything pending as one Pending (None if nothing is), and nothing pending after."""
+        joined = self.peek(target)
+        self.set(None)
+        return joined
+
+    def peek(self, target: Target) -> Pending | None:
+        """Everything pending as one Pending; it stays pending (as that one part)."""
+        if len(self.parts) > 1:
+            self.set(join(self.parts, target))
+        return self.parts[0] if self.parts else None
+
+
+def join(parts: list[Pending], target: Target) -> Pending:
+    """Parts in order as one Pending: row i's real positions of every part, packed to the left."""
+    widths = [p.features.shape[1] for p in parts]
+    features = target.cat([p.features for p in parts])
+    counts = [sum(row) for row in zip(*(p.counts for p in parts))]
+    # a row that kept fewer positions of a part than its width, before the last part: gather its real ones
+    if any(c != w for p, w in zip(parts[:-1], widths) for c in p.counts):
+        starts = [sum(widths[:j]) for j in range(len(parts))]
+        slots = [[s + k for s, p in zip(starts, parts) for k in range(p.counts[r])] or [0]
+                 for r in range(len(counts))]
+        features = target.gather(features, slots)
+    return Pending(features, counts)
