@@ -11,6 +11,7 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from fakes import OracleDrafter  # noqa: E402
+from paused import check_paused_cycles  # noqa: E402
 
 from dflash.backends.mlx import load  # noqa: E402
 from dflash.backends.mlx.backend import mlx_engine  # noqa: E402
@@ -60,8 +61,6 @@ def test_greedy_lossless(target, random_draft_dir, few, baseline, block_size):
 
 
 def test_a_paused_cycle_is_the_plain_step(target, random_draft_dir, few):
-    from test_tree_verify import check_paused_cycles
-
     check_paused_cycles(mlx_engine(*target, load_drafter(random_draft_dir), block_size=16), mlx_engine(*target), few[0])
 
 

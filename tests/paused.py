@@ -1,0 +1,37 @@
+"""--verify auto's pause, checked the same way on both backends: a paused cycle is the plain step."""
+
+from __future__ import annotations
+
+from dflash.core.budget import Costs
+from dflash.core.loop import generate
+from fakes import Counting
+
+STEEP = Costs(draft=0.5, verify=[(1, 1.0), (2, 1.2), (16, 1.6), (64, 4.0)])  # a tree pays: auto drafts at first
+
+
+def check_paused_cycles(backend, ar, prompt, paused=6):
+    """--verify auto pausing an untrained drafter, without the copied branch: each paused cycle calls the target's
+    primitives exactly as a target-only step does (no feature join, no slicing), plans nothing and leaves the drafter
+    alone; the probe that ends the pause reads every position the pause committed in one Pending, and the output is
+    the target's. `ar`: a target-only engine on the same target."""
+    backend.set_verify("auto", None, STEEP, copy_branch=False)
+    want = generate(ar, prompt, max_new_tokens=32).tokens
+    plans, read = [], []  # plan() calls; the pending positions each draft forward reads
+    plan, propose = backend.planner.plan, backend.drafter.propose
+    backend.planner.plan = lambda *a, **k: plans.append(1) or plan(*a, **k)
+    backend.drafter.propose = lambda ids, p, *a: read.append(p and p.counts[0]) or propose(ids, p, *a)
+    anchor = backend.step(backend.prefill([prompt]))[0].tokens[-1]  # a drafted cycle: its features wait
+    waiting, plain = backend.pending.counts[0], ar.prefill([prompt])
+    backend.target, ar.target, backend.drafter = Counting(backend.target), Counting(ar.target), Counting(backend.drafter)
+    plans.clear()
+    backend.planner.skip = paused
+    for _ in range(paused):
+        step = backend.step([anchor])[0]
+        assert not step.draft_forward
+        anchor, plain = step.tokens[-1], [ar.step(plain)[0].tokens[-1]]
+    assert backend.target.calls == ar.target.calls and not backend.drafter.calls and not plans
+    backend.step([anchor])  # the probe
+    assert read[-1] == waiting + paused
+    assert backend.drafter.position + backend.pending.counts[0] == len(backend.tokens)
+    out = backend.tokens[len(prompt):]
+    assert out == want[: len(out)] and len(out) > paused
