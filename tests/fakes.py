@@ -38,7 +38,7 @@ class FakeTarget:
     pad_rows = staticmethod(lambda f, n: np.concatenate([f, np.zeros((n, *f.shape[1:]))]))
     to_host = staticmethod(lambda x: x.tolist())
 
-    def settle(self, *arrays):
+    def settle(self, drafter=None, *arrays):
         pass
 
     def set_sampling(self, params):
@@ -144,6 +144,9 @@ class FakeDrafter:
 
     def reset(self):
         self.context = [[]]
+
+    def state(self):
+        return []
 
     def spawn(self):
         return FakeDrafter(self.good, self.rule, self.vocab)

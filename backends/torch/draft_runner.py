@@ -228,6 +228,9 @@ class TorchDraft:
     def reset(self) -> None:
         self.cache.reset()
 
+    def state(self) -> list:
+        return []  # eager: nothing for Target.settle to evaluate
+
     @torch.inference_mode()
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)

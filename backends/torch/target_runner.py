@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
-from dflash.core.contract import Capabilities
+from dflash.core.contract import Capabilities, Drafter
 from dflash.core.errors import DFlashError
 from dflash.core.rows import RowLayout, visible
 from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
@@ -74,7 +74,7 @@ class TorchTarget:
     def to_host(x: torch.Tensor) -> list[list[int]]:
         return x.tolist()
 
-    def settle(self, *arrays) -> None:
+    def settle(self, drafter: Drafter | None = None, *arrays) -> None:
         """Nothing to do: torch runs eagerly (MLX evaluates its lazy graph here)."""
 
     # ---- sampling --------------------------------------------------------------------------------------------------
