@@ -157,6 +157,8 @@ def scale_logits(logits: mx.array, multiplier: float, softcap: float | None) -> 
 
 
 class DFlashDrafter(nn.Module):
+    source = "draft"  # what errors about this drafter name: its directory, once loaded
+
     def __init__(self, spec: DraftSpec):
         super().__init__()
         spec.check_public("--backend mlx")  # the torch backend's ablation drafters have no MLX counterpart

@@ -168,6 +168,8 @@ def scale_logits(logits: torch.Tensor, multiplier: float, softcap: float | None)
 
 
 class DFlashDrafter(nn.Module):
+    source = "draft"  # what errors about this drafter name: its directory, once loaded
+
     def __init__(self, spec: DraftSpec):
         super().__init__()
         self.spec = spec

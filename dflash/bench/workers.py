@@ -28,6 +28,7 @@ class Worker:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "dflash.bench.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1)
+        self._exit_sent = False
         self.send(cfg)
         self.ready: dict | None = None
         self.done: dict = {}
@@ -71,9 +72,9 @@ class Worker:
 
     def close(self) -> None:
         try:
-            if not getattr(self, "_exit_sent", False):
+            if not self._exit_sent:
                 self.request_exit()
-            if getattr(self, "_exit_sent", False):
+            if self._exit_sent:
                 self.done = self.recv()
         except WorkerFailed:
             pass

@@ -112,7 +112,7 @@ class Engine:
             self.verify_mode = "chain"
             return
         reason = self.target.capabilities.tree_refusal
-        selector = mode == "auto" and not reason and getattr(self.drafter, "distribution", False)
+        selector = mode == "auto" and not reason and self.drafter is not None and self.drafter.distribution
         if selector:
             # DFlash2: its selector walk picks each proposal given the previous one; trees would branch over the
             # raw top-k without it. auto still chooses how much of the chain to verify, or a plain step (a target
@@ -226,7 +226,7 @@ class Engine:
         start, logits = len(self.tokens), None
         self.last_reused = start
         # a fresh noise seed per generation (unless the request has one): its draws are keyed by position
-        self.row_sampling = [RowSampling.admit(self.sampling, getattr(self.drafter, "distribution", False),
+        self.row_sampling = [RowSampling.admit(self.sampling, self.drafter is not None and self.drafter.distribution,
                                                trees=self.verify_mode == "tree",
                                                prompt_tokens=len(prompt_ids) - generated)]
         for at in range(start, len(prompt_ids), self.prefill_chunk):

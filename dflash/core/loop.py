@@ -142,8 +142,8 @@ class _Row:
             tokens=self.tokens, text=self.detok.text if gen.tokenizer else "", prompt_tokens=len(gen.prompt_ids),
             finish_reason=self.finish, acceptance_lengths=self.lengths, prefill_seconds=self.prefill_seconds,
             decode_seconds=self.seconds, block_size=engine.block_size, drafted=self.drafted,
-            verify_mode=getattr(engine, "verify_mode", "chain"), verified=self.verified,
-            draft_forwards=self.draft_forwards, verify_note=getattr(engine, "verify_note", ""),
+            verify_mode=engine.verify_mode, verified=self.verified,
+            draft_forwards=self.draft_forwards, verify_note=engine.verify_note,
             accept_rule=self.rule, error=self.error)
 
 
@@ -188,7 +188,7 @@ class Batch:
             engine.set_sampling(gen.sampling)
             first = engine.prefill([gen.prompt_ids])[0]
         row = _Row(gen)
-        row.rule = engine.accept_rules[-1] if getattr(engine, "accept_rules", None) else "greedy"
+        row.rule = engine.accept_rules[-1] if engine.accept_rules else "greedy"
         row.started = time.perf_counter()
         row.prefill_seconds = row.started - t0
         self.rows.append(row)

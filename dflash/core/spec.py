@@ -382,7 +382,7 @@ def drafter_block_size(drafter, target_info, block_size: int | None, validated: 
     the target, unless the loader already did that before reading the drafter's weights."""
     spec = drafter.spec
     if not validated:
-        spec.validate_against(target_info, source=getattr(drafter, "source", "draft"))
+        spec.validate_against(target_info, source=drafter.source)
     block_size = block_size or spec.block_size
     check_block_size(block_size, spec)
     return block_size

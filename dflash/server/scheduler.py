@@ -222,9 +222,8 @@ class Scheduler:
             self._fail_prefill(job, e)
             return
         job.reused = self.engine.last_reused
-        cache = getattr(self.engine, "prefix_cache", None)
-        if cache is not None:
-            self.metrics.prefix_cache_bytes.set(cache.bytes)
+        if self.engine.prefix_cache is not None:
+            self.metrics.prefix_cache_bytes.set(self.engine.prefix_cache.bytes)
         self.metrics.prompt_tokens.inc(len(prompt))
         self.metrics.prefill_tokens.inc(len(prompt) - job.reused)
         self.live[id(job.gen)] = job
