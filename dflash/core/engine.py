@@ -25,7 +25,7 @@ from typing import Sequence
 from .admission import Admission
 from .budget import ITL_LIMIT, VERIFY_MODES, ChainBudget, Costs, TreePlanner
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
-from .errors import DFlashError
+from .errors import DFlashError, SettingError
 from .prefix_cache import PrefixCache, keep_row
 from .sampling import RowDraw, RowSampling, SamplingParams, accepted_length, common_prefix, row_draws
 from .tree import CopyIndex
@@ -103,9 +103,9 @@ class Engine:
         count that maximises committed tokens per second under `costs` (chain when that is best), in cycles that
         take at most `itl_limit` plain steps per token any row expects (None: no limit)."""
         if mode not in VERIFY_MODES:
-            raise DFlashError(f"--verify: got {mode!r}, expected one of {', '.join(VERIFY_MODES)}")
+            raise SettingError("verify", f"got {mode!r}, expected one of {', '.join(VERIFY_MODES)}")
         if budget is not None and budget < 1:
-            raise DFlashError(f"--tree-budget: got {budget}, expected >= 1 draft nodes")
+            raise SettingError("tree_budget", f"got {budget}, expected >= 1 draft nodes")
         self.verify_mode, self.verify_note, self.planner, self.top_k = mode, "", None, 0
         self.chain_budget = None
         if mode == "chain" or self.drafter is None:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence
 
-from .errors import DFlashError
+from .errors import DFlashError, SettingError
 from .sampling import SamplingParams
 from .stats import cycle_counts, mean_acceptance_length
 from .text import Detokenizer, find_stop
@@ -305,7 +305,7 @@ class Generation:
         if len(prompt_ids) == 0:
             raise DFlashError("prompt: empty; expected at least one token")
         if max_new_tokens < 1:
-            raise DFlashError(f"--max-new-tokens: got {max_new_tokens}, expected >= 1")
+            raise SettingError("max_new_tokens", f"got {max_new_tokens}, expected >= 1")
         if stop_strings and tokenizer is None:
             raise DFlashError("--stop: stop strings need a tokenizer to detokenize with")
         self.backend = backend

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import DFlashError
+from .errors import DFlashError, SettingError
 from .io import atomic_write_text, read_json_config
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -338,8 +338,8 @@ def check_block_size(block_size: int, spec: DraftSpec) -> None:
     """A drafter runs at any block size from 2 up to the one it was trained for; beyond, its extra slots would
     propose from positions it never learned, so we refuse rather than silently waste verify compute."""
     if not 2 <= block_size <= spec.block_size:
-        raise DFlashError(f"--block-size: got {block_size}, expected 2..{spec.block_size} (the drafter's trained "
-                          "block_size; use --no-draft for plain decoding)")
+        raise SettingError("block_size", f"got {block_size}, expected 2..{spec.block_size} (the drafter's trained "
+                           "block_size; use --no-draft for plain decoding)")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

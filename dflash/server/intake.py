@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..core.engine import check_fits
-from ..core.errors import DFlashError
+from ..core.errors import DFlashError, SettingError
 from ..core.loop import Generation
 from ..core.sampling import SamplingParams
 from . import render
@@ -93,13 +93,6 @@ def _location(loc) -> str:
     return out or "body"
 
 
-def _sampling_error(e: DFlashError) -> ApiError:
-    # SamplingParams speaks in CLI flags (--top-p); a client sent fields (top_p)
-    flag, _, rest = str(e).partition(":")
-    field = flag.strip().lstrip("-").replace("-", "_")
-    return ApiError(400, f"{field}:{rest}", field)
-
-
 def _unsupported(req, chat: bool) -> None:
     """Fields dflash does not implement are refused by name, never silently ignored."""
     fmt = getattr(req, "response_format", None)
@@ -130,8 +123,8 @@ class Intake:
         _unsupported(req, chat)
         try:
             sampling = req.sampling(self.sampling_defaults).validate(self.engine.info.vocab_size)
-        except DFlashError as e:
-            raise _sampling_error(e) from None
+        except SettingError as e:  # named by the field the client sent (top_p), not the CLI's flag
+            raise ApiError(400, f"{e.field}: {e.message}", e.field) from None
         if req.seed is not None and req.seed >= 2**63:
             raise ApiError(400, f"seed: got {req.seed}, expected 0 .. 2**63 - 1", "seed")
         k = req.logprobs_k()
