@@ -10,7 +10,7 @@ the core; a backend owns models, caches and arrays.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from typing import Self  # (3.11)
@@ -19,12 +19,14 @@ if TYPE_CHECKING:
     from .spec import DraftSpec, TargetInfo
     from .tree import TreeInputs
 
+Array = Any  # a backend's device array (torch.Tensor, mx.array): the core hands it on, never looks inside
+
 
 @dataclass
 class Pending:
     """Target features (rows, m, K*H) the drafter has not read yet; row i's first counts[i] are real."""
 
-    features: object
+    features: Array
     counts: list[int]
 
 
@@ -33,13 +35,13 @@ class Draft:
     """One draft forward's output, on the device: `ids` (rows, B) = [anchor, proposals], and per block position
     the drafter's top-k token ids and probabilities (rows, B-1, k), when asked for (tree verification)."""
 
-    ids: object
-    top_ids: object = None
-    top_probs: object = None
+    ids: Array
+    top_ids: Array = None
+    top_probs: Array = None
     # when the drafter sampled its proposals (rejection verification): per proposal the candidate ids and the draft
     # distribution q over them (rows, B-1, k), in the cycle's shape (q sharpened, or one-hot at the argmax)
-    q_ids: object = None
-    q_probs: object = None
+    q_ids: Array = None
+    q_probs: Array = None
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Verified:
 
     blocks: list[list[int]]
     tokens: list[list[int]]
-    features: object = None
+    features: Array = None
     logprobs: list[list[float]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence, cast
 
 from .errors import DFlashError, SettingError
 from .sampling import SamplingParams
@@ -138,6 +138,7 @@ class _Row:
 
     def result(self, engine) -> "GenerationResult":
         gen = self.gen
+        assert self.finish is not None, "a row has a result once it finished"
         return GenerationResult(
             tokens=self.tokens, text=self.detok.text if gen.tokenizer else "", prompt_tokens=len(gen.prompt_ids),
             finish_reason=self.finish, acceptance_lengths=self.lengths, prefill_seconds=self.prefill_seconds,
@@ -345,6 +346,7 @@ class Generation:
     def run(self) -> GenerationResult:
         for _ in self:
             pass
+        assert self.result is not None, "the iterator ends with the result set"
         return self.result
 
 
@@ -371,4 +373,4 @@ def generate_batch(backend, prompts: Sequence[Sequence[int]], *, on_cycle=None, 
             finished = [(i, g.result) for i, g in enumerate(gens) if g.result is not None and i not in reported]
             reported.update(i for i, _ in finished)
             on_cycle(sum(len(inc.tokens) for _, inc in increments), finished)
-    return [g.result for g in gens]
+    return cast(list[GenerationResult], [g.result for g in gens])  # _cycles ran every one to its end

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import SettingError
 from .shapes import ShapeChoice, draft_temperatures
@@ -245,7 +245,7 @@ class RowDraw:
 
     sampling: RowSampling
     position: int = 0  # the first position the cycle decides
-    gumbel: object = None
+    gumbel: Any = None  # (a device array)
     draft_u: list[float] | None = None
     accept_u: list[float] | None = None
     residual_u: list[float] | None = None

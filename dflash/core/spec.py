@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from .errors import DFlashError, SettingError
 from .io import atomic_write_text, read_json_config
@@ -140,7 +140,7 @@ class DraftSpec:
         block_size = cfg.get("block_size", dcfg.get("block_size", 16))
         n_heads = _int(cfg, "num_attention_heads", source)
         hidden = _int(cfg, "hidden_size", source)
-        rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        rope_params = cfg["rope_parameters"] if isinstance(cfg.get("rope_parameters"), dict) else {}
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 1_000_000.0))
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
@@ -188,7 +188,9 @@ class DraftSpec:
             layer_types=layer_types,
             architecture=architecture,
             **dflash2,
-            **scales,
+            output_multiplier=scales["output_multiplier"],
+            final_logit_softcapping=scales["final_logit_softcapping"],
+            input_embedding_scale=scales["input_embedding_scale"],
             context_mode=dcfg.get("context_mode", "kv"),
             extra={k: v for k, v in cfg.items() if k not in owned},
             extra_dflash={k: v for k, v in dcfg.items() if k not in owned_dflash},
@@ -221,6 +223,7 @@ class DraftSpec:
                 if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                     raise DFlashError(f"{source}: field 'dflash_config.{name}' must be a positive int, got "
                                       f"{getattr(self, name)!r}")
+            assert self.conv_group_size and self.conv_kernel_size and self.selector_top_k  # (positive ints: above)
             if self.hidden_size % self.conv_group_size:
                 raise DFlashError(f"{source}: field 'dflash_config.conv_group_size' ({self.conv_group_size}) must "
                                   f"divide hidden_size ({self.hidden_size})")
@@ -351,7 +354,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
