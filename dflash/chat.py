@@ -351,7 +351,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cli.restart_if_mlx(args)  # a restart after reading a piped prompt would leave the new process an empty stdin
     interactive = sys.stdin.isatty()
-    prompt = None
+    prompt = ""
     if not interactive:
         prompt = sys.stdin.read().strip()
         if not prompt:

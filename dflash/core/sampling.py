@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, get_args
 
 from .errors import SettingError
 from .shapes import ShapeChoice, draft_temperatures
@@ -132,7 +132,8 @@ def _checked_bias(pairs, vocab_size: int | None) -> tuple[tuple[int, float], ...
     return tuple(sorted(out.items()))
 
 
-ACCEPT_RULES = ("auto", "match", "rejection", "argmax", "sharpened", "shaped", "multi")
+AcceptRule = Literal["auto", "match", "rejection", "argmax", "sharpened", "shaped", "multi"]
+ACCEPT_RULES: tuple[str, ...] = get_args(AcceptRule)
 # What "auto" picks when sampling, per drafter kind: rejection accepted more than coupled match for DFlash2's
 # selector (docs/dflash2.md) and for DFlash blocks; no other proposal shape (argmax, sharpened, shaped) accepted
 # more than q on the bundled pair at 0.3 / 0.7 / 1.0, and shaped accepted less at 0.3 (docs/sampling.md); a seeded DFlash request (or one verified by trees) matches instead, since its output must not

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from pydantic import ValidationError
 
@@ -188,7 +189,7 @@ class Intake:
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt: a list of {len(prompt)} prompts; send one request per prompt",
                                "prompt")
-            prompt = prompt[0]
+            prompt = str(prompt[0])
         if isinstance(prompt, str):
             bound = CHARS_PER_TOKEN_BOUND * (self.engine.max_context or 1 << 16)
             if len(prompt) > bound:
@@ -196,12 +197,12 @@ class Intake:
                                f"({self.engine.max_context} tokens)", "prompt", "context_length_exceeded")
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
         else:
+            ids = cast("list[int]", list(prompt))  # (a list of strings was taken above)
             vocab = self.engine.info.vocab_size
-            bad = [i for i in prompt if not 0 <= i < vocab]
+            bad = [i for i in ids if not 0 <= i < vocab]
             if bad:
                 raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
                                "prompt")
-            ids = list(prompt)
         if not ids:
             raise ApiError(400, "prompt: empty; expected text or token ids", "prompt")
         return ids
