@@ -119,6 +119,7 @@ class DynamicConv(nn.Module):
 class DFlash2Layer(DraftLayer):
     def __init__(self, spec: DraftSpec):
         super().__init__(spec)
+        assert spec.conv_kernel_size and spec.conv_group_size  # (a DFlash2 spec has them: DraftSpec.validate)
         self.attention_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
         self.mlp_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
 
@@ -164,7 +165,8 @@ class DFlashDrafter(nn.Module):
         spec.check_public("--backend mlx")  # the torch backend's ablation drafters have no MLX counterpart
         self.spec = spec
         if spec.is_dflash2:
-            self.layers = [DFlash2Layer(spec) for _ in range(spec.num_hidden_layers)]
+            self.layers: list[DraftLayer] = [DFlash2Layer(spec) for _ in range(spec.num_hidden_layers)]
+            assert spec.selector_rank
             self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank)
         else:
             self.layers = [DraftLayer(spec) for _ in range(spec.num_hidden_layers)]
@@ -196,10 +198,12 @@ def load_drafter(directory: str | os.PathLike, dtype=mx.float32, spec: DraftSpec
     spec = spec or DraftSpec.load(directory)
     quant = quantization_of(spec)
     files = validate_weights(spec, directory, allow_quantized=True)
-    weights = {}
+    weights: dict[str, mx.array] = {}
     for f in files:
         try:
-            weights.update(mx.load(str(f)))
+            loaded = mx.load(str(f))
+            assert isinstance(loaded, dict)  # (a .safetensors file: its tensors by name)
+            weights.update(loaded)
         except (RuntimeError, ValueError) as e:
             raise DFlashError(f"{f}: cannot read safetensors ({str(e).splitlines()[0]})") from None
     model = DFlashDrafter(spec)

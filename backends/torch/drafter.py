@@ -52,6 +52,7 @@ class DraftAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = hd = config.head_dim
+        assert hd and config.num_attention_heads and config.num_key_value_heads  # (qwen3_config sets them)
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * hd, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * hd, bias=bias)
@@ -123,6 +124,7 @@ class DFlash2Layer(DraftLayer):
 
     def __init__(self, config: Qwen3Config, layer_idx: int, spec: DraftSpec):
         super().__init__(config, layer_idx)
+        assert spec.conv_kernel_size and spec.conv_group_size  # (a DFlash2 spec has them: DraftSpec.validate)
         self.attention_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
         self.mlp_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
 
@@ -176,6 +178,7 @@ class DFlashDrafter(nn.Module):
         config = qwen3_config(spec)
         if spec.is_dflash2:
             self.layers = nn.ModuleList(DFlash2Layer(config, i, spec) for i in range(spec.num_hidden_layers))
+            assert spec.selector_rank
             self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank)
         else:
             self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(spec.num_hidden_layers))
