@@ -36,7 +36,7 @@ class DraftAttention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=spec.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=spec.rms_norm_eps)
 
-    def context_kv(self, ctx: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+    def context_kv(self, ctx: mx.array, rope, offset: int | mx.array) -> tuple[mx.array, mx.array]:
         """K/V (b, kv_heads, n, head_dim) of projected context (or block) entries at positions offset.."""
         b, n, _ = ctx.shape
         k = self.k_norm(self.k_proj(ctx).reshape(b, n, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
