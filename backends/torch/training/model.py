@@ -9,7 +9,7 @@ from torch import nn
 from dflash.core.errors import DFlashError
 from dflash.core.spec import DFLASH2, DraftSpec, default_target_layer_ids
 
-from ..drafter import DFlashDrafter, load_drafter
+from ..drafter import DFlash2Layer, DFlashDrafter, load_drafter
 from .objective import packed_states
 
 
@@ -139,6 +139,7 @@ def start_dflash2(model: DFlashDrafter, std: float) -> None:
     drafter begins as the DFlash drafter its layers make; the selector's codebooks small and random."""
     with torch.no_grad():
         for layer in model.layers:
+            assert isinstance(layer, DFlash2Layer)
             for conv in (layer.attention_conv, layer.mlp_conv):
                 conv.base_kernel.zero_()
                 conv.base_kernel[:, 0] = 1.0

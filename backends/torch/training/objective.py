@@ -158,7 +158,7 @@ def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_
         part = slice(i, i + chunk)
         q = q_all[part] if soft else None
         idx = idx_all[part] if soft and idx_all is not None else None
-        args = (h[part], y[part], w[part], q, idx, p_all[part] if selector is not None else None)
+        args = (h[part], y[part], w[part], q, idx, p_all[part] if p_all is not None else None)
         recompute = torch.is_grad_enabled() and not whole
         l, c = checkpoint(piece, *args, use_reentrant=False) if recompute else piece(*args)
         loss, correct = loss + l, correct + c
