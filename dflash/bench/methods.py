@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from .. import api
 from ..core.errors import DFlashError
@@ -251,7 +252,7 @@ class MLXLMRunner:
 
         mx = self.mx
         mx.random.seed(seed)
-        kwargs = {"sampler": make_sampler(temp=self.cfg["temperature"])}
+        kwargs: dict[str, Any] = {"sampler": make_sampler(temp=self.cfg["temperature"])}
         if self.draft is not None:
             kwargs.update(draft_model=self.draft, num_draft_tokens=self.cfg["mlx_draft_tokens"])
         tokens, flags, first = [], [], None

@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -30,7 +31,7 @@ from ..core.loop import Generation
 from ..core.plots import can_plot, pyplot, save
 
 LENGTHS = (200, 500, 1000, 2000)
-METHODS = {"plain": {"no_draft": True}, "chain": {"verify": "chain"}, "tree": {"verify": "tree"},
+METHODS: dict[str, dict[str, Any]] = {"plain": {"no_draft": True}, "chain": {"verify": "chain"}, "tree": {"verify": "tree"},
            "auto": {"verify": "auto"}}
 
 
