@@ -86,7 +86,8 @@ def main(argv=None) -> int:
         print(f"  {'total':<48} {_format_size(total):>8}")
     example = hub.PAIRS[1]
     assert example.draft is not None  # (a pair with a public drafter)
-    print(f"\nPre-fetch a pair (then it also works offline, HF_HUB_OFFLINE=1):\n  {hub.download_command(example.target)}"
+    print("\nPre-fetch a pair (then it also works offline, HF_HUB_OFFLINE=1):"
+          f"\n  {hub.download_command(example.target)}"
           f"\n  {hub.download_command(example.draft)}")
     return 0
 

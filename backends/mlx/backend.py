@@ -159,7 +159,8 @@ class MLXTarget:
         dtype = embedding(self.model).weight.dtype
         blas = "openblas" if openblas_preloaded() else "own blas"  # 20-30x apart on a Linux CPU (dflash/core/blas.py)
         blas += f" {os.environ.get('OPENBLAS_NUM_THREADS') or os.environ.get('OMP_NUM_THREADS') or 'all'} threads"
-        return f"mlx {mx.__version__} {mx.default_device()} {dtype} {blas}"  # type: ignore[attr-defined]  # (stubs omit it)
+        version = mx.__version__  # type: ignore[attr-defined]  # (mlx's stubs omit it)
+        return f"mlx {version} {mx.default_device()} {dtype} {blas}"
 
     @property
     def capabilities(self) -> Capabilities:

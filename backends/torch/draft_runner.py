@@ -128,7 +128,8 @@ def static_draft(model: DFlashDrafter, block: torch.Tensor, features: torch.Tens
 
 def _filtered(params, logits: torch.Tensor) -> torch.Tensor:
     """One row's draft logits (P, V) under the row's sampling filters (transformers' warpers)."""
-    return LogitsProcessorList(warpers(params))(None, logits.float())  # type: ignore[arg-type]  # warpers never read input_ids
+    # transformers types input_ids a LongTensor; warpers never read it
+    return LogitsProcessorList(warpers(params))(None, logits.float())  # type: ignore[arg-type]
 
 
 class TorchDraft:

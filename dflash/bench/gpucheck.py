@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    report: dict[str, Any] = {"device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+    report: dict[str, Any]
+    report = {"device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__,
               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     report["gpu_tests"] = {"summary": "skipped"} if args.skip_tests else run_gpu_tests()

@@ -31,7 +31,8 @@ from ..core.loop import Generation
 from ..core.plots import can_plot, pyplot, save
 
 LENGTHS = (200, 500, 1000, 2000)
-METHODS: dict[str, dict[str, Any]] = {"plain": {"no_draft": True}, "chain": {"verify": "chain"}, "tree": {"verify": "tree"},
+METHODS: dict[str, dict[str, Any]]
+METHODS = {"plain": {"no_draft": True}, "chain": {"verify": "chain"}, "tree": {"verify": "tree"},
            "auto": {"verify": "auto"}}
 
 

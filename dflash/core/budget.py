@@ -362,7 +362,8 @@ class TreePlanner:
         if limit is None:
             return True
         rows, least = len(chains), min(chains)
-        return self.clock[True](self.auto_costs.cycle_seconds(self.block_size, rows, True, self.context)) <= limit * least
+        seconds = self.auto_costs.cycle_seconds(self.block_size, rows, True, self.context)
+        return self.clock[True](seconds) <= limit * least
 
     def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:
         """Compare the predicted rate of drafted cycles with what the same cycles would give without the draft

@@ -7,7 +7,7 @@ servers do, so clients that send `user` or `metadata` still work.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
