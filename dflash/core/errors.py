@@ -1,4 +1,5 @@
-"""The one error type users see: a single actionable line naming the file, field or flag."""
+"""The errors users see: a single actionable line naming the file, field or flag (SettingError: a setting, which
+the CLI names by its flag and the server by its field)."""
 
 import difflib
 
