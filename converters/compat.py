@@ -70,7 +70,7 @@ def check(model_dir: str | os.PathLike, draft_dir: str | os.PathLike) -> dict:
     info, extra = target_summary(model_dir)
     spec.validate_against(info, source=str(draft_dir))  # the pair first: a config mismatch says the most
     validate_weights(spec, draft_dir, allow_quantized=True)
-    notes = []
+    notes: list[str] = []
     loaders = loader_readings(Path(model_dir), notes)
     if info.rope_theta is not None and float(info.rope_theta) != spec.rope_theta:
         notes.append(f"rope_theta differs (drafter {spec.rope_theta:g}, target {float(info.rope_theta):g}); fine "
@@ -105,7 +105,7 @@ def loader_readings(model_dir: Path, notes: list[str]) -> dict:
     on the first field one of the MLX readings takes differently from transformers, or when only dflash's reading
     works; a library that cannot read the config at all (or is not installed) is left out with a note."""
     path = model_dir / "config.json"
-    out = {"transformers": None, "mlx": None}
+    out: dict[str, dict | None] = {"transformers": None, "mlx": None}
     try:
         out["transformers"] = reference = readings.transformers_reading(model_dir)
         config = _read_json(path)
@@ -127,6 +127,7 @@ def loader_readings(model_dir: Path, notes: list[str]) -> dict:
         theirs = readings.mlx_reading(config, str(path))
     except DFlashError as e:
         raise DFlashError(f"{e} as the file stands (mlx-lm's own loader), {remedy}") from None
+    assert theirs is not None  # (mlx-lm is installed: `ours` was read)
     if diff := readings.differences(reference, theirs):
         raise DFlashError(f"{path}: mlx-lm's own loader reads {'; '.join(diff)}, {remedy}")
     return out

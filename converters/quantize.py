@@ -45,9 +45,11 @@ def quantize_drafter(draft_dir: str | os.PathLike, out_dir: str | os.PathLike, b
     if spec.extra.get("quantization") is not None:
         raise DFlashError(f"{Path(draft_dir) / 'config.json'}: the drafter is already quantized")
     files = validate_weights(spec, draft_dir)
-    weights = {}
+    weights: dict[str, mx.array] = {}
     for f in files:
-        weights.update(mx.load(str(f)))
+        loaded = mx.load(str(f))
+        assert isinstance(loaded, dict)  # (a .safetensors file: its tensors by name)
+        weights.update(loaded)
     out = {}
     for name, w in weights.items():
         # Linears only: DFlash2's codebooks (2-D, no '.weight') are gathered by row and stay in floating point

@@ -19,7 +19,7 @@ FIELDS = ("rope_theta", "rope_type", "rope_scaling", "partial_rotary_factor", "h
           "tie_word_embeddings", "num_key_value_heads")
 
 
-def _scaling(rope: dict, rope_type: str) -> dict:
+def _scaling(rope: dict, rope_type: str | None) -> dict:
     return {} if rope_type == "default" else {k: rope[k] for k in SCALING_KEYS if k in rope}
 
 

@@ -28,7 +28,7 @@ def read_tensors(path: str | os.PathLike) -> dict[str, tuple[str, np.ndarray]]:
         (n,) = struct.unpack("<Q", f.read(8))
         raw = json.loads(f.read(n))
         data = f.read()
-    out = {}
+    out: dict[str, tuple[str, np.ndarray]] = {}
     for name, (dtype, shape) in header.items():
         if dtype not in _NUMPY:
             raise DFlashError(f"{path}: tensor '{name}' has dtype {dtype}, which the converters do not handle")
@@ -40,7 +40,8 @@ def read_tensors(path: str | os.PathLike) -> dict[str, tuple[str, np.ndarray]]:
 def write_tensors(path: str | os.PathLike, tensors: dict[str, tuple[str, np.ndarray]],
                   metadata: dict[str, str] | None = None) -> None:
     """Write safetensors (callers wrap this in dflash.core.io.atomic_path / atomic_directory)."""
-    header, chunks, offset = {}, [], 0
+    header: dict[str, object] = {}
+    chunks, offset = [], 0
     for name in sorted(tensors):
         dtype, array = tensors[name]
         blob = np.ascontiguousarray(array).tobytes()

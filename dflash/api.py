@@ -53,7 +53,7 @@ class Pipeline:
     def fit_to_context(self, max_new_tokens: int, prompt_tokens: int) -> int:
         """max_new_tokens, capped with one line on stderr so that prompt + generation stay within the target's
         context (past max_position_embeddings a model's output is untrained territory, not an error)."""
-        max_context = getattr(self.backend, "max_context", None)
+        max_context = self.backend.max_context
         room = max_context - prompt_tokens if max_context else None
         if room is None or room < 1 or max_new_tokens <= room:  # room < 1: prefill refuses the prompt itself
             return max_new_tokens

@@ -162,7 +162,7 @@ class Chat:
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.sampling = cli.sampling_from(args, pipe.backend.info.vocab_size)
         self.conv = Conversation(pipe.tokenizer, args.system, args.thinking)
-        self.max_context = args.max_context or getattr(pipe.backend, "max_context", None)
+        self.max_context = args.max_context or pipe.backend.max_context
         self.stats = Stats()
 
     def context_name(self) -> str:
@@ -210,7 +210,7 @@ class Chat:
                         break
             except KeyboardInterrupt:  # mid-cycle: the caches may be half-updated
                 interrupted = "stopped at once, caches reset"
-                getattr(backend, "reset", lambda: backend.crop(0))()
+                backend.reset()
         t2 = time.perf_counter()
         text = "".join(parts)
         if text and not text.endswith("\n"):
@@ -264,7 +264,7 @@ class Chat:
             return lines + ["no drafter (--no-draft): this is the autoregressive baseline"]
         tau = mean_acceptance_length(s.lengths)
         rates = per_position_acceptance(s.lengths, b)
-        rule = backend.accept_rules[0] if getattr(backend, "accept_rules", None) else "greedy"
+        rule = backend.accept_rules[0] if backend.accept_rules else "greedy"
         lines += [f"tau {tau:.2f} tokens per draft/verify cycle (block {b}; acceptance rule {rule})",
                   f"acceptance by draft position 1..{b - 1}: " + " ".join(f"{r:.2f}" for r in rates),
                   f"speedup <= {tau:.2f}x tau-based (if a draft+verify cycle cost one target step)"]
@@ -351,7 +351,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cli.restart_if_mlx(args)  # a restart after reading a piped prompt would leave the new process an empty stdin
     interactive = sys.stdin.isatty()
-    prompt = None
+    prompt = ""
     if not interactive:
         prompt = sys.stdin.read().strip()
         if not prompt:

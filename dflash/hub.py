@@ -16,12 +16,16 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .converters.gguf import convert_gguf, require_packages
 from .core.errors import DFlashError, did_you_mean
 from .core.io import cache_root
 from .core.target_config import write_legacy_fields
 from .reference import reference_dirs
+
+if TYPE_CHECKING:
+    from huggingface_hub import CachedRepoInfo
 
 # What the loaders read and nothing more: config.json, generation_config.json and the safetensors index (*.json),
 # the weights (*.safetensors; never *.bin, *.pth or GGUF), and the tokenizer in each of its formats (tokenizer.json
@@ -205,7 +209,7 @@ def cached_snapshot(name: str) -> Path | None:
         return None
 
 
-def cached_models() -> dict[str, "object"]:
+def cached_models() -> dict[str, CachedRepoInfo]:
     """repo id -> huggingface_hub CachedRepoInfo for every model in the HF cache (empty if there is no cache)."""
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound

@@ -79,13 +79,16 @@ def main(argv=None) -> int:
     known = {q.target: "target" for q in hub.PAIRS} | {q.draft: "drafter" for q in hub.PAIRS if q.draft}
     total = sum(r.size_on_disk for r in cached.values())
     print(f"\nHF cache {hub.cache_dir()}: {len(cached)} model(s)" + (":" if cached else ""))
-    for r in sorted(cached.values(), key=lambda r: r.repo_id):
-        role = known.get(r.repo_id, "")
-        print(f"  {r.repo_id:<48} {r.size_on_disk_str:>8}  {role}".rstrip())
+    for repo in sorted(cached.values(), key=lambda r: r.repo_id):
+        role = known.get(repo.repo_id, "")
+        print(f"  {repo.repo_id:<48} {repo.size_on_disk_str:>8}  {role}".rstrip())
     if cached:
         print(f"  {'total':<48} {_format_size(total):>8}")
-    print(f"\nPre-fetch a pair (then it also works offline, HF_HUB_OFFLINE=1):\n  {hub.download_command(hub.PAIRS[1].target)}"
-          f"\n  {hub.download_command(hub.PAIRS[1].draft)}")
+    example = hub.PAIRS[1]
+    assert example.draft is not None  # (a pair with a public drafter)
+    print("\nPre-fetch a pair (then it also works offline, HF_HUB_OFFLINE=1):"
+          f"\n  {hub.download_command(example.target)}"
+          f"\n  {hub.download_command(example.draft)}")
     return 0
 
 

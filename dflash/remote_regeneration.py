@@ -128,6 +128,7 @@ def regenerate_remote(endpoint: str, input_path, output_path, *, model: str | No
             body["seed"] = seed + zlib.crc32(rid.encode())
         if enable_thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
+        assert server is not None  # (made when there is something to answer)
         status, answer = server.chat(body)
         write(answer_row(rid, messages, status, answer, thinking))
 

@@ -46,7 +46,7 @@ class FakeTarget:
         width = max(len(s) for s in slots)
         return np.stack([features[i, s + [s[-1]] * (width - len(s))] for i, s in enumerate(slots)])
 
-    def settle(self, *arrays):
+    def settle(self, drafter=None, *arrays):
         pass
 
     def set_sampling(self, params):
@@ -152,6 +152,9 @@ class FakeDrafter:
 
     def reset(self):
         self.context = [[]]
+
+    def state(self):
+        return []
 
     def spawn(self):
         return FakeDrafter(self.good, self.rule, self.vocab)

@@ -18,7 +18,7 @@ N = 12
 
 
 def members(protocol) -> set[str]:
-    own = {n for n, v in vars(protocol).items() if inspect.isfunction(v)}
+    own = {n for n, v in vars(protocol).items() if inspect.isfunction(v) or isinstance(v, property)}
     return own | set(getattr(protocol, "__annotations__", {}))
 
 

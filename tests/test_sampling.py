@@ -16,7 +16,7 @@ from dflash.backends.torch.drafter import DFlashDrafter
 from dflash.backends.torch.target_runner import TorchTarget
 from dflash.core.contract import Draft
 from dflash.core.engine import Engine
-from dflash.core.errors import DFlashError
+from dflash.core.errors import DFlashError, SettingError
 from dflash.core.loop import generate
 from dflash.core.sampling import SamplingParams
 from dflash.reference import tiny
@@ -163,6 +163,18 @@ def test_acceptance_rule():
     assert acceptance_rule(sampled, False, trees=True) == "match"
     with pytest.raises(DFlashError, match="--accept"):
         SamplingParams(accept="always").validate()
+
+
+@pytest.mark.parametrize("params, field, message", [
+    (SamplingParams(top_p=1.5), "top_p", "got 1.5, expected a value in (0, 1]"),
+    (SamplingParams(presence_penalty=3.0), "presence_penalty", "got 3.0, expected a value in [-2, 2] (0 = off)"),
+    (SamplingParams(logit_bias=((7, 1.0), (7, 2.0))), "logit_bias", "token 7 is biased twice"),
+])
+def test_a_refused_setting_names_its_field_and_reads_as_its_flag(params, field, message):
+    with pytest.raises(SettingError) as refused:
+        params.validate()
+    assert (refused.value.field, refused.value.message) == (field, message)  # what the server answers with
+    assert str(refused.value) == f"--{field.replace('_', '-')}: {message}"  # what the CLI prints
 
 
 def test_noise_is_keyed_by_seed_stream_and_position():

@@ -56,6 +56,7 @@ class ScriptedEngine:
     """The engine protocol dflash.core.loop.Batch drives: every row writes the same script, three tokens a cycle."""
 
     block_size, max_context, name = 4, 4096, "scripted"
+    verify_mode, verify_note, accept_rules, prefix_cache = "chain", "", ["greedy"], None
     info = SimpleNamespace(vocab_size=len(ALPHABET))
     capabilities = Capabilities()
 

@@ -58,6 +58,27 @@ def test_packed_forward_equals_inference_draft_step_for_every_block(mode, kind):
 
 @torch.no_grad()
 @pytest.mark.parametrize("mode", MODES)
+def test_a_row_of_the_block_only_context_is_kept_alone(mode):
+    """What the prefix cache asks of a draft context (TorchDraft.extract, cache_bytes): row 1 alone, its length
+    and (input fusion) its features copied out."""
+    drafter = random_drafter(mode)
+    context = BlockOnlyContext(drafter.spec, torch.float32, "cpu", capacity=8)
+    other = BlockOnlyContext(drafter.spec, torch.float32, "cpu", capacity=8)
+    feats = torch.randn(1, 5, K * H)
+    absorb_block_only(drafter, feats[:, :3], [3], context)
+    absorb_block_only(drafter, feats, [5], other)
+    context.merge(other)
+    row = context.extract(1)
+    assert row.lengths == [5] and context.lengths == [3, 5]
+    if mode == "input":
+        torch.testing.assert_close(row.features[0, :5], other.features[0, :5])
+        assert context.nbytes == 2 * row.nbytes > 0
+    else:
+        assert row.features is None and row.nbytes == context.nbytes == 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", MODES)
 def test_each_mode_sees_exactly_its_target_features(mode):
     """none: no feature matters. input: only the feature of the position before the anchor."""
     drafter = random_drafter(mode)

@@ -166,6 +166,8 @@ class OracleTopK:
     """A Drafter whose per-depth top-k is the target's own top-k along its greedy path (the tree then branches
     where the target's samples go, so the walk takes first and other children often)."""
 
+    distribution = False
+
     def __init__(self, model, engine, k=3):
         self.model, self.engine, self.k = model, engine, k
         self.position = 0
@@ -192,6 +194,9 @@ class OracleTopK:
 
     def reset(self):
         pass
+
+    def state(self):
+        return []
 
 
 def oracle_engine(model, budget):

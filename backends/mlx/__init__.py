@@ -28,9 +28,9 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
     from .drafter import load_drafter
     from .target import load_target, resolve_device, resolve_dtype, target_info
 
-    device = resolve_device(device)
-    mx.set_default_device(device)
-    mx_dtype = resolve_dtype(dtype, device)
+    mx_device = resolve_device(device)
+    mx.set_default_device(mx_device)
+    mx_dtype = resolve_dtype(dtype, mx_device)
     # the drafter computes in the dtype the target's embeddings come out in
     (model, config), drafter = load_pair(
         draft_dir, spec,

@@ -9,6 +9,7 @@ own positions and a mask over the row's valid slots (backends/mlx/tree.py), as t
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -58,7 +59,7 @@ class MLXTarget:
 
     @staticmethod
     def to_host(x: mx.array) -> list[list[int]]:
-        return x.tolist()
+        return cast("list[list[int]]", x.tolist())  # (a 2-D integer array)
 
     def settle(self, drafter=None, *arrays) -> None:
         """Evaluate the lazy graph: the caches (and the given arrays) become concrete, which bounds its memory. The
@@ -85,7 +86,7 @@ class MLXTarget:
         """Every row with its own history, processors and draws: see dflash/core/contract.py."""
         if draws is None and logprobs is None and all(not s.processors for s in self.samplers):
             return mx.argmax(logits, axis=-1).astype(mx.int32)  # all greedy: one argmax for the batch
-        tokens, stats = [], []
+        drawn, stats = [], []
         for i, sampler in enumerate(self.samplers):
             scores = sampler.processed(logits[i], histories[i], None if block is None else block[i],
                                        None if paths is None else paths[i], 0 if starts is None else starts[i])
@@ -94,17 +95,18 @@ class MLXTarget:
             row = sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[: n + 1])
             if draw is not None and draw.children is not None:  # a multi row's tree: rejection at every node
                 row = multi_candidate_tokens(sampler.probabilities(scores), draw)
-            elif draw is not None and draw.rejects and draft is not None and draft.q_probs is not None:
+            elif draw is not None and draw.rejects and draft is not None and draft.q_probs is not None \
+                    and block is not None:
                 row = rejection_tokens(sampler.probabilities(scores), block[i, 1:], draft.q_ids[i, :n],
                                        draft.q_probs[i, :n], mx.array(draw.accept_u[:n]),
                                        mx.array(draw.residual_u[:n]), row[-1])
-            tokens.append(row.astype(mx.int32))
+            drawn.append(row.astype(mx.int32))
             if logprobs is not None:
-                stats.append(sampler.log_probs(scores, tokens[-1], logprobs))
-        tokens = mx.stack(tokens)
+                stats.append(sampler.log_probs(scores, drawn[-1], logprobs))
+        tokens = mx.stack(drawn)
         if logprobs is None:
             return tokens
-        return tokens, tuple(mx.stack(parts) for parts in zip(*stats))
+        return tokens, tuple(mx.stack(list(parts)) for parts in zip(*stats))
 
     def gumbel(self, keys: list[int]) -> mx.array:
         return gumbel(keys, self.info.vocab_size)
@@ -157,7 +159,8 @@ class MLXTarget:
         dtype = embedding(self.model).weight.dtype
         blas = "openblas" if openblas_preloaded() else "own blas"  # 20-30x apart on a Linux CPU (dflash/core/blas.py)
         blas += f" {os.environ.get('OPENBLAS_NUM_THREADS') or os.environ.get('OMP_NUM_THREADS') or 'all'} threads"
-        return f"mlx {mx.__version__} {mx.default_device()} {dtype} {blas}"
+        version = mx.__version__  # type: ignore[attr-defined]  # (mlx's stubs omit it)
+        return f"mlx {version} {mx.default_device()} {dtype} {blas}"
 
     @property
     def capabilities(self) -> Capabilities:
@@ -250,6 +253,7 @@ class MLXTarget:
         """Forget the last n slots of every row (the layout already did), then compact if holes fill the cache."""
         if n:
             trim_prompt_cache(self.cache, n)
+        assert self.layout is not None  # (rows mode)
         index = self.layout.compaction()
         if index is None:
             return

@@ -72,7 +72,7 @@ class MLXDraft:
         n, cache = features.shape[1], self.cache
         lengths = cache.lengths
         if len(set(lengths)) == 1 and all(c == n for c in counts):
-            at = (lengths[0], lengths[0] + n)
+            at: tuple = (lengths[0], lengths[0] + n)
         else:  # rows at their own positions: context from each row's length, the block after its real entries
             at = (mx.array(lengths), mx.array([length + c for length, c in zip(lengths, counts)]))
         cache.reserve(n + block_size)
@@ -87,6 +87,7 @@ class MLXDraft:
         if self.vocab_ids is not None:
             logits = spread(logits, self.vocab_ids, spec.vocab_size)
         if spec.is_dflash2:
+            assert spec.selector_top_k
             candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
                                                                              anchor_ids, spec.selector_top_k)
             draft = proposals.selector_walk(MLXOps, anchor_ids, candidates, scores, draws, logits, top_k)

@@ -38,7 +38,7 @@ class DraftAttention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=spec.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=spec.rms_norm_eps)
 
-    def context_kv(self, ctx: mx.array, rope, offset: int) -> tuple[mx.array, mx.array]:
+    def context_kv(self, ctx: mx.array, rope, offset: int | mx.array) -> tuple[mx.array, mx.array]:
         """K/V (b, kv_heads, n, head_dim) of projected context (or block) entries at positions offset.."""
         b, n, _ = ctx.shape
         k = self.k_norm(self.k_proj(ctx).reshape(b, n, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
@@ -121,6 +121,7 @@ class DynamicConv(nn.Module):
 class DFlash2Layer(DraftLayer):
     def __init__(self, spec: DraftSpec):
         super().__init__(spec)
+        assert spec.conv_kernel_size and spec.conv_group_size  # (a DFlash2 spec has them: DraftSpec.validate)
         self.attention_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
         self.mlp_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
 
@@ -167,12 +168,15 @@ def spread(logits: mx.array, target_ids: mx.array, vocab_size: int) -> mx.array:
 
 
 class DFlashDrafter(nn.Module):
+    source = "draft"  # what errors about this drafter name: its directory, once loaded
+
     def __init__(self, spec: DraftSpec):
         super().__init__()
         spec.check_public("--backend mlx")  # the torch backend's ablation drafters have no MLX counterpart
         self.spec = spec
         if spec.is_dflash2:
-            self.layers = [DFlash2Layer(spec) for _ in range(spec.num_hidden_layers)]
+            self.layers: list[DraftLayer] = [DFlash2Layer(spec) for _ in range(spec.num_hidden_layers)]
+            assert spec.selector_rank
             self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank)
         else:
             self.layers = [DraftLayer(spec) for _ in range(spec.num_hidden_layers)]
@@ -180,8 +184,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         if spec.has_draft_vocab:  # the names and dtypes speculators writes and vLLM reads
-            self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
-            self.d2t = mx.zeros((spec.draft_vocab_size,), dtype=mx.int64)
+            self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab, bias=False)
+            self.d2t = mx.zeros((spec.draft_vocab,), dtype=mx.int64)
             self.t2d = mx.zeros((spec.vocab_size,), dtype=mx.bool_)
         # one rope for all layers (no parameters); the checkpoint's rope_scaling is honoured as mlx-lm reads it
         self.rope = initialize_rope(spec.head_dim, base=spec.rope_theta, traditional=False,
@@ -193,7 +197,7 @@ class DFlashDrafter(nn.Module):
 
     def target_ids(self) -> mx.array:
         """The target id of every draft id (draft vocabulary only): i + d2t[i]."""
-        return mx.arange(self.spec.draft_vocab_size, dtype=mx.int64) + self.d2t.astype(mx.int64)
+        return mx.arange(self.spec.draft_vocab, dtype=mx.int64) + self.d2t.astype(mx.int64)
 
 
 def quantization_of(spec: DraftSpec) -> dict | None:
@@ -212,10 +216,12 @@ def load_drafter(directory: str | os.PathLike, dtype=mx.float32, spec: DraftSpec
     spec = spec or DraftSpec.load(directory)
     quant = quantization_of(spec)
     files = validate_weights(spec, directory, allow_quantized=True)
-    weights = {}
+    weights: dict[str, mx.array] = {}
     for f in files:
         try:
-            weights.update(mx.load(str(f)))
+            loaded = mx.load(str(f))
+            assert isinstance(loaded, dict)  # (a .safetensors file: its tensors by name)
+            weights.update(loaded)
         except (RuntimeError, ValueError) as e:
             raise DFlashError(f"{f}: cannot read safetensors ({str(e).splitlines()[0]})") from None
     model = DFlashDrafter(spec)
@@ -233,5 +239,7 @@ def load_drafter(directory: str | os.PathLike, dtype=mx.float32, spec: DraftSpec
     mx.eval(model.parameters())
     model.source = str(directory)  # what errors about this drafter name
     if spec.has_draft_vocab:
-        check_maps(model.d2t.tolist(), model.t2d.tolist(), spec.vocab_size, str(files[0]))
+        d2t: list[int] = model.d2t.tolist()  # type: ignore[assignment]  # (1-D: mlx's stubs type every nesting)
+        t2d: list[bool] = model.t2d.tolist()  # type: ignore[assignment]
+        check_maps(d2t, t2d, spec.vocab_size, str(files[0]))
     return model

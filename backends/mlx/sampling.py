@@ -73,7 +73,7 @@ class MLXSampler:
             if name == "temperature":
                 logprobs = logprobs / value
             elif name == "top_k" and value < logprobs.shape[-1]:
-                logprobs = apply_top_k(logprobs, value)
+                logprobs = apply_top_k(logprobs, int(value))
             elif name == "top_p":
                 logprobs = apply_top_p(logprobs, value)
             elif name == "min_p":

@@ -20,7 +20,7 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 PLAIN_HEAD = {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"}
 
 
-def resolve_device(name: str | None):
+def resolve_device(name: str | None) -> mx.Device | mx.DeviceType:
     if name in (None, "auto"):
         return mx.default_device()
     if name == "cpu":

@@ -200,8 +200,19 @@ class BlockOnlyContext(ContextCache):
             self.features = self.features[torch.tensor(rows, device=self.features.device)]
         self.layout.lengths = [self.layout.lengths[i] for i in rows]
 
+    def extract(self, i: int) -> BlockOnlyContext:
+        """Row i alone (a prefix kept after the row leaves the batch)."""
+        row = BlockOnlyContext.__new__(BlockOnlyContext)
+        row.layout = ContextLayout(self.layout.capacity, lengths=[self.layout.lengths[i]])
+        row.features = None if self.features is None else self.features[i:i + 1].clone()
+        return row
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.features is None else self.features.nbytes
+
     def merge(self, other: "BlockOnlyContext") -> None:
-        if self.features is not None:
+        if self.features is not None and other.features is not None:
             size = max(self.features.shape[1], other.features.shape[1])
             fit = lambda t: F.pad(t, (0, 0, 0, size - t.shape[1]))  # noqa: E731
             self.features = torch.cat([fit(self.features), fit(other.features)])

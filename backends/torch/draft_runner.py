@@ -8,6 +8,8 @@ device: the engine reads nothing back here).
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessorList
@@ -18,7 +20,7 @@ from dflash.core.errors import DFlashError
 from dflash.core.sampling import RowDraw
 
 from .draft_cache import BlockOnlyContext, DraftContextCache, StaticDraftCache
-from .drafter import DFlashDrafter, rotate, scale_logits, spread
+from .drafter import DFlashDrafter, DraftAttention, rotate, scale_logits, spread
 from .ops import TorchOps
 from .sampling import warpers
 
@@ -42,7 +44,7 @@ def extend_context(model: DFlashDrafter, features: torch.Tensor, cache: DraftCon
         positions = torch.tensor(lengths, device=ctx.device)[:, None] + torch.arange(n, device=ctx.device)
         cos, sin = model.rope(positions, ctx)
     for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
+        attn = cast(DraftAttention, layer.self_attn)  # (torch types a submodule Tensor | Module)
         k = attn.k_norm(attn.k_proj(ctx).view(b, n, -1, attn.head_dim)).transpose(1, 2)
         v = attn.v_proj(ctx).view(b, n, -1, attn.head_dim).transpose(1, 2)
         cache.write(i, rotate(k, cos, sin), v, counts, 0)
@@ -126,7 +128,8 @@ def static_draft(model: DFlashDrafter, block: torch.Tensor, features: torch.Tens
 
 def _filtered(params, logits: torch.Tensor) -> torch.Tensor:
     """One row's draft logits (P, V) under the row's sampling filters (transformers' warpers)."""
-    return LogitsProcessorList(warpers(params))(None, logits.float())
+    # transformers types input_ids a LongTensor; warpers never read it
+    return LogitsProcessorList(warpers(params))(None, logits.float())  # type: ignore[arg-type]
 
 
 class TorchDraft:
@@ -150,13 +153,13 @@ class TorchDraft:
             if static_capacity is not None:
                 raise DFlashError(f"compile: dflash_config.context_mode {spec.context_mode!r} (an ablation drafter) "
                                   "runs on the dynamic path only; drop --compile / cache_len")
-            self.cache = BlockOnlyContext(spec, self.dtype, self.device)
+            self.cache: BlockOnlyContext | DraftContextCache = BlockOnlyContext(spec, self.dtype, self.device)
         elif static_capacity is None:
             self.cache = DraftContextCache(spec, self.dtype, self.device, window=window)
         else:
             # the drafter at fixed shapes too: a static context buffer as long as the target's, compiled once
-            self.cache = StaticDraftCache(spec, self.dtype, self.device, static_capacity)
-            self._rope = drafter.rope_range(0, self.cache.capacity, self.cache.k)
+            static = self.cache = StaticDraftCache(spec, self.dtype, self.device, static_capacity)
+            self._rope = drafter.rope_range(0, static.capacity, static.k)
             self._compiled = torch.compile(self._static_forward, dynamic=False, fullgraph=False,
                                            mode="reduce-overhead" if self.device.type == "cuda" else None)
 
@@ -194,12 +197,13 @@ class TorchDraft:
             logits, hidden = self._compiled(block, features, as_tensor(self.cache.position), as_tensor(n))
             self.cache.advance([n])
         else:
-            step = block_step if isinstance(self.cache, BlockOnlyContext) else draft_step
-            hidden = step(self.drafter, self.embed_block(block), pending.features, pending.counts,
-                          self.cache)[:, 1:]
+            args = (self.drafter, self.embed_block(block), pending.features, pending.counts)
+            hidden = (block_step(*args, self.cache) if isinstance(self.cache, BlockOnlyContext)
+                      else draft_step(*args, self.cache))[:, 1:]
             logits = self.logits(hidden)
         spec = self.drafter.spec
         if spec.is_dflash2:
+            assert spec.selector_top_k
             candidates, scores = self.drafter.candidate_selector.pair_scores(logits.float(), hidden, anchor_ids,
                                                                              spec.selector_top_k)
             return proposals.selector_walk(TorchOps, anchor_ids, candidates, scores, draws, logits, top_k)
@@ -233,13 +237,16 @@ class TorchDraft:
     def reset(self) -> None:
         self.cache.reset()
 
+    def state(self) -> list:
+        return []  # eager: nothing for Target.settle to evaluate
+
     @torch.inference_mode()
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)
 
     @torch.inference_mode()
     def merge(self, other: "TorchDraft") -> None:
-        self.cache.merge(other.cache)
+        self.cache.merge(cast(Any, other.cache))  # (the same kind as this one's: both from the drafter's spec)
 
     @torch.inference_mode()
     def extract(self, i: int) -> "TorchDraft":

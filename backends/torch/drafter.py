@@ -56,6 +56,7 @@ class DraftAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = hd = config.head_dim
+        assert hd and config.num_attention_heads and config.num_key_value_heads  # (qwen3_config sets them)
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * hd, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * hd, bias=bias)
@@ -127,6 +128,7 @@ class DFlash2Layer(DraftLayer):
 
     def __init__(self, config: Qwen3Config, layer_idx: int, spec: DraftSpec):
         super().__init__(config, layer_idx)
+        assert spec.conv_kernel_size and spec.conv_group_size  # (a DFlash2 spec has them: DraftSpec.validate)
         self.attention_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
         self.mlp_conv = DynamicConv(spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
 
@@ -179,12 +181,17 @@ def spread(logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> t
 
 
 class DFlashDrafter(nn.Module):
+    source = "draft"  # what errors about this drafter name: its directory, once loaded
+    d2t: torch.Tensor  # (draft vocabulary only: dflash.core.draft_vocab)
+    t2d: torch.Tensor
+
     def __init__(self, spec: DraftSpec):
         super().__init__()
         self.spec = spec
         config = qwen3_config(spec)
         if spec.is_dflash2:
             self.layers = nn.ModuleList(DFlash2Layer(config, i, spec) for i in range(spec.num_hidden_layers))
+            assert spec.selector_rank
             self.candidate_selector = CandidateSelector(spec.hidden_size, spec.vocab_size, spec.selector_rank)
         else:
             self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(spec.num_hidden_layers))
@@ -193,15 +200,15 @@ class DFlashDrafter(nn.Module):
             self.hidden_norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.norm = Qwen3RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         if spec.has_draft_vocab:  # the names and dtypes speculators writes and vLLM reads
-            self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
-            self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+            self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(spec.draft_vocab, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))
         self.rotary = Qwen3RotaryEmbedding(config)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def target_ids(self) -> torch.Tensor:
         """The target id of every draft id (draft vocabulary only): i + d2t[i]."""
-        return torch.arange(self.spec.draft_vocab_size, device=self.d2t.device) + self.d2t.long()
+        return torch.arange(self.spec.draft_vocab, device=self.d2t.device) + self.d2t.long()
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for absolute positions, shaped to broadcast over (batch, heads, seq, head_dim)."""

@@ -53,7 +53,7 @@ class GrowingLayer(DynamicLayer):
 
     @property
     def capacity(self) -> int:
-        return 0 if self._k is None else min(self._k.shape[-2], self._v.shape[-2])
+        return 0 if self._k is None or self._v is None else min(self._k.shape[-2], self._v.shape[-2])
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -67,6 +67,7 @@ class GrowingLayer(DynamicLayer):
         start, end = self.length, self.length + key_states.shape[-2]
         if not self.owned or end > self.capacity:
             self._grow(key_states, value_states, end)
+        assert self._k is not None and self._v is not None  # (_grow made them)
         self._k[:, :, start:end] = key_states
         self._v[:, :, start:end] = value_states
         self._lengths = [end, end]
@@ -80,11 +81,12 @@ class GrowingLayer(DynamicLayer):
             capacity = max(end, min(capacity, self.limit))
         old_k, old_v, n = self._k, self._v, self.length
         shape = lambda s: (*s.shape[:2], capacity, s.shape[-1])  # noqa: E731
-        self._k = key_states.new_empty(shape(key_states))
-        self._v = value_states.new_empty(shape(value_states))
+        self._k = new_k = key_states.new_empty(shape(key_states))
+        self._v = new_v = value_states.new_empty(shape(value_states))
         if n:
-            self._k[:, :, :n] = old_k[:, :, :n]
-            self._v[:, :, :n] = old_v[:, :, :n]
+            assert old_k is not None and old_v is not None  # (n positions cached)
+            new_k[:, :, :n] = old_k[:, :, :n]
+            new_v[:, :, :n] = old_v[:, :, :n]
         self.owned = True
         self.growths += 1
 

@@ -101,12 +101,13 @@ class CacheRewind:
         for i in self.linear:
             layer = cache.layers[i]
             state = layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None
+            kept = self.snapshot.get(i)
             if state is None:
                 self.snapshot[i] = None
-            elif self.snapshot.get(i) is None or self.snapshot[i].shape != state.shape:
+            elif kept is None or kept.shape != state.shape:
                 self.snapshot[i] = state.clone()
             else:
-                self.snapshot[i].copy_(state)
+                kept.copy_(state)
 
     def after_forward(self, length: int) -> None:
         self.length = self.kept = length

@@ -47,7 +47,7 @@ class TorchSampler:
         if p.output_penalties:
             counts = _counts(history[start:], block, paths, scores)
             scores = scores - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
-        return self.warpers(None, scores)
+        return self.warpers(None, scores)  # type: ignore[arg-type]  # (warpers never read input_ids)
 
     def draw(self, scores: torch.Tensor, gumbel: torch.Tensor | None) -> torch.Tensor:
         if gumbel is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Literal, cast
 
 import torch
 
@@ -11,6 +12,8 @@ from dflash.core.errors import DFlashError
 from dflash.core.spec import TargetInfo
 
 from .attention import GROUPED_SDPA
+
+Loaded = tuple[Any, dict]  # from_pretrained(output_loading_info=True): the model and what loading found
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,10 +65,11 @@ def quiet_loading():
         hf_logging.set_tqdm_hook(bars)
 
 
-def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool = False, checked: dict | None = None):
+def load_target(path, dtype: torch.dtype | Literal["auto"], device: str, trust_remote_code: bool = False,
+                checked: dict | None = None):
     """A transformers causal LM from safetensors only, refused with one line when its config or weights are broken,
     when it needs custom code and --trust-remote-code was not given, or when a weight is missing or mis-shaped
-    (transformers would otherwise initialise it randomly and only warn)."""
+    (transformers would otherwise initialise it randomly and only warn). dtype "auto": the dtype it is stored in."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -80,13 +84,15 @@ def load_target(path, dtype: torch.dtype, device: str, trust_remote_code: bool =
     try:
         with quiet_loading():
             try:
-                model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=GROUPED_SDPA,
-                                                                   **kwargs)
+                # output_loading_info=True returns (model, info); transformers types the model alone
+                model, info = cast(Loaded, AutoModelForCausalLM.from_pretrained(
+                    str(path), attn_implementation=GROUPED_SDPA, **kwargs))
             except ValueError as e:
                 if "scaled_dot_product_attention" not in str(e):
                     raise
                 # families without an SDPA path (gpt-oss: attention sinks) run transformers' eager attention
-                model, info = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager", **kwargs)
+                model, info = cast(Loaded, AutoModelForCausalLM.from_pretrained(
+                    str(path), attn_implementation="eager", **kwargs))
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DFlashError(f"{path}: cannot load the target model ({first})") from None

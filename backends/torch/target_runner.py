@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
-from dflash.core.contract import Capabilities
+from dflash.core.contract import Capabilities, Drafter
 from dflash.core.errors import DFlashError
 from dflash.core.rows import RowLayout, visible
 from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
@@ -74,7 +74,7 @@ class TorchTarget:
     def to_host(x: torch.Tensor) -> list[list[int]]:
         return x.tolist()
 
-    def settle(self, *arrays) -> None:
+    def settle(self, drafter: Drafter | None = None, *arrays) -> None:
         """Nothing to do: torch runs eagerly (MLX evaluates its lazy graph here)."""
 
     # ---- sampling --------------------------------------------------------------------------------------------------
@@ -95,21 +95,23 @@ class TorchTarget:
             per_row = [s.scores(logits[i], histories[i], None if block is None else block[i],
                                 None if paths is None else paths[i], 0 if starts is None else starts[i])
                        for i, s in enumerate(self.samplers)]
-            tokens = []
+            drawn = []
             for i, (sampler, scores) in enumerate(zip(self.samplers, per_row)):
                 draw = draws[i] if draws is not None else None
                 t = scores.shape[0]  # (a chain may verify fewer positions than its draws cover)
                 row = sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[:t])
                 if draw is not None and draw.children is not None:  # a multi row's tree: rejection at every node
                     row = multi_candidate_tokens(torch.softmax(scores.float(), dim=-1), draw)
-                elif draw is not None and draw.rejects and draft is not None and draft.q_probs is not None:
+                elif draw is not None and draw.rejects and draft is not None and draft.q_probs is not None \
+                        and block is not None:
                     as_tensor = lambda u: torch.tensor(u[:t - 1], device=self.device)  # noqa: E731
                     row = rejection_tokens(torch.softmax(scores.float(), dim=-1), block[i, 1:], draft.q_ids[i, :t - 1],
                                            draft.q_probs[i, :t - 1].float(), as_tensor(draw.accept_u),
                                            as_tensor(draw.residual_u), row[-1])
-                tokens.append(row)
-            tokens = torch.stack(tokens)
-            scores = torch.stack(per_row) if logprobs is not None else None
+                drawn.append(row)
+            tokens = torch.stack(drawn)
+            if logprobs is not None:
+                scores = torch.stack(per_row)
         if logprobs is None:
             return tokens
         return tokens, log_probs(scores, tokens, logprobs)
@@ -201,6 +203,7 @@ class TorchTarget:
 
     def _forward_rows(self, ids, last_only: bool):
         t = ids.shape[1]
+        assert self.layout is not None  # (rows mode)
         positions, keys = (torch.from_numpy(a).to(self.device) for a in self.layout.append(t))
         mask = visible(keys, t, lambda *a: torch.arange(*a, device=self.device))[:, None]
         if self.additive_mask:
@@ -314,6 +317,7 @@ class TorchTarget:
         """Forget the last n slots of every row (the layout already did), then compact if holes fill the cache."""
         if n:
             self.cache.crop(-n)
+        assert self.layout is not None  # (rows mode)
         index = self.layout.compaction()
         if index is None:
             return

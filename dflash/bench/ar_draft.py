@@ -80,7 +80,8 @@ def batches(samples: list[dict], batch_tokens: int, rng: random.Random):
     """Endless shuffled batches of up to `batch_tokens` padded tokens (one long sample may exceed it alone)."""
     while True:
         order = rng.sample(range(len(samples)), len(samples))
-        batch, longest = [], 0
+        batch: list[dict] = []
+        longest = 0
         for i in order:
             n = len(samples[i]["input_ids"])
             if batch and max(longest, n) * (len(batch) + 1) > batch_tokens:
@@ -160,7 +161,8 @@ def evaluate(model, samples: list[dict]) -> dict:
     if not samples:
         return {}
     model.eval()
-    ce, hits_all, taus = 0.0, [], {k: [] for k in TAU_DRAFT_LENGTHS}
+    ce, hits_all = 0.0, []
+    taus: dict[int, list[tuple[float, int]]] = {k: [] for k in TAU_DRAFT_LENGTHS}
     with torch.no_grad():
         for s in samples:
             ids, attn, answer = collate([s])

@@ -117,7 +117,7 @@ def resolve_methods(spec: str | None) -> list[Method]:
 def installed_methods(methods: list[Method], named: bool, log=print) -> list[Method]:
     """The methods whose backend's libraries are installed. Methods the user named in --methods are refused in one
     line when they cannot run; the default set leaves them out and says so."""
-    missing = {b: backends.missing_library(b) for b in backends.BACKENDS if not backends.available(b)}
+    missing = {b: lib for b in backends.BACKENDS if (lib := backends.missing_library(b)) is not None}
     cannot = [m for m in methods if m.backend in missing]
     refuse = named or len(cannot) == len(methods)
     for backend in sorted({m.backend for m in cannot}):

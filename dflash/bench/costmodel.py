@@ -16,6 +16,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import backends, cli, hub
 from ..core.costs import measure as measure_costs
@@ -64,7 +65,7 @@ def measure(make_backend, block_sizes, context: int, iters: int, warmup: int, vo
         be.crop(context)  # keep the context length fixed
 
     t_step = _timeit(lambda: step(ar), iters, warmup)
-    out = {"context": context, "t_step": t_step, "blocks": {}}
+    out: dict[str, Any] = {"context": context, "t_step": t_step, "blocks": {}}
     for b in block_sizes:
         be = setup(b)
         t_cycle = _timeit(lambda: step(be), iters, warmup)

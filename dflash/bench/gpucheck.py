@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import cli
 from ..core.io import atomic_write_text
@@ -138,6 +139,7 @@ def main(argv=None) -> int:
     import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    report: dict[str, Any]
     report = {"device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__,
               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

@@ -87,13 +87,14 @@ def choose(rows: int, costs: Costs, block_size: int = 16, budget: int = 256) -> 
     a plain batched step."""
     ids, probs = synthetic_draft(block_size)
     candidates = best_first(ids, probs, budget, block_size - 1)
-    best = None
+    best: tuple[int, list[float], float, int] | None = None
     for block in sorted(costs.draft_blocks) or [block_size]:
         values = [c.q for c in candidates if len(c.tokens) < block]
         counts, rate = choose_counts([values] * rows, costs.verify_seconds,
                                      costs.draft_seconds(rows, block=block), budget)
         if best is None or rate > best[2]:
             best = (block, values, rate, counts[0])
+    assert best is not None  # (at least one block size)
     block, values, rate, nodes = best
     plain = rows / costs.verify_seconds(1, rows)
     if plain >= rate:

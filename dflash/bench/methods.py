@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from .. import api
 from ..core.errors import DFlashError
@@ -240,7 +241,7 @@ class MLXLMRunner:
         self.model, _ = load_target(cfg["target"], dtype)
         self.draft = load_target(cfg["ar_draft"], dtype)[0] if method.ar_draft else None
         self.tokenizer = TokenizerWrapper(load_tokenizer(cfg["target"]), eos_token_ids=cfg["eos_token_ids"])
-        self.tokenizer._eos_token_ids = set(cfg["eos_token_ids"])  # exactly the others' stop set (or none)
+        self.tokenizer.eos_token_ids = cfg["eos_token_ids"]  # exactly the others' stop set (or none)
         self.info = {"dtype": str(dtype), "device": str(device)}
         if self.draft is not None:
             self.info["num_draft_tokens"] = cfg["mlx_draft_tokens"]
@@ -251,7 +252,7 @@ class MLXLMRunner:
 
         mx = self.mx
         mx.random.seed(seed)
-        kwargs = {"sampler": make_sampler(temp=self.cfg["temperature"])}
+        kwargs: dict[str, Any] = {"sampler": make_sampler(temp=self.cfg["temperature"])}
         if self.draft is not None:
             kwargs.update(draft_model=self.draft, num_draft_tokens=self.cfg["mlx_draft_tokens"])
         tokens, flags, first = [], [], None

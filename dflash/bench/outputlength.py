@@ -19,6 +19,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -29,6 +30,7 @@ from ..core.plots import pyplot, save
 from .report import write_report
 
 LENGTHS = (200, 500, 1000, 2000)
+METHODS: dict[str, dict[str, Any]]
 METHODS = {"plain": {"no_draft": True}, "chain": {"verify": "chain"}, "tree": {"verify": "tree"},
            "auto": {"verify": "auto"}}
 

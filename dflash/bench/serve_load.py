@@ -93,7 +93,8 @@ def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
     gap = 0.0
-    usage, stats = {}, {}
+    usage: dict = {}
+    stats: dict = {}
     with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}"}
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
             run_level(servers[mode][1], prompts, 1, 1, 8)  # warm-up
             report["modes"][mode] = []
         for c in args.concurrency:
-            rounds = {mode: [] for mode in servers}
+            rounds: dict[str, list] = {mode: [] for mode in servers}
             for _ in range(args.rounds):  # mode after mode, round after round: drift hits every mode alike
                 for mode, (_, url) in servers.items():
                     rounds[mode].append(run_level(url, prompts, c, args.requests, args.max_tokens))

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..core.blas import openblas_path
 from .methods import Method
@@ -28,19 +29,22 @@ class Worker:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "dflash.bench.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # (both piped)
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        self._exit_sent = False
         self.send(cfg)
         self.ready: dict | None = None
         self.done: dict = {}
 
     def send(self, obj: dict) -> None:
         try:
-            self.proc.stdin.write(json.dumps(obj) + "\n")
-            self.proc.stdin.flush()
+            self.stdin.write(json.dumps(obj) + "\n")
+            self.stdin.flush()
         except (BrokenPipeError, OSError):
             raise WorkerFailed(self._why()) from None
 
     def recv(self) -> dict:
-        line = self.proc.stdout.readline()
+        line = self.stdout.readline()
         if not line:
             raise WorkerFailed(self._why())
         msg = json.loads(line)
@@ -63,7 +67,7 @@ class Worker:
     def request_exit(self) -> None:
         """Ask for the final memory report without waiting (workers shut down in parallel)."""
         try:
-            if self.proc.poll() is None and not self.proc.stdin.closed:
+            if self.proc.poll() is None and not self.stdin.closed:
                 self.send({"cmd": "exit"})
                 self._exit_sent = True
         except WorkerFailed:
@@ -71,15 +75,15 @@ class Worker:
 
     def close(self) -> None:
         try:
-            if not getattr(self, "_exit_sent", False):
+            if not self._exit_sent:
                 self.request_exit()
-            if getattr(self, "_exit_sent", False):
+            if self._exit_sent:
                 self.done = self.recv()
         except WorkerFailed:
             pass
         finally:
             try:
-                self.proc.stdin.close()
+                self.stdin.close()
             except OSError:
                 pass
             try:
@@ -124,7 +128,7 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
 
     (out / "logs").mkdir(parents=True, exist_ok=True)
     batch_size = base_cfg.get("batch_size", 1)
-    results = {m.name: {"records": [None] * len(prompts), "error": None} for m in methods}
+    results: dict[str, dict[str, Any]] = {m.name: {"records": [None] * len(prompts), "error": None} for m in methods}
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
 

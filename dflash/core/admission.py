@@ -59,6 +59,7 @@ class Admission:
         engine.target.merge(row.target)
         if engine.drafter is not None:
             try:
+                assert row.drafter is not None  # (spawned from the engine's)
                 engine.drafter.merge(row.drafter)
             except Exception:
                 engine.target.select(list(range(before)))  # all or nothing: the target's new row goes again

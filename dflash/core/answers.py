@@ -8,6 +8,7 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
+from typing import TextIO
 
 from .datasets import read_rows, row_id
 from .io import atomic_write_text
@@ -47,7 +48,8 @@ class AnswerFile:
     leaves no empty file behind."""
 
     def __init__(self, path: Path):
-        self.path, self.file = path, None
+        self.path = path
+        self.file: TextIO | None = None
 
     def append(self, row: dict) -> None:
         if self.file is None:
@@ -65,7 +67,7 @@ class AnswerFile:
 
 
 def output_stats(path: Path) -> dict:
-    counts = Counter()
+    counts: Counter[str] = Counter()
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
             counts[json.loads(line).get("status", "ok")] += 1
@@ -84,7 +86,8 @@ def write_stats(output_path: Path, input_count: int, log) -> dict:
 
 def input_rows(input_path) -> list[tuple[int, str, dict]]:
     """Every input row with a unique id (a repeated id gets a #k suffix, stable across reruns)."""
-    rows, seen = [], Counter()
+    rows: list[tuple[int, str, dict]] = []
+    seen: Counter[str] = Counter()
     for i, row in read_rows(input_path):
         rid = row_id(row, i)
         seen[rid] += 1

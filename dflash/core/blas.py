@@ -31,7 +31,8 @@ def wheel_reference_blas() -> Path | None:
     MLX build, or no MLX at all. Found on disk, so it can be asked before mlx is imported."""
     if not sys.platform.startswith("linux") or not installed("mlx"):
         return None
-    locations = importlib.util.find_spec("mlx").submodule_search_locations or []
+    spec = importlib.util.find_spec("mlx")
+    locations = (spec.submodule_search_locations if spec is not None else None) or []
     for package_dir in map(Path, locations):
         found = sorted((package_dir.parent / "mlx_cpu.libs").glob("libblas*.so*"))
         if found:

@@ -321,11 +321,17 @@ class TreePlanner:
             self.idle_trees = 0
 
     # ---- auto ------------------------------------------------------------------------------------------------------
+    @property
+    def auto_costs(self) -> Costs:
+        """The measured costs auto chooses by (Engine.set_verify refuses auto without them)."""
+        assert self.costs is not None, "--verify auto without measured costs"
+        return self.costs
+
     def _counts(self, candidates, drafted: bool, limit: float | None,
                 block: int | None = None) -> tuple[list[int], float]:
         values = [[c.value for c in cs] for cs in candidates]
-        clock = self.clock[drafted]
-        seconds = lambda n, r: clock(self.costs.cycle_seconds(n, r, drafted, self.context, block))  # noqa: E731
+        clock, costs = self.clock[drafted], self.auto_costs
+        seconds = lambda n, r: clock(costs.cycle_seconds(n, r, drafted, self.context, block))  # noqa: E731
         return choose_counts(values, seconds, 0.0, self.budget, limit)
 
     def _next_block(self, candidates, counts, rate: float, limit: float | None, block: int) -> tuple[int, float]:
@@ -365,7 +371,7 @@ class TreePlanner:
         """Seconds a cycle may take per token its least-served row expects: itl_limit plain steps of this batch."""
         if not self.itl_limit:
             return None
-        return self.itl_limit * self.clock[False](self.costs.cycle_seconds(1, rows, False, self.context))
+        return self.itl_limit * self.clock[False](self.auto_costs.cycle_seconds(1, rows, False, self.context))
 
     def _chain_within(self, chains: Sequence[float], limit: float | None) -> bool:
         """Whether a chain cycle (every row verifies the drafter's B-1 rank-1 proposals) keeps within the limit: its
@@ -373,7 +379,8 @@ class TreePlanner:
         if limit is None:
             return True
         rows, least = len(chains), min(chains)
-        return self.clock[True](self.costs.cycle_seconds(self.block_size, rows, True, self.context)) <= limit * least
+        seconds = self.auto_costs.cycle_seconds(self.block_size, rows, True, self.context)
+        return self.clock[True](seconds) <= limit * least
 
     def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:
         """Compare the predicted rate of drafted cycles with what the same cycles would give without the draft

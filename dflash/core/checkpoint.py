@@ -49,16 +49,18 @@ def expected_shapes(spec: DraftSpec) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "self_attn.q_proj.bias": (nh * hd,), p + "self_attn.k_proj.bias": (nkv * hd,),
                            p + "self_attn.v_proj.bias": (nkv * hd,), p + "self_attn.o_proj.bias": (h,)})
         if spec.is_dflash2:
+            assert spec.conv_kernel_size and spec.conv_group_size  # (a DFlash2 spec has them: DraftSpec.validate)
             taps, groups = spec.conv_kernel_size, h // spec.conv_group_size
             for conv in ("attention_conv", "mlp_conv"):  # [side (before / after the sublayer), tap, channel]
                 shapes[p + conv + ".base_kernel"] = (2, taps, h)
                 shapes[p + conv + ".kernel_projection.weight"] = (2 * taps * groups, h)
     if spec.is_dflash2:  # the codebooks are stored without a '.weight' suffix
+        assert spec.selector_rank
         shapes.update({"candidate_selector.predecessor_codebook": (spec.vocab_size, spec.selector_rank),
                        "candidate_selector.successor_codebook": (spec.vocab_size, spec.selector_rank),
                        "candidate_selector.hidden_projection.weight": (spec.selector_rank, h)})
     if spec.has_draft_vocab:  # dflash.core.draft_vocab: its own head and the two maps
-        shapes.update({"lm_head.weight": (spec.draft_vocab_size, h), "d2t": (spec.draft_vocab_size,),
+        shapes.update({"lm_head.weight": (spec.draft_vocab, h), "d2t": (spec.draft_vocab,),
                        "t2d": (spec.vocab_size,)})
     return shapes
 
@@ -186,7 +188,7 @@ def quantized_shapes(spec: DraftSpec, quant, found: dict, source: str) -> dict[s
     if quant.get("mode", "affine") != "affine":
         raise DFlashError(f"{source}: quantization mode {quant.get('mode')!r} is not supported, expected 'affine'")
     bits, group = quant["bits"], quant["group_size"]
-    want = {}
+    want: dict[str, tuple[int, ...]] = {}
     for name, (out, *rest) in expected_shapes(spec).items():
         prefix = name[: -len(".weight")]
         if rest and name.endswith(".weight") and f"{prefix}.scales" in found:
@@ -250,5 +252,6 @@ def load_pair(draft_dir, spec: DraftSpec | None, load_target, target_info, load_
     target = load_target()
     if draft_dir is None:
         return target, None
+    assert spec is not None  # (read above)
     spec.validate_against(target_info(target), source=str(draft_dir))
     return target, load_drafter(target, spec)

@@ -10,19 +10,23 @@ the core; a backend owns models, caches and arrays.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from typing import Self  # (3.11)
+
     from .sampling import RowDraw, SamplingParams
     from .spec import DraftSpec, TargetInfo
     from .tree import TreeInputs
+
+Array = Any  # a backend's device array (torch.Tensor, mx.array): the core hands it on, never looks inside
 
 
 @dataclass
 class Pending:
     """Target features (rows, m, K*H) the drafter has not read yet; row i's first counts[i] are real."""
 
-    features: object
+    features: Array
     counts: list[int]
 
 
@@ -31,13 +35,13 @@ class Draft:
     """One draft forward's output, on the device: `ids` (rows, B) = [anchor, proposals], and per block position
     the drafter's top-k token ids and probabilities (rows, B-1, k), when asked for (tree verification)."""
 
-    ids: object
-    top_ids: object = None
-    top_probs: object = None
+    ids: Array
+    top_ids: Array = None
+    top_probs: Array = None
     # when the drafter sampled its proposals (rejection verification): per proposal the candidate ids and the draft
     # distribution q over them (rows, B-1, k), in the cycle's shape (q sharpened, or one-hot at the argmax)
-    q_ids: object = None
-    q_probs: object = None
+    q_ids: Array = None
+    q_probs: Array = None
 
 
 @dataclass
@@ -48,7 +52,7 @@ class Verified:
 
     blocks: list[list[int]]
     tokens: list[list[int]]
-    features: object = None
+    features: Array = None
     logprobs: list[list[float]] | None = None
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
@@ -96,16 +100,18 @@ class Capabilities:
 class Target(Protocol):
     info: TargetInfo
     max_context: int | None
-    capabilities: Capabilities
+
+    @property
+    def capabilities(self) -> Capabilities: ...
 
     # arrays
-    def ids(self, rows: Sequence[Sequence[int]]): ...                       # host ids (rows, T) -> device
+    def ids(self, rows: list[list[int]]): ...                               # host ids (rows, T) -> device
     def cat(self, parts: list): ...                                         # along the sequence axis
     def head(self, features, n: int): ...                                   # the first n positions
     def take_rows(self, features, rows: list[int]): ...
     def pad_rows(self, features, n: int): ...                               # n more rows of zeros
     def to_host(self, x) -> list[list[int]]: ...
-    def settle(self, drafter=None, *arrays) -> None: ...                    # evaluate lazy state (MLX)
+    def settle(self, drafter: Drafter | None = None, *arrays) -> None: ...  # evaluate lazy state (MLX): drafter.state()
 
     # sampling: the target's token at each position, as target-only decoding would draw it
     def set_sampling(self, params: SamplingParams) -> None: ...            # every row; spawn/merge/select keep
@@ -135,17 +141,20 @@ class Target(Protocol):
     def gather(self, features, slots: list[list[int]]): ...                # row i's features at slots[i], packed
 
     # rows (capabilities.batches)
-    def spawn(self) -> Target: ...                                         # same model, empty cache (a joining row)
-    def merge(self, other: Target) -> None: ...                            # append other's rows
+    def spawn(self) -> Self: ...                                           # same model, empty cache (a joining row)
+    def merge(self, other: Self) -> None: ...                              # append other's rows
     def select(self, rows: list[int]) -> None: ...                         # keep only these rows
-    def extract(self, row: int) -> Target: ...                             # row `row` alone, its cache copied out
+    def extract(self, row: int, /) -> Self: ...                            # row `row` alone, its cache copied out
     def cache_bytes(self) -> int: ...                                      # what its caches hold (prefix cache)
 
 
 class Drafter(Protocol):
-    position: int  # row 0's context length (= its anchor's position)
-    distribution: bool  # True: its selector has a proper draft distribution of its own (DFlash2)
-    spec: DraftSpec  # its checkpoint's shape (what its forwards cost depends on: costs.py keys profiles by it)
+    @property
+    def position(self) -> int: ...  # row 0's context length (= its anchor's position)
+    @property
+    def distribution(self) -> bool: ...  # True: its selector has a proper draft distribution of its own (DFlash2)
+    @property
+    def spec(self) -> DraftSpec: ...  # its checkpoint's shape (its forwards' cost: costs.py keys profiles by it)
 
     def extend(self, pending: Pending | None) -> None: ...                 # absorb context without drafting (prefill)
     # proposals per row by its draw: greedy rows the argmax; match rows argmax(warped logits + the target's own
@@ -155,8 +164,9 @@ class Drafter(Protocol):
                 draws: list[RowDraw] | None = None) -> Draft: ...
     def crop(self, position: int) -> bool: ...
     def reset(self) -> None: ...
-    def spawn(self) -> Drafter: ...
-    def merge(self, other: Drafter) -> None: ...
+    def state(self) -> list: ...  # its cache's arrays, for Target.settle to evaluate (lazy backends; eager: [])
+    def spawn(self) -> Self: ...
+    def merge(self, other: Self) -> None: ...
     def select(self, rows: list[int]) -> None: ...
-    def extract(self, row: int) -> Drafter: ...
+    def extract(self, row: int, /) -> Self: ...
     def cache_bytes(self) -> int: ...

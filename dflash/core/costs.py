@@ -265,7 +265,7 @@ def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -
 
 def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """More tokens never cost less: each point at least the one before (a median below it is noise)."""
-    out = []
+    out: list[tuple[int, float]] = []
     for n, t in points:
         out.append((n, max(t, out[-1][1] if out else 0.0)))
     return out

@@ -25,11 +25,11 @@ from typing import Sequence
 from .admission import Admission
 from .budget import ITL_LIMIT, MAX_PAUSE, VERIFY_MODES, ChainBudget, Costs, TreePlanner
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
-from .errors import DFlashError
+from .errors import DFlashError, SettingError
 from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
 from .sampling import RowDraw, RowSampling, SamplingParams, accepted_length, common_prefix, row_draws
-from .tree import CopyIndex
+from .tree import CopyIndex, Tree
 from .tree_step import tree_step
 
 # features pending past which a cycle without a draft forward hands them to the drafter's context (the work the next
@@ -70,7 +70,8 @@ class Engine:
         self.planner: TreePlanner | None = None  # tree / auto verification (dflash/core/budget.py)
         self.chain_budget: ChainBudget | None = None  # auto, for rows that verify by rejection
         self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
-        self.last_trees, self.last_paths = [], []
+        self.last_trees: list[Tree] = []  # the last tree cycle's trees and accepted paths
+        self.last_paths: list[list[int]] = []
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
     @property
@@ -113,16 +114,16 @@ class Engine:
         count that maximises committed tokens per second under `costs` (chain when that is best), in cycles that
         take at most `itl_limit` plain steps per token any row expects (None: no limit)."""
         if mode not in VERIFY_MODES:
-            raise DFlashError(f"--verify: got {mode!r}, expected one of {', '.join(VERIFY_MODES)}")
+            raise SettingError("verify", f"got {mode!r}, expected one of {', '.join(VERIFY_MODES)}")
         if budget is not None and budget < 1:
-            raise DFlashError(f"--tree-budget: got {budget}, expected >= 1 draft nodes")
+            raise SettingError("tree_budget", f"got {budget}, expected >= 1 draft nodes")
         self.verify_mode, self.verify_note, self.planner, self.top_k = mode, "", None, 0
         self.chain_budget = None
         if mode == "chain" or self.drafter is None:
             self.verify_mode = "chain"
             return
         reason = self.target.capabilities.tree_refusal
-        selector = mode == "auto" and not reason and getattr(self.drafter, "distribution", False)
+        selector = mode == "auto" and not reason and self.drafter is not None and self.drafter.distribution
         if selector:
             # DFlash2: its selector walk picks each proposal given the previous one; trees would branch over the
             # raw top-k without it. auto still chooses how much of the chain to verify, or a plain step (a target
@@ -137,11 +138,11 @@ class Engine:
         if mode == "auto" and costs is None:
             raise DFlashError("--verify auto: needs the device's measured costs (dflash.core.costs.measured_costs)")
         if budget is None:  # tree: the chain's verify tokens; auto: as many as the measured costs reach
-            budget = self.block_size - 1 if mode == "tree" else max(self.block_size - 1,
-                                                                   min(256, costs.verify[-1][0] - 1))
+            budget = self.block_size - 1 if mode == "tree" or costs is None else max(
+                self.block_size - 1, min(256, costs.verify[-1][0] - 1))
         self.planner = TreePlanner(mode, self.block_size, budget, costs, copy_branch, itl_limit)
         self.top_k = self.planner.top_k
-        self.chain_budget = ChainBudget(self.block_size, costs) if mode == "auto" else None
+        self.chain_budget = ChainBudget(self.block_size, costs) if mode == "auto" and costs is not None else None
 
     def enable_prefix_cache(self, max_bytes: int) -> None:
         """Keep finished rows' caches (at most max_bytes, least recently used out) for prompts that share their
@@ -177,7 +178,7 @@ class Engine:
 
     # ---- prefill ---------------------------------------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]],
-                samplings: Sequence[SamplingParams] | None = None) -> list[int]:
+                samplings: Sequence[SamplingParams | None] | None = None) -> list[int]:
         """Feed the prompts and return each row's first token. One prompt reuses the longest cached prefix (a chat's
         earlier turns); several start a fresh batch, one admitted row each. samplings: row i's own settings."""
         for p in prompts:
@@ -236,7 +237,7 @@ class Engine:
         start, logits = len(self.tokens), None
         self.last_reused = start
         # a fresh noise seed per generation (unless the request has one): its draws are keyed by position
-        self.row_sampling = [RowSampling.admit(self.sampling, getattr(self.drafter, "distribution", False),
+        self.row_sampling = [RowSampling.admit(self.sampling, self.drafter is not None and self.drafter.distribution,
                                                trees=self.verify_mode == "tree",
                                                prompt_tokens=len(prompt_ids) - generated)]
         for at in range(start, len(prompt_ids), self.prefill_chunk):
@@ -249,6 +250,7 @@ class Engine:
             if at + self.prefill_chunk < len(prompt_ids):
                 self.target.settle(self.drafter)  # bound the lazy graph (and its memory) chunk by chunk
                 yield None
+        assert logits is not None  # (prefill runs at least the prompt's last token)
         first, logprobs = self._sample(logits[:, -1:], [self.tokens], None, draws=self._row_draws(1, offset=0))
         self.target.settle(self.drafter, first)
         if logprobs is not None:
@@ -298,7 +300,7 @@ class Engine:
         if draws is not None and length != 0:  # what each row's proposal shape accepted (dflash.core.shapes)
             for draw, step in zip(draws, steps):
                 draw.sampling.shapes.observe(draw.draft_temperature, step.accepted, step.verified)
-        if result.logprobs is not None:
+        if result.logprobs is not None and result.top_logprobs is not None:
             for step, chosen, top in zip(steps, result.logprobs, result.top_logprobs):
                 step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]
         self.commit(result, [len(s.tokens) for s in steps])
@@ -346,6 +348,7 @@ class Engine:
         context at once)."""
         self.queue.add(new)
         if max(self.queue.counts) >= PENDING_ABSORB:
+            assert self.drafter is not None  # (features pend for a drafter only)
             self.drafter.extend(self._take_pending())
 
     def retire(self, rows: Sequence[int]) -> None:

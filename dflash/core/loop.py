@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence, cast
 
-from .errors import DFlashError
+from .errors import DFlashError, SettingError
 from .sampling import SamplingParams
 from .stats import cycle_counts, mean_acceptance_length
 from .text import Detokenizer, find_stop
@@ -138,12 +138,13 @@ class _Row:
 
     def result(self, engine) -> "GenerationResult":
         gen = self.gen
+        assert self.finish is not None, "a row has a result once it finished"
         return GenerationResult(
             tokens=self.tokens, text=self.detok.text if gen.tokenizer else "", prompt_tokens=len(gen.prompt_ids),
             finish_reason=self.finish, acceptance_lengths=self.lengths, prefill_seconds=self.prefill_seconds,
             decode_seconds=self.seconds, block_size=engine.block_size, drafted=self.drafted,
-            verify_mode=getattr(engine, "verify_mode", "chain"), verified=self.verified,
-            draft_forwards=self.draft_forwards, verify_note=getattr(engine, "verify_note", ""),
+            verify_mode=engine.verify_mode, verified=self.verified,
+            draft_forwards=self.draft_forwards, verify_note=engine.verify_note,
             accept_rule=self.rule, error=self.error)
 
 
@@ -188,7 +189,7 @@ class Batch:
             engine.set_sampling(gen.sampling)
             first = engine.prefill([gen.prompt_ids])[0]
         row = _Row(gen)
-        row.rule = engine.accept_rules[-1] if getattr(engine, "accept_rules", None) else "greedy"
+        row.rule = engine.accept_rules[-1] if engine.accept_rules else "greedy"
         row.started = time.perf_counter()
         row.prefill_seconds = row.started - t0
         self.rows.append(row)
@@ -305,7 +306,7 @@ class Generation:
         if len(prompt_ids) == 0:
             raise DFlashError("prompt: empty; expected at least one token")
         if max_new_tokens < 1:
-            raise DFlashError(f"--max-new-tokens: got {max_new_tokens}, expected >= 1")
+            raise SettingError("max_new_tokens", f"got {max_new_tokens}, expected >= 1")
         if stop_strings and tokenizer is None:
             raise DFlashError("--stop: stop strings need a tokenizer to detokenize with")
         self.backend = backend
@@ -345,6 +346,7 @@ class Generation:
     def run(self) -> GenerationResult:
         for _ in self:
             pass
+        assert self.result is not None, "the iterator ends with the result set"
         return self.result
 
 
@@ -371,4 +373,4 @@ def generate_batch(backend, prompts: Sequence[Sequence[int]], *, on_cycle=None, 
             finished = [(i, g.result) for i, g in enumerate(gens) if g.result is not None and i not in reported]
             reported.update(i for i, _ in finished)
             on_cycle(sum(len(inc.tokens) for _, inc in increments), finished)
-    return [g.result for g in gens]
+    return cast(list[GenerationResult], [g.result for g in gens])  # _cycles ran every one to its end

@@ -37,7 +37,9 @@ class PathChoice:
         """Estimated tree speed over chain speed."""
         tree, chain = self.tokens
         gain = tree / chain if chain > 0 else 1.0
-        return gain * self.factor["chain"] / self.factor["tree"]
+        chain_factor, tree_factor = self.factor["chain"], self.factor["tree"]
+        assert chain_factor is not None and tree_factor is not None, "choose() asks only once both are measured"
+        return gain * chain_factor / tree_factor
 
     def choose(self) -> str:
         for kind in ("tree", "chain"):

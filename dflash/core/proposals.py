@@ -17,7 +17,7 @@ applied to one row's logits (P, V), as log-weights whose softmax is the distribu
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from .contract import Draft
 from .rules import ArrayOps, inverse_cdf
@@ -31,7 +31,9 @@ def choose(ops: ArrayOps, anchor_ids, logits, draws, top_k: int, filtered: Calla
     if not draws or all(d.rule == "greedy" for d in draws):
         return _with_top(ops, Draft(ops.concatenate([anchor_ids, ops.token_ids(greedy)], axis=1)), logits, top_k)
     positions = logits.shape[1]
-    proposals, tops, qs = [], [None] * len(draws), [None] * len(draws)
+    proposals: list = []
+    tops: list[Any] = [None] * len(draws)
+    qs: list[tuple[Any, Any] | None] = [None] * len(draws)  # per row: q's candidate ids and probabilities
     for i, draw in enumerate(draws):
         if draw.rule == "greedy":
             proposals.append(greedy[i])

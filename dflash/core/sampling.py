@@ -29,9 +29,9 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Literal, Sequence, get_args
 
-from .errors import DFlashError
+from .errors import SettingError
 from .shapes import ShapeChoice, draft_temperatures
 
 
@@ -74,37 +74,37 @@ class SamplingParams:
         """Refuse what no sampler can use (logit_bias ids outside 0 .. vocab_size - 1 when it is given); returns the
         settings normalised (a temperature below SAMPLING_EPS is greedy: 0; top_k -1 is off: 0; logit_bias sorted,
         zero biases dropped)."""
-        def bad(flag: str, value, expected: str):
-            raise DFlashError(f"--{flag}: got {value!r}, expected {expected}")
+        def bad(field: str, value, expected: str):
+            raise SettingError(field, f"got {value!r}, expected {expected}")
 
-        for flag, value in (("temperature", self.temperature), ("top-p", self.top_p), ("min-p", self.min_p),
-                            ("repetition-penalty", self.repetition_penalty),
-                            ("presence-penalty", self.presence_penalty),
-                            ("frequency-penalty", self.frequency_penalty)):
+        for field, value in (("temperature", self.temperature), ("top_p", self.top_p), ("min_p", self.min_p),
+                             ("repetition_penalty", self.repetition_penalty),
+                             ("presence_penalty", self.presence_penalty),
+                             ("frequency_penalty", self.frequency_penalty)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                bad(flag, value, "a finite number")
+                bad(field, value, "a finite number")
         if self.temperature < 0:
             bad("temperature", self.temperature, ">= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
-            bad("top-p", self.top_p, "a value in (0, 1]")
+            bad("top_p", self.top_p, "a value in (0, 1]")
         if not 0 <= self.min_p <= 1:
-            bad("min-p", self.min_p, "a value in [0, 1]")
+            bad("min_p", self.min_p, "a value in [0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top-k", self.top_k, ">= 0 (0 or -1 = off)")
+            bad("top_k", self.top_k, ">= 0 (0 or -1 = off)")
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
-            bad("repetition-penalty", self.repetition_penalty, f"a value in [{low:g}, {high:g}] (1 = off)")
-        for flag, value, (low, high) in (("presence-penalty", self.presence_penalty, PRESENCE_PENALTY_RANGE),
-                                         ("frequency-penalty", self.frequency_penalty, FREQUENCY_PENALTY_RANGE)):
+            bad("repetition_penalty", self.repetition_penalty, f"a value in [{low:g}, {high:g}] (1 = off)")
+        for field, value, (low, high) in (("presence_penalty", self.presence_penalty, PRESENCE_PENALTY_RANGE),
+                                          ("frequency_penalty", self.frequency_penalty, FREQUENCY_PENALTY_RANGE)):
             if not low <= value <= high:
-                bad(flag, value, f"a value in [{low:g}, {high:g}] (0 = off)")
+                bad(field, value, f"a value in [{low:g}, {high:g}] (0 = off)")
         bias = _checked_bias(self.logit_bias, vocab_size)
         if self.seed is not None and self.seed < 0:
             bad("seed", self.seed, ">= 0")
         if self.accept not in ACCEPT_RULES:
             bad("accept", self.accept, " or ".join(repr(r) for r in ACCEPT_RULES))
         if not isinstance(self.draft_temperature, (int, float)) or not 0 < self.draft_temperature <= 1:
-            bad("draft-temperature", self.draft_temperature, "a value in (0, 1] (1: q itself)")
+            bad("draft_temperature", self.draft_temperature, "a value in (0, 1] (1: q itself)")
         if self.temperature < SAMPLING_EPS and self.temperature != 0.0 or self.top_k == -1 or bias != self.logit_bias:
             return replace(self, temperature=0.0 if self.temperature < SAMPLING_EPS else self.temperature,
                            top_k=max(self.top_k, 0), logit_bias=bias)
@@ -117,22 +117,23 @@ def _checked_bias(pairs, vocab_size: int | None) -> tuple[tuple[int, float], ...
     out = {}
     for pair in pairs:
         if not (isinstance(pair, tuple) and len(pair) == 2):
-            raise DFlashError(f"--logit-bias: got {pair!r}, expected (token id, bias) pairs")
+            raise SettingError("logit_bias", f"got {pair!r}, expected (token id, bias) pairs")
         token, value = pair
         if isinstance(token, bool) or not isinstance(token, int) or token < 0 or \
                 vocab_size is not None and token >= vocab_size:
             span = f"0 .. {vocab_size - 1}" if vocab_size is not None else ">= 0"
-            raise DFlashError(f"--logit-bias: token id {token!r} is outside the vocabulary ({span})")
+            raise SettingError("logit_bias", f"token id {token!r} is outside the vocabulary ({span})")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-            raise DFlashError(f"--logit-bias: token {token}: got {value!r}, expected a bias in [{low:g}, {high:g}]")
+            raise SettingError("logit_bias", f"token {token}: got {value!r}, expected a bias in [{low:g}, {high:g}]")
         if token in out:
-            raise DFlashError(f"--logit-bias: token {token} is biased twice")
+            raise SettingError("logit_bias", f"token {token} is biased twice")
         if value:
             out[token] = float(value)
     return tuple(sorted(out.items()))
 
 
-ACCEPT_RULES = ("auto", "match", "rejection", "argmax", "sharpened", "shaped", "multi")
+AcceptRule = Literal["auto", "match", "rejection", "argmax", "sharpened", "shaped", "multi"]
+ACCEPT_RULES: tuple[str, ...] = get_args(AcceptRule)
 # What "auto" picks when sampling, per drafter kind: rejection accepted more than coupled match for DFlash2's
 # selector (docs/dflash2.md) and for DFlash blocks; no other proposal shape (argmax, sharpened, shaped) accepted
 # more than q on the bundled pair at 0.3 / 0.7 / 1.0, and shaped accepted less at 0.3 (docs/sampling.md); a seeded DFlash request (or one verified by trees) matches instead, since its output must not
@@ -245,7 +246,7 @@ class RowDraw:
 
     sampling: RowSampling
     position: int = 0  # the first position the cycle decides
-    gumbel: object = None
+    gumbel: Any = None  # (a device array)
     draft_u: list[float] | None = None
     accept_u: list[float] | None = None
     residual_u: list[float] | None = None

@@ -17,9 +17,9 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
-from .errors import DFlashError
+from .errors import DFlashError, SettingError
 from .io import atomic_write_text, read_json_config
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -101,6 +101,13 @@ class DraftSpec:
         return self.architecture == DFLASH2
 
     @property
+    def draft_vocab(self) -> int:
+        """The draft vocabulary's size (a drafter with one only)."""
+        if self.draft_vocab_size is None:
+            raise ValueError("this drafter has no draft vocabulary")
+        return self.draft_vocab_size
+
+    @property
     def has_draft_vocab(self) -> bool:
         """Whether the drafter scores a subset of the target's vocabulary with its own head (a draft_vocab_size
         equal to vocab_size is the whole vocabulary: vLLM and speculators read it as no draft vocabulary)."""
@@ -149,7 +156,7 @@ class DraftSpec:
         block_size = cfg.get("block_size", dcfg.get("block_size", 16))
         n_heads = _int(cfg, "num_attention_heads", source)
         hidden = _int(cfg, "hidden_size", source)
-        rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        rope_params = cfg["rope_parameters"] if isinstance(cfg.get("rope_parameters"), dict) else {}
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 1_000_000.0))
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling is not None and not isinstance(rope_scaling, dict):
@@ -197,7 +204,9 @@ class DraftSpec:
             layer_types=layer_types,
             architecture=architecture,
             **dflash2,
-            **scales,
+            output_multiplier=scales["output_multiplier"],
+            final_logit_softcapping=scales["final_logit_softcapping"],
+            input_embedding_scale=scales["input_embedding_scale"],
             draft_vocab_size=_optional_int(cfg, "draft_vocab_size", source),
             context_mode=dcfg.get("context_mode", "kv"),
             extra={k: v for k, v in cfg.items() if k not in owned},
@@ -231,6 +240,7 @@ class DraftSpec:
                 if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                     raise DFlashError(f"{source}: field 'dflash_config.{name}' must be a positive int, got "
                                       f"{getattr(self, name)!r}")
+            assert self.conv_group_size and self.conv_kernel_size and self.selector_top_k  # (positive ints: above)
             if self.hidden_size % self.conv_group_size:
                 raise DFlashError(f"{source}: field 'dflash_config.conv_group_size' ({self.conv_group_size}) must "
                                   f"divide hidden_size ({self.hidden_size})")
@@ -357,8 +367,8 @@ def check_block_size(block_size: int, spec: DraftSpec) -> None:
     """A drafter runs at any block size from 2 up to the one it was trained for; beyond, its extra slots would
     propose from positions it never learned, so we refuse rather than silently waste verify compute."""
     if not 2 <= block_size <= spec.block_size:
-        raise DFlashError(f"--block-size: got {block_size}, expected 2..{spec.block_size} (the drafter's trained "
-                          "block_size; use --no-draft for plain decoding)")
+        raise SettingError("block_size", f"got {block_size}, expected 2..{spec.block_size} (the drafter's trained "
+                           "block_size; use --no-draft for plain decoding)")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -370,7 +380,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -401,7 +411,7 @@ def drafter_block_size(drafter, target_info, block_size: int | None, validated: 
     the target, unless the loader already did that before reading the drafter's weights."""
     spec = drafter.spec
     if not validated:
-        spec.validate_against(target_info, source=getattr(drafter, "source", "draft"))
+        spec.validate_against(target_info, source=drafter.source)
     block_size = block_size or spec.block_size
     check_block_size(block_size, spec)
     return block_size

@@ -43,7 +43,7 @@ class Tree:
 
     def mask(self) -> list[list[bool]]:
         """mask[i][j]: node i attends to node j (j is i or one of its ancestors)."""
-        rows = []
+        rows: list[list[bool]] = []
         for i, parent in enumerate(self.parents):
             row = rows[parent][:] if parent >= 0 else [False] * len(self.tokens)
             row[i] = True
@@ -101,7 +101,7 @@ def best_first(top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence[fl
         return []
     logp = [[math.log(max(p, 1e-30)) for p in row] for row in top_probs]
     k = len(logp[0])
-    heap = [(-logp[0][0], (0,))]
+    heap: list[tuple[float, tuple[int, ...]]] = [(-logp[0][0], (0,))]
     out: list[Candidate] = []
     while heap and len(out) < n:
         neg, ranks = heapq.heappop(heap)
@@ -202,11 +202,11 @@ def merge_candidates(draft: list[Candidate], copy: Sequence[int], calibration: C
     for d in range(1, len(copy) + 1):
         prefix = tuple(copy[:d])
         rate = calibration.copy_rate(d)
-        c = by_prefix.get(prefix)
-        if c is None:
+        drafted = by_prefix.get(prefix)
+        if drafted is None:
             by_prefix[prefix] = Candidate((), prefix, 0.0, rate, True)
         else:
-            c.value, c.copied = max(c.value, rate), True
+            drafted.value, drafted.copied = max(drafted.value, rate), True
     ordered = sorted(by_prefix.values(), key=lambda c: len(c.tokens))
     for c in ordered:  # shallow first: parents are capped before their children
         parent = by_prefix.get(c.tokens[:-1])
@@ -220,7 +220,7 @@ def merge_candidates(draft: list[Candidate], copy: Sequence[int], calibration: C
 
 def to_tree(anchor: int, chosen: Sequence[Candidate]) -> Tree:
     tree = Tree.root(anchor)
-    index = {(): 0}
+    index: dict[tuple[int, ...], int] = {(): 0}
     for c in chosen:
         index[c.tokens] = len(tree.tokens)
         tree.tokens.append(c.tokens[-1])

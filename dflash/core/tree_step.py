@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
     """One tree cycle for every row of `engine`; row i's anchor is its last committed token."""
     planner, target, b = engine.planner, engine.target, engine.block_size
+    assert planner is not None  # (tree cycles run under set_verify's planner)
     start = time.perf_counter()
     copies = _copies(engine, anchors) if planner.copy_branch else []
     drafts = planner.drafts_this_cycle()
@@ -28,6 +29,7 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
         return steps
     draws = engine._row_draws(b)
     if drafts:
+        assert engine.drafter is not None  # (the planner drafts only with a drafter)
         draft = engine.drafter.propose(target.ids([[a] for a in anchors]), engine._take_pending(),
                                        planner.draft_block, planner.top_k, draws)
         plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
@@ -51,6 +53,7 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
                 draw.children, draw.counted = tree.children(inputs.width)
                 draw.child_u = [row for d in depths for row in uniform_rows(
                     draw.sampling.seed, "children", [draw.position + d], len(draw.children[0]))]
+                assert draw.residual_u is not None  # (a sampled row's draws)
                 draw.residual_u = [draw.residual_u[d] for d in depths]
     tokens, logprobs = engine._sample(logits, engine.rows, ids, inputs.paths, draws)
     tokens = target.to_host(tokens)

@@ -122,6 +122,7 @@ class Schedule:
         if step < cfg.warmup_steps:
             return cfg.lr * (step + 1) / cfg.warmup_steps
         if self.guard_time is not None:
+            assert cfg.max_seconds is not None  # (the guard runs under a time limit)
             t = (elapsed - self.guard_time) / max(1e-9, cfg.max_seconds - self.guard_time)
         elif step < self.decay_start:
             return cfg.lr
@@ -227,7 +228,8 @@ def pretrain(train_files: list[SourceFile], heldout_files: list[SourceFile], tok
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
         opt.step()
         seen += x.numel()
-        last = step == cfg.steps - 1 or (sched.guard_time is not None and time.time() - t_train >= cfg.max_seconds)
+        last = step == cfg.steps - 1 or (sched.guard_time is not None and cfg.max_seconds is not None
+                                      and time.time() - t_train >= cfg.max_seconds)
         if step % cfg.log_every == 0 or last or (cfg.eval_every and step % cfg.eval_every == 0):
             rec = {"step": step, "loss": round(loss.item(), 4), "lr": round(lr, 6),
                    "grad_norm": round(gnorm, 3), "tokens": seen, "seconds": round(time.time() - t_train, 1)}

@@ -61,8 +61,9 @@ def functions(file: SourceFile, min_body_lines: int = 2, max_lines: int = 80) ->
             continue
         start, end = node.lineno - 1, node.end_lineno  # the `def` line .. last body line (0-based, exclusive)
         body_start = node.body[0].lineno - 1
-        if getattr(node.body[0], "decorator_list", None):
-            body_start = min(d.lineno for d in node.body[0].decorator_list) - 1
+        decorated = node.body[0]
+        if isinstance(decorated, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and decorated.decorator_list:
+            body_start = min(d.lineno for d in decorated.decorator_list) - 1
         header = body_start - start
         if header < 1 or end - start > max_lines or end - body_start < min_body_lines:
             continue  # one-line `def f(): pass`, giants, trivial bodies
@@ -73,7 +74,7 @@ def functions(file: SourceFile, min_body_lines: int = 2, max_lines: int = 80) ->
         first = node.body[0]
         doc = 0
         if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-            doc = first.end_lineno - first.lineno + 1
+            doc = (first.end_lineno or first.lineno) - first.lineno + 1
         out.append(Function(src, header, doc, end - body_start, node.name, file.path))
     return out
 
@@ -133,7 +134,9 @@ def benchmark_prompts(heldout_files: list[SourceFile], training_texts: list[str]
     for p in sorted(all_prompts(heldout_files), key=lambda p: _order_key(p, seed)):
         if min_chars <= len(p.prompt) <= max_chars:
             by_kind[p.kind].append(p)
-    out, per_file, seen = [], {}, set()
+    out: list[Prompt] = []
+    per_file: dict[str, int] = {}
+    seen: set = set()
     iters = {k: iter(v) for k, v in by_kind.items()}
     while len(out) < n and iters:
         for kind in list(iters):

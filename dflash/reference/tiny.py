@@ -8,6 +8,7 @@ import os
 import random
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 from ..core.spec import DraftSpec, default_target_layer_ids
 from ..core.target_config import with_legacy_fields
@@ -89,6 +90,7 @@ def target_config(family: str = "qwen3", vocab_size: int = 512, hidden_size: int
                   max_position_embeddings: int = 4096, eos_token_id: int | None = None, **overrides):
     from transformers import AutoConfig
 
+    cfg: dict[str, Any]
     cfg = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
@@ -171,7 +173,9 @@ def _public_layout(directory: Path, cfg) -> None:
         weights = load_file(str(directory / "model.safetensors"))
         experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         for key in [k for k in weights if re.search(r"\.mlp\.experts\.\d+\.", k)]:
-            prefix, e, proj = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight$", key).groups()
+            found = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight$", key)
+            assert found is not None, key  # (every expert weight is a projection's)
+            prefix, e, proj = found.groups()
             experts.setdefault(prefix, {}).setdefault(int(e), {})[proj] = weights.pop(key)
         for prefix, by_id in experts.items():
             ids = sorted(by_id)
@@ -226,6 +230,7 @@ def dflash2_spec(spec: DraftSpec, *, selector_rank: int = 16, selector_top_k: in
     `sliding_attention`, `is_causal: false`, two-tap convolutions and a candidate selector."""
     import dataclasses
 
+    fields: dict[str, Any]
     fields = dict(architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=conv_group_size,
                   selector_rank=selector_rank, selector_top_k=selector_top_k, sliding_window=sliding_window,
                   layer_types=["sliding_attention"] * spec.num_hidden_layers,

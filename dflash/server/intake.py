@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from pydantic import ValidationError
 
 from ..core.engine import check_fits
-from ..core.errors import DFlashError
+from ..core.errors import DFlashError, SettingError
 from ..core.loop import Generation
 from ..core.sampling import SamplingParams
 from . import render
@@ -93,13 +94,6 @@ def _location(loc) -> str:
     return out or "body"
 
 
-def _sampling_error(e: DFlashError) -> ApiError:
-    # SamplingParams speaks in CLI flags (--top-p); a client sent fields (top_p)
-    flag, _, rest = str(e).partition(":")
-    field = flag.strip().lstrip("-").replace("-", "_")
-    return ApiError(400, f"{field}:{rest}", field)
-
-
 def _unsupported(req, chat: bool) -> None:
     """Fields dflash does not implement are refused by name, never silently ignored."""
     fmt = getattr(req, "response_format", None)
@@ -130,8 +124,8 @@ class Intake:
         _unsupported(req, chat)
         try:
             sampling = req.sampling(self.sampling_defaults).validate(self.engine.info.vocab_size)
-        except DFlashError as e:
-            raise _sampling_error(e) from None
+        except SettingError as e:  # named by the field the client sent (top_p), not the CLI's flag
+            raise ApiError(400, f"{e.field}: {e.message}", e.field) from None
         if req.seed is not None and req.seed >= 2**63:
             raise ApiError(400, f"seed: got {req.seed}, expected 0 .. 2**63 - 1", "seed")
         k = req.logprobs_k()
@@ -195,7 +189,7 @@ class Intake:
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt: a list of {len(prompt)} prompts; send one request per prompt",
                                "prompt")
-            prompt = prompt[0]
+            prompt = str(prompt[0])
         if isinstance(prompt, str):
             bound = CHARS_PER_TOKEN_BOUND * (self.engine.max_context or 1 << 16)
             if len(prompt) > bound:
@@ -203,12 +197,12 @@ class Intake:
                                f"({self.engine.max_context} tokens)", "prompt", "context_length_exceeded")
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
         else:
+            ids = cast("list[int]", list(prompt))  # (a list of strings was taken above)
             vocab = self.engine.info.vocab_size
-            bad = [i for i in prompt if not 0 <= i < vocab]
+            bad = [i for i in ids if not 0 <= i < vocab]
             if bad:
                 raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
                                "prompt")
-            ids = list(prompt)
         if not ids:
             raise ApiError(400, "prompt: empty; expected text or token ids", "prompt")
         return ids

@@ -7,11 +7,11 @@ servers do, so clients that send `user` or `metadata` still work.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.sampling import ACCEPT_RULES, SamplingParams
+from ..core.sampling import AcceptRule, SamplingParams
 
 
 class ApiError(Exception):
@@ -55,7 +55,7 @@ class _Sampled(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token ids (as strings) -> bias
     seed: int | None = None
-    accept: Literal[ACCEPT_RULES] = "auto"  # the acceptance rule when sampling (dflash.core.sampling)
+    accept: AcceptRule = "auto"  # the acceptance rule when sampling (dflash.core.sampling)
     draft_temperature: float = 0.5  # accept "sharpened": the drafts come from q^(1/t)
     n: int = 1
     stream: bool = False

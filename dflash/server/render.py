@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Any
 
 from ..core.loop import GenerationResult, Increment
 from .parsing import Delta
@@ -84,7 +85,7 @@ class Logprobs:
 
 
 def chat_delta(delta: Delta) -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     if delta.reasoning:
         out["reasoning_content"] = delta.reasoning
     if delta.content:
@@ -105,7 +106,8 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None = None,
 
 
 def chat_response(rid: str, model: str, total: Delta, result: GenerationResult, logprobs, stats: dict) -> dict:
-    message = {"role": "assistant", "content": total.content if total.content or not total.tool_calls else None}
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": total.content if total.content or not total.tool_calls else None}
     if total.reasoning:
         message["reasoning_content"] = total.reasoning
     if total.tool_calls:

@@ -4,6 +4,7 @@ and a header timeout for every request of a connection."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import signal
@@ -19,7 +20,7 @@ log = logging.getLogger("dflash.serve")
 
 # After the drain has ended every response, uvicorn's shutdown closes the listener and gives the connections this
 # long to close (a client that does not read its last bytes) before it cancels what is left.
-CLOSE_GRACE = 1.0
+CLOSE_GRACE = 1  # seconds (uvicorn takes an int)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -75,7 +76,7 @@ def header_timeout_protocol(seconds: float):
     class Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self.header_timer = None
+            self.header_timer: asyncio.TimerHandle | None = None
             self.await_headers()
 
         def on_response_complete(self) -> None:

@@ -16,9 +16,10 @@ import collections
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..core.admission import Admission
 from ..core.errors import DFlashError
 from ..core.loop import Batch, Generation, GenerationResult, Increment
 from .metrics import Metrics
@@ -61,14 +62,14 @@ class Scheduler:
         self.batch = Batch(engine)
         self.max_batch, self.max_queue, self.prefill_step = max_batch, max_queue, prefill_step
         self.waiting: collections.deque[Job] = collections.deque()
-        self.joining: collections.deque[tuple[Job, object]] = collections.deque()  # (job, its Admission)
+        self.joining: collections.deque[tuple[Job, Admission]] = collections.deque()  # (job, its Admission)
         self.live: dict[int, Job] = {}
         self.accepted = 0  # submitted and not yet answered: running, about to run, or waiting
         self.wake = threading.Condition()
         self.stopping = False
         self.cutoff: float | None = None  # drain: past this, unfinished requests end with an error
         self.executor = executor or engine_executor()
-        self.future = None
+        self.future: Future[None] | None = None
 
     # ---- the asyncio side --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -105,6 +106,7 @@ class Scheduler:
         self.drain(timeout)
         if self.future is None:
             return True
+        assert self.cutoff is not None  # (drain set it)
         try:
             self.future.result(max(0.0, self.cutoff - time.monotonic()) + 5)
         except Exception:  # noqa: BLE001  (a timeout; _run itself never raises)
@@ -127,7 +129,7 @@ class Scheduler:
                 if self.cutoff is not None and time.monotonic() >= self.cutoff:
                     self._cut()
                     return
-                taken = []
+                taken: list[Job] = []
                 while self.waiting and len(self.live) + len(self.joining) + len(taken) < self.max_batch:
                     taken.append(self.waiting.popleft())
                 self.metrics.queue_depth.set(len(self.waiting))
@@ -222,9 +224,8 @@ class Scheduler:
             self._fail_prefill(job, e)
             return
         job.reused = self.engine.last_reused
-        cache = getattr(self.engine, "prefix_cache", None)
-        if cache is not None:
-            self.metrics.prefix_cache_bytes.set(cache.bytes)
+        if self.engine.prefix_cache is not None:
+            self.metrics.prefix_cache_bytes.set(self.engine.prefix_cache.bytes)
         self.metrics.prompt_tokens.inc(len(prompt))
         self.metrics.prefill_tokens.inc(len(prompt) - job.reused)
         self.live[id(job.gen)] = job

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ class FeatureCache:
                               "`python -m dflash.data cache-features`")
         self.index = json.loads(index_path.read_text())
         self.device, self.dtype = device, dtype
-        self._files = {}
+        self._files: dict[str, Any] = {}  # name -> its open safetensors file
         self._open = lambda name: self._files.setdefault(
             name, safe_open(str(self.directory / name), framework="pt", device="cpu"))
 
@@ -102,7 +103,8 @@ def write_feature_cache(model, samples: list[dict], layer_ids: list[int], out: s
     log(f"cache-features: {len(samples)} samples, {tokens} tokens x {len(layer_ids)} layers x {hidden} "
         f"x {per_token // (len(layer_ids) * hidden)} bytes = about {tokens * per_token / 2**30:.2f} GiB on disk")
     capture = LayerCapture(model, layer_ids)
-    entries, shard, size, k = [], {}, 0, 0
+    entries, size, k = [], 0, 0
+    shard: dict[str, torch.Tensor] = {}
 
     def flush():
         nonlocal shard, size, k

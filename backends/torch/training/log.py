@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from .config import TrainConfig
 from .distributed import Dist
@@ -19,13 +20,14 @@ class RunLog:
         self.path = out / "train_log.jsonl"
         self.file = open(self.path, "a") if d.main else None
         self.show_bar = d.main and cfg.progress and not cfg.quiet
-        self.bar = None  # opened at the first step, after the run's opening lines
+        self.bar: Any = None  # a tqdm bar, opened at the first step, after the run's opening lines
 
     def say(self, msg: str) -> None:
         if self.main and not self.cfg.quiet:
             print(msg, flush=True)
 
     def write(self, row: dict) -> None:
+        assert self.file is not None  # (the main process writes)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
 

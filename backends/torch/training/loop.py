@@ -25,6 +25,7 @@ from . import checkpoint as ckpt
 from .config import TrainConfig, TrainResult
 from .data import collate, sample_anchors_of, sample_weight, step_indices
 from .evaluate import evaluate_run
+from .features import OnlineFeatures
 from .log import RunLog
 from .objective import block_loss_sum, cosine_lr
 from .run import Run, prepare
@@ -41,9 +42,9 @@ def train_step(run: Run, step: int) -> dict:
     anchors = [sample_anchors_of(run.samples[i], cfg.num_anchors, cfg.seed, epoch, i) for i in mine]
     # 2. the global normaliser: sum of loss weights over the whole global batch
     vocab = run.drafter.t2d.cpu() if spec.has_draft_vocab else None
-    wsum = torch.tensor(sum(sample_weight(run.samples[i], a, v, spec.block_size, run.gamma, vocab)
-                            for i, (a, v) in zip(mine, anchors)), dtype=torch.float64)
-    wsum = float(d.sum(wsum).clamp(min=1e-6))
+    mine_wsum = torch.tensor(sum(sample_weight(run.samples[i], a, v, spec.block_size, run.gamma, vocab)
+                                 for i, (a, v) in zip(mine, anchors)), dtype=torch.float64)
+    wsum = float(d.sum(mine_wsum).clamp(min=1e-6))
     lr = cosine_lr(step, run.total, cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
@@ -55,6 +56,7 @@ def train_step(run: Run, step: int) -> dict:
         batch = [run.samples[i] for i in mine[part]]
         ids, mask, a, v = collate(batch, anchors[part], run.device)
         if cfg.kl_weight > 0:
+            assert isinstance(run.features, OnlineFeatures)  # (check_config refuses --kl-weight with cached features)
             feats, final = run.features.with_final(batch, ids)
         else:
             feats, final = run.features(batch, ids), None

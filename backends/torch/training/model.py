@@ -10,7 +10,7 @@ from dflash.core.draft_vocab import count_answer_tokens, select_tokens
 from dflash.core.errors import DFlashError
 from dflash.core.spec import DFLASH2, DraftSpec, default_target_layer_ids
 
-from ..drafter import DFlashDrafter, load_drafter, with_draft_vocab
+from ..drafter import DFlash2Layer, DFlashDrafter, load_drafter, with_draft_vocab
 from .objective import packed_states
 
 
@@ -140,6 +140,7 @@ def start_dflash2(model: DFlashDrafter, std: float) -> None:
     drafter begins as the DFlash drafter its layers make; the selector's codebooks small and random."""
     with torch.no_grad():
         for layer in model.layers:
+            assert isinstance(layer, DFlash2Layer)
             for conv in (layer.attention_conv, layer.mlp_conv):
                 conv.base_kernel.zero_()
                 conv.base_kernel[:, 0] = 1.0

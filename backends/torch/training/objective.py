@@ -80,7 +80,7 @@ def draft_labels(drafter: DFlashDrafter, labels: torch.Tensor, weights: torch.Te
     """(labels as draft ids, weights with every slot whose label is outside the draft vocabulary at 0)."""
     inside = drafter.t2d[labels]
     index = torch.full_like(drafter.t2d, -1, dtype=torch.long)
-    index[drafter.target_ids()] = torch.arange(drafter.spec.draft_vocab_size, device=index.device)
+    index[drafter.target_ids()] = torch.arange(drafter.spec.draft_vocab, device=index.device)
     return torch.where(inside, index[labels], 0), torch.where(inside, weights, torch.zeros_like(weights))
 
 
@@ -170,7 +170,7 @@ def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_
         part = slice(i, i + chunk)
         q = q_all[part] if soft else None
         idx = idx_all[part] if soft and idx_all is not None else None
-        args = (h[part], y[part], w[part], q, idx, p_all[part] if selector is not None else None)
+        args = (h[part], y[part], w[part], q, idx, p_all[part] if p_all is not None else None)
         recompute = torch.is_grad_enabled() and not whole
         l, c = checkpoint(piece, *args, use_reentrant=False) if recompute else piece(*args)
         loss, correct = loss + l, correct + c

@@ -7,6 +7,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from .features import FeatureCache, OnlineFeatures
 from .model import build_drafter, checkpoint_layers, restrict_vocab, wrap_for_parallel
 from .objective import default_gamma
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 @dataclass
 class Run:
@@ -32,19 +36,19 @@ class Run:
     cfg: TrainConfig
     d: Dist
     device: str
-    target: nn.Module  # frozen; its embedding and LM head are the drafter's too
+    target: PreTrainedModel  # frozen; its embedding and LM head are the drafter's too
     samples: list[dict]
     eval_prompts: list[list[int]]
     eos: set[int]
     drafter: DFlashDrafter
-    module: nn.Module  # PackedDrafter(drafter), possibly DDP / FSDP-wrapped: what the step calls
+    module: Any  # PackedDrafter(drafter), possibly DDP / FSDP-wrapped (each wrapper's methods): what the step calls
     fsdp: bool
     optimizer: torch.optim.Optimizer
-    features: object  # OnlineFeatures | FeatureCache
+    features: OnlineFeatures | FeatureCache
     rules: tuple  # one LayerRule per draft layer
     gamma: float
     total: int  # optimiser steps of the whole run
-    autocast: object
+    autocast: contextlib.AbstractContextManager
 
     @property
     def global_batch(self) -> int:
@@ -145,7 +149,7 @@ def prepare(cfg: TrainConfig, target_dir: Path) -> Run:
         checkpoint_layers(drafter)
     module, fsdp = wrap_for_parallel(drafter, cfg.parallel, d, device)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=cfg.lr,
-                                  betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+                                  betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay)
     features = OnlineFeatures(target, spec.target_layer_ids) if cache is None else cache
     bf16 = cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and autocast_bf16_by_default(device))
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
