@@ -280,7 +280,8 @@ def small_vocab_pair(tmp_path_factory):
 N = 1200
 
 
-@pytest.mark.parametrize("accept, backend", [("rejection", "torch"), ("match", "torch"), ("rejection", "mlx")])
+@pytest.mark.parametrize("accept, backend", [("rejection", "torch"), ("match", "torch"),
+                                             pytest.param("rejection", "mlx", marks=pytest.mark.slow)])
 def test_both_rules_are_lossless(small_vocab_pair, accept, backend):
     """The 2nd and 3rd tokens (both committed by the first cycle when it accepts, the 3rd from position 2 of the
     block) follow target-only sampling, under either rule."""

@@ -195,7 +195,7 @@ def test_both_backends_draft_the_same(vocab_pair, tiny_target_dir, prompts):
         assert a.tokens == b.tokens and a.drafted == b.drafted
 
 
-@pytest.mark.parametrize("backend", ["torch", "mlx"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=pytest.mark.slow)])
 def test_sampled_output_stays_exact(small_vocab_pair, backend):
     """Rejection sampling with a draft vocabulary of 10 of 16 tokens: q is 0 on the other 6, which the target still
     emits (through the residual), and the joint of two emitted tokens is the target-only one (chi-square)."""

@@ -12,7 +12,7 @@ def run(*args, input=None):
                           input=input, timeout=300)
 
 
-@pytest.mark.parametrize("verify", ["chain", "auto", "tree"])
+@pytest.mark.parametrize("verify", ["chain", "auto", pytest.param("tree", marks=pytest.mark.slow)])
 def test_json_contract(tiny_target_dir, random_draft_dir, verify):
     p = run("--backend", "torch", "--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "def f(x):",
             "--max-new-tokens", 24, "--json", "--trace", "--verify", verify, "--tree-budget", 6)
@@ -180,6 +180,7 @@ def test_help_shows_the_generation_defaults(module, argv, capsys):
         assert re.search(re.escape(flag) + r" (?:(?! --).)*default: [\d.]+", text), (module, flag)
 
 
+@pytest.mark.slow
 def test_a_seed_reproduces_under_the_default_verify_mode():
     """The bundled pair under the default --verify auto, sampled: the same --seed gives the same tokens on every run
     (each draw is keyed by its token's position, not by the cycles auto chose), and --help says so."""
