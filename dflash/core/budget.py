@@ -299,9 +299,7 @@ class TreePlanner:
         trees teaches, without building them. The calibration's forgetting waits for the next plan."""
         self.idle_trees += rows
         self.last_drafted = False
-        if self.costs is not None:
-            self.clock[False].observe(self.costs.cycle_seconds(1, rows, False, self.context), seconds)
-            self.costs.observe(1, rows, False, seconds, self.context)
+        self._timed(1, rows, False, seconds)
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
@@ -309,11 +307,16 @@ class TreePlanner:
         for tree, qs, path in zip(plan.trees, plan.qs, paths):
             self.calibration.observe(tree, qs, list(path))
         self.last_drafted = plan.drafted
-        if seconds is not None and self.costs is not None:
-            rows, width = len(plan.trees), max(len(t.tokens) for t in plan.trees)
-            forwards = self.costs.cycle_seconds(width, rows, plan.drafted, self.context, plan.block)
-            self.clock[plan.drafted].observe(forwards, seconds)
-            self.costs.observe(width, rows, plan.drafted, seconds, self.context, plan.block)
+        if seconds is not None:
+            width = max(len(t.tokens) for t in plan.trees)
+            self._timed(width, len(plan.trees), plan.drafted, seconds, plan.block)
+
+    def _timed(self, width: int, rows: int, drafted: bool, seconds: float, block: int | None = None) -> None:
+        """(auto) A cycle of `rows` rows verifying `width` tokens took `seconds`: the clock and the costs learn it."""
+        if self.costs is not None:
+            forwards = self.costs.cycle_seconds(width, rows, drafted, self.context, block)
+            self.clock[drafted].observe(forwards, seconds)
+            self.costs.observe(width, rows, drafted, seconds, self.context, block)
 
     def _age(self) -> None:
         if self.idle_trees:

@@ -79,7 +79,6 @@ def tree_step(engine: Engine, anchors: list[int]) -> list[Step]:
     return steps
 
 
-
 def _copies(engine: Engine, anchors: list[int]) -> list[list[int]]:
     """Each row's branch copied from its context (prompt lookup), brought up to its anchor."""
     if len(engine._copies) != len(engine.rows):
