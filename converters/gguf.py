@@ -13,11 +13,11 @@ import copy
 import os
 from pathlib import Path
 
-from dflash.core.checkpoint import check_target_dir
-from dflash.core.deps import require
+from dflash.core.model_files.checkpoint import check_target_dir
+from dflash.core.extras.deps import require
 from dflash.core.errors import DFlashError
 from dflash.core.io import atomic_directory
-from dflash.core.target_config import write_legacy_fields
+from dflash.core.model_files.target_config import write_legacy_fields
 
 from .draft import check_out
 

@@ -10,7 +10,7 @@ import sys
 
 from . import backends
 from .api import load
-from .core import blas
+from .core.extras import blas
 from .core.budget import ITL_LIMIT
 from .core.errors import DFlashError, did_you_mean
 from .core.sampling import ACCEPT_RULES, CHAIN_ONLY_RULES, SamplingParams

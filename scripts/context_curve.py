@@ -30,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import dflash
     from dflash.core.stats import mean_acceptance_length, per_position_acceptance
-    from dflash.core.tokenizer import load_tokenizer
+    from dflash.core.model_files.tokenizer import load_tokenizer
     from dflash.reference.corpus import source_files, split
 
     tok = load_tokenizer(args.target)

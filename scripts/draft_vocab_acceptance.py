@@ -26,10 +26,10 @@ from dflash.backends.torch.draft_runner import TorchDraft
 from dflash.backends.torch.drafter import load_drafter, with_draft_vocab
 from dflash.backends.torch.target import load_target
 from dflash.core.contract import Pending
-from dflash.core.datasets import load_eval_prompts, load_samples
+from dflash.core.training.datasets import load_eval_prompts, load_samples
 from dflash.core.draft_vocab import count_answer_tokens, select_tokens
 from dflash.core.loop import generate
-from dflash.core.tokenizer import load_tokenizer
+from dflash.core.model_files.tokenizer import load_tokenizer
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ def test_cut_keeps_the_targets_bottom_layers_and_head(target_and_answers, tmp_pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.core.tokenizer import load_tokenizer
+    from dflash.core.model_files.tokenizer import load_tokenizer
 
     target, answers = target_and_answers
     threads = torch.get_num_threads()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash.core.blas import cpu_has_native_bf16
+from dflash.core.extras.blas import cpu_has_native_bf16
 
 
 @pytest.mark.parametrize("flags, native", [

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from dflash.converters import readings
-from dflash.core.target_config import legacy_fields, with_legacy_fields, write_legacy_fields
+from dflash.core.model_files.target_config import legacy_fields, with_legacy_fields, write_legacy_fields
 
 # SmolLM2-135M-Instruct's config.json as `python -m dflash.models fetch smollm2` wrote it under transformers 5.24
 SMOLLM2 = {

@@ -22,7 +22,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
          target_config: dict | None = None):
     import mlx.core as mx
 
-    from dflash.core.checkpoint import load_pair
+    from dflash.core.model_files.checkpoint import load_pair
 
     from .backend import mlx_engine
     from .drafter import load_drafter

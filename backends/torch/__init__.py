@@ -30,7 +30,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
          cache_len: int | None = None, compile: bool = False, spec=None, target_config: dict | None = None):
     """The engine over a target directory (+ drafter directory). `spec` / `target_config`: what the caller already
     read and checked (dflash.api.load does), so nothing is validated twice."""
-    from dflash.core.checkpoint import load_pair
+    from dflash.core.model_files.checkpoint import load_pair
 
     from .backend import torch_engine
     from .drafter import load_drafter

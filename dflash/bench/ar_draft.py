@@ -35,8 +35,8 @@ from .. import cli
 from .. import hub
 from ..core.errors import DFlashError
 from ..core.io import atomic_directory, atomic_write_text, check_output_dir
-from ..core.target_config import write_legacy_fields
-from ..core.tokenizer import load_tokenizer
+from ..core.model_files.target_config import write_legacy_fields
+from ..core.model_files.tokenizer import load_tokenizer
 
 TAU_DRAFT_LENGTHS = (1, 2, 3, 4, 6, 8)
 
@@ -65,7 +65,7 @@ def cut(model, num_layers: int):
 
 # ---- data ------------------------------------------------------------------------------------------------------------
 def load_answers(paths: list[str], tokenizer, max_length: int) -> list[dict]:
-    from ..core.datasets import load_samples
+    from ..core.training.datasets import load_samples
 
     samples = []
     for path in paths:

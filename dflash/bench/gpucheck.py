@@ -23,7 +23,7 @@ from typing import Any
 from .. import cli
 from ..core.io import atomic_write_text
 from ..core.spec import DraftSpec, default_target_layer_ids
-from ..core.train_config import TrainConfig
+from ..core.training.train_config import TrainConfig
 from .costmodel import main as cost_model_main
 
 

@@ -142,8 +142,8 @@ def answers_for(target_dir: Path, build_dir: Path) -> list[tuple[Path, str]]:
 
 def load_answer_samples(target_dir: Path, files: list[tuple[Path, str]], max_length: int) -> list[dict]:
     """Tokenised samples (input_ids, loss_mask on the answer) of every answers file, each with its own template."""
-    from dflash.core.datasets import load_samples
-    from dflash.core.tokenizer import load_tokenizer
+    from dflash.core.training.datasets import load_samples
+    from dflash.core.model_files.tokenizer import load_tokenizer
 
     samples = []
     for path, fmt in files:

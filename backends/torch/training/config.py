@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.core.train_config import TrainConfig
+from dflash.core.training.train_config import TrainConfig
 
 __all__ = ["TrainConfig", "TrainResult"]
 
