@@ -3,7 +3,7 @@
 transformers dequantizes the file into an ordinary model (`from_pretrained(..., gguf_file=...)`) but will not
 `save_pretrained` it (a GGUF-quantized model is "not serializable"), so the dense weights are written here with
 safetensors, next to the config without its quantization block (its RoPE keys in both the transformers-5 and the
-older layout: dflash.core.target_config), the tokenizer with its chat template and the
+older layout: dflash.core.model_files.target_config), the tokenizer with its chat template and the
 generation config: a plain directory every loader of this project (and any other) reads.
 """
 

@@ -138,7 +138,7 @@ def logit_bias(values: list[str]) -> tuple[tuple[int, float], ...]:
 
 
 def restart_if_mlx(args) -> None:
-    """An MLX run re-executes itself with OpenBLAS preloaded where it can (dflash.core.blas). LD_PRELOAD only acts at
+    """An MLX run re-executes itself with OpenBLAS preloaded where it can (dflash.core.extras.blas). LD_PRELOAD only acts at
     process start, and the new process must find stdin unread: call this before any work and before reading stdin."""
     if backends.pick(args.backend) == "mlx":
         blas.restart_mlx_run_with_openblas()

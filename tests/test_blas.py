@@ -1,4 +1,4 @@
-"""dflash.core.blas.cpu_has_native_bf16: the CPU flags that make bf16 autocast the training default on a CPU."""
+"""dflash.core.extras.blas.cpu_has_native_bf16: the CPU flags that make bf16 autocast the training default on a CPU."""
 
 import pytest
 

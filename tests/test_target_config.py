@@ -1,4 +1,4 @@
-"""dflash.core.target_config: the RoPE keys a transformers-5 config keeps inside `rope_parameters`, also written at
+"""dflash.core.model_files.target_config: the RoPE keys a transformers-5 config keeps inside `rope_parameters`, also written at
 the top level where older readers (mlx-lm's ModelArgs) look. For each layout transformers reads the same model
 before and after, and mlx-lm then reads what transformers reads (converters/readings.py parses both)."""
 

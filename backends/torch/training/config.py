@@ -1,4 +1,4 @@
-"""What a training run takes (TrainConfig, framework-neutral: dflash/core/train_config.py) and what it returns."""
+"""What a training run takes (TrainConfig, framework-neutral: dflash/core/training/train_config.py) and what it returns."""
 
 from __future__ import annotations
 
