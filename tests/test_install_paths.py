@@ -43,7 +43,8 @@ def test_distribution_name_is_not_pypis_dflash():
 def test_every_package_folder_is_installed():
     """pyproject lists its packages by hand: a folder with an __init__.py missing there is left out of the wheel."""
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {"dflash": ROOT / "dflash", "dflash.backends": ROOT / "backends", "dflash.converters": ROOT / "converters"}
+    folders = {"dflash": ROOT / "dflash", "dflash.backends": ROOT / "backends",
+               "dflash.converters": ROOT / "converters"}
     found = {".".join((pkg, *init.parent.relative_to(folder).parts))
              for pkg, folder in folders.items() for init in folder.rglob("__init__.py")
              if pkg != "dflash" or init.relative_to(folder).parts[0] not in ("backends", "converters")}
