@@ -1,4 +1,4 @@
-"""python -m dflash.bench.gpucheck: the prepared GPU check (scripts/gpu_check.sh), one report in JSON + Markdown.
+"""python -m dflash.bench gpu-check: the prepared GPU check, one report in JSON + Markdown.
 
   1. the GPU-marked tests (CUDA graphs + bf16 losslessness, FlexAttention mask == dense mask)
   2. bf16 training steps of a drafter at a real shape (Qwen3-8B, 5 layers, block 16) with the default recipe of
