@@ -13,7 +13,8 @@ _PUBLIC = {
     "target_info": "target", "DTYPES": "target", "quiet_loading": "target",
     "GROUPED_SDPA": "attention", "DFlashDrafter": "drafter",
     "load_drafter": "drafter",
-    "save_drafter": "drafter", "regenerate": "regeneration", "write_self_prompts": "self_prompts",
+    "save_drafter": "drafter", "with_draft_vocab": "drafter", "regenerate": "regeneration",
+    "write_self_prompts": "self_prompts",
     "write_draft_vocab": "draft_vocab", "write_feature_cache": "training.features",
     "TrainConfig": "training", "train": "training", "dflash_loss": "training",
 }
