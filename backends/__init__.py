@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import platform
 
-from dflash.core.deps import install_hint, installed
+from dflash.core.extras.deps import install_hint, installed
 from dflash.core.errors import DFlashError
 
 BACKENDS = ("torch", "mlx")

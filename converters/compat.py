@@ -6,10 +6,10 @@ import json
 import os
 from pathlib import Path
 
-from dflash.core.checkpoint import INDEX_NAME, read_header, validate_weights
+from dflash.core.model_files.checkpoint import INDEX_NAME, read_header, validate_weights
 from dflash.core.errors import DFlashError
 from dflash.core.spec import DraftSpec, TargetInfo
-from dflash.core.target_config import with_legacy_fields
+from dflash.core.model_files.target_config import with_legacy_fields
 
 from . import readings
 

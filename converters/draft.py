@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflash.core.checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, common_prefix, weight_files
+from dflash.core.model_files.checkpoint import _KNOWN_PREFIXES, check_names_and_shapes, common_prefix, weight_files
 from dflash.core.errors import DFlashError
 from dflash.core.io import atomic_directory, check_output_dir
 from dflash.core.spec import WEIGHTS_NAME, DraftSpec

@@ -3,7 +3,7 @@
 transformers dequantizes the file into an ordinary model (`from_pretrained(..., gguf_file=...)`) but will not
 `save_pretrained` it (a GGUF-quantized model is "not serializable"), so the dense weights are written here with
 safetensors, next to the config without its quantization block (its RoPE keys in both the transformers-5 and the
-older layout: dflash.core.target_config), the tokenizer with its chat template and the
+older layout: dflash.core.model_files.target_config), the tokenizer with its chat template and the
 generation config: a plain directory every loader of this project (and any other) reads.
 """
 
@@ -13,11 +13,11 @@ import copy
 import os
 from pathlib import Path
 
-from dflash.core.checkpoint import check_target_dir
-from dflash.core.deps import require
+from dflash.core.model_files.checkpoint import check_target_dir
+from dflash.core.extras.deps import require
 from dflash.core.errors import DFlashError
 from dflash.core.io import atomic_directory
-from dflash.core.target_config import write_legacy_fields
+from dflash.core.model_files.target_config import write_legacy_fields
 
 from .draft import check_out
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflash.core.checkpoint import validate_weights
-from dflash.core.deps import install_hint
+from dflash.core.model_files.checkpoint import validate_weights
+from dflash.core.extras.deps import install_hint
 from dflash.core.errors import DFlashError
 from dflash.core.spec import WEIGHTS_NAME, DraftSpec
 

@@ -7,10 +7,10 @@ import io
 import os
 from pathlib import Path
 
-from dflash.core.deps import install_hint
+from dflash.core.extras.deps import install_hint
 from dflash.core.errors import DFlashError
 from dflash.core.io import atomic_directory
-from dflash.core.target_config import write_legacy_fields
+from dflash.core.model_files.target_config import write_legacy_fields
 
 from .quantize import check_params
 
@@ -26,7 +26,7 @@ def target_to_mlx(model_dir: str | os.PathLike, out_dir: str | os.PathLike, quan
         check_params(bits, group_size)
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise DFlashError(f"--dtype: got {dtype!r}, expected float32, bfloat16 or float16")
-    from dflash.core.checkpoint import check_target_dir
+    from dflash.core.model_files.checkpoint import check_target_dir
     from .draft import check_out
 
     check_target_dir(model_dir)  # before mlx-lm reads it: broken config or truncated weights get one line

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.core.checkpoint import read_header
+from dflash.core.model_files.checkpoint import read_header
 
 _NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_, "U32": np.uint32,

@@ -1,6 +1,6 @@
 """DFlash: block-diffusion speculative decoding on PyTorch and MLX (one core loop, one checkpoint format)."""
 
-from .core.deps import quiet_transformers_without_torch
+from .core.extras.deps import quiet_transformers_without_torch
 from .core.errors import DFlashError
 from .core.sampling import SamplingParams
 

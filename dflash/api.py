@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Sequence
 
 from . import backends, hub
-from .core import blas
+from .core.extras import blas
 from .core.budget import ITL_LIMIT, VERIFY_MODES
-from .core.checkpoint import check_target_dir
+from .core.model_files.checkpoint import check_target_dir
 from .core.costs import measured_costs
 from .core.errors import DFlashError
 from .core.loop import Generation, GenerationResult, Increment, generate_batch
 from .core.sampling import SamplingParams
 from .core.spec import DraftSpec
-from .core.tokenizer import chat_ids, eos_token_ids, load_tokenizer
+from .core.model_files.tokenizer import chat_ids, eos_token_ids, load_tokenizer
 
 
 class Pipeline:

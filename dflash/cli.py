@@ -10,7 +10,7 @@ import sys
 
 from . import backends
 from .api import load
-from .core import blas
+from .core.extras import blas
 from .core.budget import ITL_LIMIT
 from .core.errors import DFlashError, did_you_mean
 from .core.sampling import ACCEPT_RULES, CHAIN_ONLY_RULES, SamplingParams
@@ -138,7 +138,7 @@ def logit_bias(values: list[str]) -> tuple[tuple[int, float], ...]:
 
 
 def restart_if_mlx(args) -> None:
-    """An MLX run re-executes itself with OpenBLAS preloaded where it can (dflash.core.blas). LD_PRELOAD only acts at
+    """An MLX run re-executes itself with OpenBLAS preloaded where it can (dflash.core.extras.blas). LD_PRELOAD only acts at
     process start, and the new process must find stdin unread: call this before any work and before reading stdin."""
     if backends.pick(args.backend) == "mlx":
         blas.restart_mlx_run_with_openblas()

@@ -24,12 +24,12 @@ import os
 import sys
 
 from . import cli, hub
-from .core.datasets import load_samples
-from .core.deps import require
+from .core.training.datasets import load_samples
+from .core.extras.deps import require
 from .core.errors import DFlashError
 from .core.io import check_output_dir
 from .core.spec import default_target_layer_ids
-from .core.tokenizer import load_tokenizer
+from .core.model_files.tokenizer import load_tokenizer
 from .remote_regeneration import regenerate_remote
 
 

@@ -8,7 +8,7 @@ import sys
 from . import cli
 from .core.errors import DFlashError
 from .core.stats import summary_line
-from .core.tokenizer import chat_ids
+from .core.model_files.tokenizer import chat_ids
 
 
 BUNDLED_PAIR_NOTE = ("dflash: the bundled pair is an 8.4M-parameter toy trained on Python source (for offline runs, "

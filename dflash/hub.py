@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from .converters.gguf import convert_gguf, require_packages
 from .core.errors import DFlashError, did_you_mean
 from .core.io import cache_root
-from .core.target_config import write_legacy_fields
+from .core.model_files.target_config import write_legacy_fields
 from .reference import reference_dirs
 
 if TYPE_CHECKING:

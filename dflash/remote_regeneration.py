@@ -16,8 +16,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .core.answers import AnswerFile, input_rows, recover_output, write_stats
-from .core.datasets import prompt_messages, row_messages
+from .core.training.answers import AnswerFile, input_rows, recover_output, write_stats
+from .core.training.datasets import prompt_messages, row_messages
 from .core.errors import DFlashError
 from .core.io import check_output_dir
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from . import backends, cli
-from .core import blas
+from .core.extras import blas
 from .core.errors import DFlashError
 
 BUNDLED_NAME = "dflash-bundled"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from . import cli
 from .core.errors import DFlashError
-from .core.plots import can_plot, pyplot, save
+from .core.extras.plots import can_plot, pyplot, save
 
 HELP = {
     "target": "target model: local HF directory or hub id",
@@ -107,7 +107,7 @@ RECIPES = {"default": {}, "paper": {"init_layers": "random", "kl_weight": 0.0}}
 
 
 def _field_types():
-    from .core.train_config import TrainConfig
+    from .core.training.train_config import TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
     return TrainConfig, [(f, hints[f.name]) for f in dataclasses.fields(TrainConfig)

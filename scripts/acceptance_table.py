@@ -20,7 +20,7 @@ from dflash import api
 from dflash.bench.prompts import load_prompts
 from dflash.core.loop import generate
 from dflash.core.sampling import SamplingParams
-from dflash.core.tokenizer import load_tokenizer
+from dflash.core.model_files.tokenizer import load_tokenizer
 from dflash.reference import reference_dirs
 
 # (label, verify mode, accept rule, draft temperature)

@@ -52,7 +52,7 @@ def main() -> None:
     from dflash.backends.torch.target import load_target
     from dflash.backends.torch.training import TrainConfig, train
     from dflash.backends.torch.training.evaluate import evaluate
-    from dflash.core.tokenizer import eos_token_ids, load_tokenizer
+    from dflash.core.model_files.tokenizer import eos_token_ids, load_tokenizer
     from dflash.reference.build import BuildConfig, build_samples
 
     data = Path(args.data)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dflash.backends.torch.ar_draft import TAU_DRAFT_LENGTHS, greedy_tau
 from dflash.bench import ar_draft
 from dflash.core.errors import DFlashError
 
@@ -32,7 +33,7 @@ def test_cut_keeps_the_targets_bottom_layers_and_head(target_and_answers, tmp_pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash.core.tokenizer import load_tokenizer
+    from dflash.core.model_files.tokenizer import load_tokenizer
 
     target, answers = target_and_answers
     threads = torch.get_num_threads()
@@ -53,7 +54,7 @@ def test_cut_keeps_the_targets_bottom_layers_and_head(target_and_answers, tmp_pa
     info = json.loads((tmp_path / "trained" / "ar_draft.json").read_text())
     assert info["steps"] == 2 and info["train_rows"] == 4 and info["heldout_rows"] == 2 and info["layers"] == 1
     assert 0 <= info["after"]["agreement"] <= 1 and set(info["after"]["tau"]) == {str(k) for k in
-                                                                                   ar_draft.TAU_DRAFT_LENGTHS}
+                                                                                   TAU_DRAFT_LENGTHS}
 
 
 def test_assisted_generation_with_the_draft_equals_the_target(target_and_answers, tmp_path):
@@ -81,9 +82,9 @@ def test_assisted_generation_with_the_draft_equals_the_target(target_and_answers
 
 def test_greedy_tau_counts_tokens_per_cycle():
     # the first token is the prefill's; then drafts of k tokens run until the first miss, +1 from the target
-    assert ar_draft.greedy_tau([True] * 9, 4) == pytest.approx(8 / 2)
-    assert ar_draft.greedy_tau([True, False, False, False, False], 4) == pytest.approx(1.0)
-    assert ar_draft.greedy_tau([True, True, False, True, True], 2) == pytest.approx(4 / 2)
+    assert greedy_tau([True] * 9, 4) == pytest.approx(8 / 2)
+    assert greedy_tau([True, False, False, False, False], 4) == pytest.approx(1.0)
+    assert greedy_tau([True, True, False, True, True], 2) == pytest.approx(4 / 2)
 
 
 def test_one_line_errors(target_and_answers, tmp_path):

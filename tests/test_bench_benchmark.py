@@ -2,6 +2,7 @@
 equality check), the MLX runners in process, the report's mismatch flagging, prompt sources, one-line errors, and
 the AR draft distillation."""
 
+import copy
 import importlib.util
 import json
 import subprocess
@@ -20,19 +21,19 @@ from dflash.core.errors import DFlashError
 def sharp_models(tmp_path_factory):
     """(target, DFlash drafter, AR draft) around a tiny target with sharp logits (tiny_pair.build_tiny_target): its
     greedy choices have wide margins, so every method must reproduce them exactly, peers included. The AR draft is
-    the 1-layer draft of dflash.reference.ar_draft (initialised from the target, untrained)."""
+    the target's first 2 layers under its head (backends/torch/ar_draft.py's cut, untrained)."""
     import torch
 
     from dflash.backends.torch.drafter import DFlashDrafter, save_drafter
     from dflash.reference import tiny
     from tiny_pair import build_tiny_target
-    from dflash.reference.ar_draft import make_draft
+    from dflash.backends.torch.ar_draft import cut
 
     root = tmp_path_factory.mktemp("bench_models")
     target = build_tiny_target(root / "target", seed=0)
     torch.manual_seed(1)
     save_drafter(DFlashDrafter(tiny.draft_spec_for(root / "target", num_layers=1, block_size=16)), root / "draft")
-    ar, _ = make_draft(target, 2, seed=0)
+    ar = cut(copy.deepcopy(target), 2)
     ar.save_pretrained(str(root / "ar"))
     from transformers import AutoTokenizer
 
@@ -245,28 +246,30 @@ def test_one_line_errors(capsys):
     assert [m.name for m in benchmark.resolve_methods("mlx_dflash_b8")] == ["mlx_no_draft", "mlx_dflash_b8"]
 
 
-def test_ar_draft_distillation_runs(tmp_path, tiny_target_dir):
+def test_reference_ar_draft_distils_chat_and_completion_answers(tmp_path, tiny_target_dir):
+    """The bundled pair's AR draft: the build's chat and plain-completion answers, each with its own template, through
+    the one distiller."""
+    import dataclasses
+
     from transformers import AutoModelForCausalLM
 
-    from dflash.reference.ar_draft import ARDraftConfig, train
+    from dflash.reference import ar_draft
 
-    answers = tmp_path / "answers.jsonl"
-    answers.write_text("".join(json.dumps({"id": f"a{i}", "status": "ok", "messages": [
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "answers_chat.jsonl").write_text("".join(json.dumps({"id": f"a{i}", "status": "ok", "messages": [
         {"role": "user", "content": f"def f{i}(x):"},
         {"role": "assistant", "content": f"def f{i}(x):\n    return x + {i}"}]}) + "\n" for i in range(6)))
-    completions = tmp_path / "answers_completion.jsonl"
-    completions.write_text("".join(json.dumps({"id": f"c{i}", "status": "ok", "messages": [
+    (build / "answers_completion.jsonl").write_text("".join(json.dumps({"id": f"c{i}", "status": "ok", "messages": [
         {"role": "user", "content": f"def g{i}(x):"},
         {"role": "assistant", "content": f"\n    return x * {i}"}]}) + "\n" for i in range(4)))
-    from dflash.reference.ar_draft import load_answer_samples
-
-    chat, plain = (load_answer_samples(tiny_target_dir, [(p, fmt)], 512)[0]
-                   for p, fmt in ((answers, "chat"), (completions, "completion")))
+    files = ar_draft.answer_files(build)
+    chat, plain = (ar_draft.load_answer_samples(tiny_target_dir, [f], 512)[0] for f in files)
     assert len(plain["input_ids"]) < len(chat["input_ids"])  # no ChatML markers around a completion
     out = tmp_path / "ar"
-    cfg = ARDraftConfig(num_layers=1, steps=3, batch_size=2, threads=1, log_every=1)
-    summary = train(tiny_target_dir, [(answers, "chat"), (completions, "completion")], out, cfg)
-    assert summary["steps"] == 3 and summary["train_samples"] + summary["heldout_samples"] == 10
-    assert len(summary["curve"]) == 3
+    settings = dataclasses.replace(ar_draft.SETTINGS, layers=1, steps=3, batch_tokens=256, heldout=2, threads=1)
+    summary = ar_draft.build(tiny_target_dir, build, out, settings)
+    assert summary["steps"] == 3 and summary["train_rows"] + summary["heldout_rows"] == 10
+    assert [c["step"] for c in summary["curve"]] == [0, 2]
     model = AutoModelForCausalLM.from_pretrained(str(out))
-    assert model.config.num_hidden_layers == 1 and str(model.dtype) == "torch.float16"
+    assert model.config.num_hidden_layers == 1 and ar_draft.complete(out)

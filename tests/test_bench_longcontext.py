@@ -3,7 +3,7 @@
 import json
 
 from dflash.bench.longcontext import build_prompts, main
-from dflash.core.tokenizer import load_tokenizer
+from dflash.core.model_files.tokenizer import load_tokenizer
 
 
 def test_prompts_fit_their_lengths_and_keep_their_passage(tiny_target_dir):

@@ -1,8 +1,8 @@
-"""dflash.core.blas.cpu_has_native_bf16: the CPU flags that make bf16 autocast the training default on a CPU."""
+"""dflash.core.extras.blas.cpu_has_native_bf16: the CPU flags that make bf16 autocast the training default on a CPU."""
 
 import pytest
 
-from dflash.core.blas import cpu_has_native_bf16
+from dflash.core.extras.blas import cpu_has_native_bf16
 
 
 @pytest.mark.parametrize("flags, native", [

@@ -81,7 +81,7 @@ def test_check_compares_what_each_backends_loader_reads(tmp_path, transformers_5
     """The config as transformers, dflash's MLX backend and mlx-lm's own loader read it: a transformers-5 config
     that mlx-lm reads with its own default theta is incompatible until its top-level keys are written."""
     pytest.importorskip("mlx_lm")
-    from dflash.core.target_config import write_legacy_fields
+    from dflash.core.model_files.target_config import write_legacy_fields
 
     target, draft = transformers_5_llama
     assert convert("check", "--model", target, "--draft", draft) == 2

@@ -13,7 +13,7 @@ import time
 import pytest
 torch = pytest.importorskip("torch")
 
-from dflash.core.datasets import load_samples, read_rows, row_messages, tokenize_conversation
+from dflash.core.training.datasets import load_samples, read_rows, row_messages, tokenize_conversation
 from dflash.core.errors import DFlashError
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
@@ -142,7 +142,7 @@ def test_recover_output_cuts_a_torn_line(tmp_path):
 
 
 def test_answer_file_is_created_with_its_first_row(tmp_path):
-    from dflash.core.answers import AnswerFile
+    from dflash.core.training.answers import AnswerFile
 
     out = AnswerFile(tmp_path / "sub" / "answers.jsonl")
     out.close()  # stopped before any answer was finished

@@ -14,7 +14,7 @@ from dflash import backends
 from dflash.backends.torch.draft_runner import TorchDraft
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter, save_drafter, with_draft_vocab
 from dflash.backends.torch.target import load_target
-from dflash.core.checkpoint import read_header
+from dflash.core.model_files.checkpoint import read_header
 from dflash.core.draft_vocab import check_maps, count_answer_tokens, select_tokens, vocab_maps
 from dflash.core.errors import DFlashError
 from dflash.core.loop import generate
@@ -48,7 +48,7 @@ def test_ranking_ties_padding_and_offsets():
 
 
 def test_config_field(tiny_target_dir):
-    from dflash.core.checkpoint import expected_shapes
+    from dflash.core.model_files.checkpoint import expected_shapes
 
     spec = tiny.draft_spec_for(tiny_target_dir, num_layers=1, block_size=4)
     cfg = spec.to_dict()

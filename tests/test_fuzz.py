@@ -6,7 +6,7 @@ import struct
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash.core.checkpoint import read_header, validate_weights
+from dflash.core.model_files.checkpoint import read_header, validate_weights
 from dflash.core.errors import DFlashError
 from dflash.core.spec import DraftSpec
 

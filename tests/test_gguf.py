@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from dflash import hub, models# noqa: E402
 from dflash.converters.gguf import convert_gguf  # noqa: E402
-from dflash.core import deps
+from dflash.core.extras import deps
 from dflash.core.errors import DFlashError  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

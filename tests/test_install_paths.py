@@ -39,6 +39,17 @@ def test_distribution_name_is_not_pypis_dflash():
     assert set(extras["all"][0][len(name) + 1:-1].split(",")) == set(extras) - {"all"}
 
 
+
+def test_every_package_folder_is_installed():
+    """pyproject lists its packages by hand: a folder with an __init__.py missing there is left out of the wheel."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"dflash": ROOT / "dflash", "dflash.backends": ROOT / "backends",
+               "dflash.converters": ROOT / "converters"}
+    found = {".".join((pkg, *init.parent.relative_to(folder).parts))
+             for pkg, folder in folders.items() for init in folder.rglob("__init__.py")
+             if pkg != "dflash" or init.relative_to(folder).parts[0] not in ("backends", "converters")}
+    assert found == set(tool["packages"]), sorted(found ^ set(tool["packages"]))
+
 def test_install_commands_install_this_checkout():
     """No `pip install dflash...` (PyPI's other project): every install of this project is from the checkout."""
     code = [*ROOT.glob("dflash/**/*.py"), *ROOT.glob("backends/**/*.py"), *ROOT.glob("converters/*.py"),
@@ -130,7 +141,7 @@ def test_readme_paths_exist_or_are_written_by_a_named_command():
     for path in sorted(set(re.findall(r"\b((?:docs|tests|scripts|backends|dflash|converters)/[\w./{},*-]+\w)",
                                       readme))):
         if path.startswith("docs/gpu_check"):
-            assert "`scripts/gpu_check.sh` writes its results to docs/gpu_check.json" in " ".join(readme.split())
+            assert "`python -m dflash.bench gpu-check` writes its results to docs/gpu_check.json" in " ".join(readme.split())
             continue
         expanded = [path.replace("{1,4,8}", n) for n in "148"] if "{" in path else [path]
         for p in expanded:

@@ -2,7 +2,13 @@
 and everything else in dflash/ (the API and the applications). Imports point down the layers, inside functions as
 well as at module level, and never form a circle; the core imports neither torch nor mlx at module level. Inside a
 function a module may import an optional package lazily (torch, mlx, fastapi, ...), never a project module that
-its layer may not see; imports under `if TYPE_CHECKING:` (annotations only) are not imports."""
+its layer may not see; imports under `if TYPE_CHECKING:` (annotations only) are not imports.
+
+The core's own folder holds the speculative loop and what it stands on (contract, engine, loop, budget, trees,
+sampling, rows, caches' policy, specs, errors, io); its subfolders hold what serves loading, training and the
+applications: model_files/ (drafter checkpoint, a target's config and tokenizer), training/ (training settings and
+data), extras/ (optional packages, BLAS, plots). The loop's modules import none of them; each subfolder imports the
+loop's folder and itself, never another subfolder."""
 
 import ast
 from pathlib import Path
@@ -11,12 +17,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"dflash": ROOT / "dflash", "dflash.backends": ROOT / "backends", "dflash.converters": ROOT / "converters"}
 FRAMEWORKS = {"torch", "mlx", "mlx_lm", "transformers"}
 
+CORE_FOLDERS = ("model_files", "training", "extras")  # the core's subfolders: dflash/core/NAME/
+CORE = {"core"} | {f"core/{f}" for f in CORE_FOLDERS}
+
 # what each layer may import from the project (besides its own folder)
-MAY_IMPORT = {"core": {"core"}, "backends": {"core", "backends"}, "converters": {"core", "converters"},
-              "applications": {"core", "backends", "converters", "applications"}}
+MAY_IMPORT = {"core": {"core"}, **{f"core/{f}": {"core", f"core/{f}"} for f in CORE_FOLDERS},
+              "backends": CORE | {"backends"}, "converters": CORE | {"converters"},
+              "applications": CORE | {"backends", "converters", "applications"}}
 
 
 def layer(module: str) -> str:
+    for folder in CORE_FOLDERS:
+        if module == f"dflash.core.{folder}" or module.startswith(f"dflash.core.{folder}."):
+            return f"core/{folder}"
     for folder in ("core", "backends", "converters"):
         if module == f"dflash.{folder}" or module.startswith(f"dflash.{folder}."):
             return folder
@@ -109,10 +122,17 @@ def test_layers_point_down():
 
 def test_core_loads_no_framework():
     for m, deps in graph(module_level_only=True).items():
-        if layer(m) == "core":
+        if layer(m) in CORE:
             assert not deps & FRAMEWORKS, f"{m} imports {sorted(deps & FRAMEWORKS)} at module level"
 
 
 def test_layers_are_folders():
-    """Nothing outside the core may pass for it: the core's folder holds modules only (no subpackages to skip)."""
-    assert all(p.parent == ROOT / "dflash" / "core" for m, p in modules().items() if layer(m) == "core")
+    """Nothing outside the core may pass for it: the core's folder holds modules and the subfolders named in
+    CORE_FOLDERS, each of them modules only (no deeper packages to skip, no subfolder without a rule)."""
+    core = ROOT / "dflash" / "core"
+    folders = {core} | {core / f for f in CORE_FOLDERS}
+    for m, p in modules().items():
+        if layer(m) in CORE:
+            assert p.parent in folders, f"{p.relative_to(ROOT)}: the core's folders are {sorted(CORE)}"
+    assert {p.name for p in core.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(CORE_FOLDERS)
+

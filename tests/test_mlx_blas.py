@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.core import blas
+from dflash.core.extras import blas
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Rows on MLX (backends/mlx/backend.py on dflash.core.rows.RowLayout): a batch on mlx-lm's KVCache gives every row its
+"""Rows on MLX (backends/mlx/target_runner.py on dflash.core.rows.RowLayout): a batch on mlx-lm's KVCache gives every row its
 batch-1 greedy output, with holes and compaction, trees for several rows, greedy rows beside sampled ones; and the
 torch and MLX batches agree token for token in float32 (kept prefixes on both: tests/test_prefix_cache.py)."""
 

@@ -147,7 +147,7 @@ def test_fast_build(tmp_path):
 def test_interrupted_build_resumes(tmp_path, monkeypatch, capsys):
     """A build stopped mid-answers, then mid-drafter, keeps what it wrote: the rerun continues the answers where
     they stopped and the drafter from its last checkpoint, and a finished phase is not redone."""
-    from dflash.core.answers import AnswerFile
+    from dflash.core.training.answers import AnswerFile
     from dflash.backends.torch.training import loop
     from dflash.reference.build import PACKAGE_DIR, BuildConfig, build
 

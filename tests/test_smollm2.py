@@ -115,7 +115,7 @@ def test_mlx_and_torch_give_identical_greedy_tokens(prepared, tmp_path):
     pytest.importorskip("mlx_lm")
     from dflash import backends
     from dflash.core.loop import generate
-    from dflash.core.tokenizer import chat_ids, eos_token_ids, load_tokenizer
+    from dflash.core.model_files.tokenizer import chat_ids, eos_token_ids, load_tokenizer
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_CACHE_DIR", str(prepared[0]))

@@ -1,4 +1,4 @@
-"""dflash.core.target_config: the RoPE keys a transformers-5 config keeps inside `rope_parameters`, also written at
+"""dflash.core.model_files.target_config: the RoPE keys a transformers-5 config keeps inside `rope_parameters`, also written at
 the top level where older readers (mlx-lm's ModelArgs) look. For each layout transformers reads the same model
 before and after, and mlx-lm then reads what transformers reads (converters/readings.py parses both)."""
 
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from dflash.converters import readings
-from dflash.core.target_config import legacy_fields, with_legacy_fields, write_legacy_fields
+from dflash.core.model_files.target_config import legacy_fields, with_legacy_fields, write_legacy_fields
 
 # SmolLM2-135M-Instruct's config.json as `python -m dflash.models fetch smollm2` wrote it under transformers 5.24
 SMOLLM2 = {

@@ -52,7 +52,7 @@ def test_flag_errors_come_before_torch(tmp_path):
 
 
 def test_paper_recipe_is_one_flag_away_and_flags_override_it():
-    from dflash.core.train_config import TrainConfig
+    from dflash.core.training.train_config import TrainConfig
     from dflash.train import config_from_args, parse_args
 
     default = config_from_args(parse_args(["--model", "m"]))

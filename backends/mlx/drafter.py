@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from dflash.core import rules
-from dflash.core.checkpoint import validate_weights
+from dflash.core.model_files.checkpoint import validate_weights
 from dflash.core.draft_vocab import check_maps
 from dflash.core.errors import DFlashError
 from dflash.core.spec import DraftSpec

@@ -9,10 +9,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from dflash.core.checkpoint import check_target_dir
+from dflash.core.model_files.checkpoint import check_target_dir
 from dflash.core.errors import DFlashError
 from dflash.core.spec import TargetInfo
-from dflash.core.target_config import with_legacy_fields
+from dflash.core.model_files.target_config import with_legacy_fields
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 # families whose Model.__call__ is exactly `lm_head(model(inputs, cache))`: we may run the trunk and apply the head

@@ -13,7 +13,8 @@ _PUBLIC = {
     "target_info": "target", "DTYPES": "target", "quiet_loading": "target",
     "GROUPED_SDPA": "attention", "DFlashDrafter": "drafter",
     "load_drafter": "drafter",
-    "save_drafter": "drafter", "regenerate": "regeneration", "write_self_prompts": "self_prompts",
+    "save_drafter": "drafter", "with_draft_vocab": "drafter", "regenerate": "regeneration",
+    "write_self_prompts": "self_prompts",
     "write_draft_vocab": "draft_vocab", "write_feature_cache": "training.features",
     "TrainConfig": "training", "train": "training", "dflash_loss": "training",
 }
@@ -30,7 +31,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
          cache_len: int | None = None, compile: bool = False, spec=None, target_config: dict | None = None):
     """The engine over a target directory (+ drafter directory). `spec` / `target_config`: what the caller already
     read and checked (dflash.api.load does), so nothing is validated twice."""
-    from dflash.core.checkpoint import load_pair
+    from dflash.core.model_files.checkpoint import load_pair
 
     from .backend import torch_engine
     from .drafter import load_drafter

@@ -25,7 +25,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from dflash.core import rules
-from dflash.core.checkpoint import validate_weights
+from dflash.core.model_files.checkpoint import validate_weights
 from dflash.core.draft_vocab import check_maps, vocab_maps
 from dflash.core.errors import DFlashError
 from dflash.core.spec import WEIGHTS_NAME, DraftSpec

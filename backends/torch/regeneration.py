@@ -16,14 +16,14 @@ import math
 import zlib
 from pathlib import Path
 
-from dflash.core.answers import AnswerFile, input_rows, recover_output, write_stats
-from dflash.core.datasets import prompt_messages, row_messages
+from dflash.core.training.answers import AnswerFile, input_rows, recover_output, write_stats
+from dflash.core.training.datasets import prompt_messages, row_messages
 from dflash.core.errors import DFlashError
 from dflash.core.io import check_output_dir
 from dflash.core.loop import generate_batch
 from dflash.core.sampling import SamplingParams
 from dflash.core.spec import DraftSpec
-from dflash.core.tokenizer import eos_token_ids, load_tokenizer
+from dflash.core.model_files.tokenizer import eos_token_ids, load_tokenizer
 
 from .backend import torch_engine
 from .drafter import load_drafter

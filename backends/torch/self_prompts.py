@@ -17,13 +17,13 @@ import json
 import re
 from pathlib import Path
 
-from dflash.core.answers import input_rows
-from dflash.core.datasets import prompt_messages, row_messages
+from dflash.core.training.answers import input_rows
+from dflash.core.training.datasets import prompt_messages, row_messages
 from dflash.core.errors import DFlashError
 from dflash.core.io import check_output_dir
 from dflash.core.loop import generate_batch
 from dflash.core.sampling import SamplingParams
-from dflash.core.tokenizer import eos_token_ids, load_tokenizer
+from dflash.core.model_files.tokenizer import eos_token_ids, load_tokenizer
 
 from .backend import torch_engine
 from .target import load_target, resolve_device, resolve_dtype

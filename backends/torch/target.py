@@ -7,7 +7,7 @@ from typing import Any, Literal, cast
 
 import torch
 
-from dflash.core.checkpoint import check_target_dir
+from dflash.core.model_files.checkpoint import check_target_dir
 from dflash.core.errors import DFlashError
 from dflash.core.spec import TargetInfo
 

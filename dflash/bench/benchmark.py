@@ -29,13 +29,13 @@ import time
 from pathlib import Path
 
 from .. import backends, cli, hub
-from ..core.blas import advice, wheel_reference_blas
-from ..core.deps import install_hint
+from ..core.extras.blas import advice, wheel_reference_blas
+from ..core.extras.deps import install_hint
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
-from ..core.plots import can_plot
+from ..core.extras.plots import can_plot
 from ..core.sampling import ACCEPT_RULES, SamplingParams
-from ..core.tokenizer import eos_token_ids, load_tokenizer
+from ..core.model_files.tokenizer import eos_token_ids, load_tokenizer
 from ..reference.ar_draft import ensure_ar_draft
 from .methods import BASELINES, METHODS, Method
 from .prompts import humaneval_path, load_prompts

@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import backends, cli, hub
 from ..core.costs import measure as measure_costs
-from ..core.deps import require
+from ..core.extras.deps import require
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
 from ..core.spec import DraftSpec, default_target_layer_ids

@@ -1,4 +1,4 @@
-"""python -m dflash.bench.gpucheck: the prepared GPU check (scripts/gpu_check.sh), one report in JSON + Markdown.
+"""python -m dflash.bench gpu-check: the prepared GPU check, one report in JSON + Markdown.
 
   1. the GPU-marked tests (CUDA graphs + bf16 losslessness, FlexAttention mask == dense mask)
   2. bf16 training steps of a drafter at a real shape (Qwen3-8B, 5 layers, block 16) with the default recipe of
@@ -23,7 +23,7 @@ from typing import Any
 from .. import cli
 from ..core.io import atomic_write_text
 from ..core.spec import DraftSpec, default_target_layer_ids
-from ..core.train_config import TrainConfig
+from ..core.training.train_config import TrainConfig
 from .costmodel import main as cost_model_main
 
 

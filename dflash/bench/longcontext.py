@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 from .. import cli
 from ..core.errors import DFlashError
-from ..core.plots import pyplot, save
+from ..core.extras.plots import pyplot, save
 from ..core.stats import mean_acceptance_length, per_position_acceptance
-from ..core.tokenizer import chat_ids
+from ..core.model_files.tokenizer import chat_ids
 from .report import write_report
 
 LENGTHS = (256, 1024, 2048, 4096, 8192)

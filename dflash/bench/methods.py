@@ -30,7 +30,7 @@ from typing import Any
 from .. import api
 from ..core.errors import DFlashError
 from ..core.sampling import SamplingParams
-from ..core.tokenizer import load_tokenizer
+from ..core.model_files.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)

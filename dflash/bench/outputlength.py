@@ -26,7 +26,7 @@ from tqdm import tqdm
 from .. import cli
 from ..core.errors import DFlashError
 from ..core.loop import Generation
-from ..core.plots import pyplot, save
+from ..core.extras.plots import pyplot, save
 from .report import write_report
 
 LENGTHS = (200, 500, 1000, 2000)

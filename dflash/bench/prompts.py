@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from ..core.datasets import read_rows
+from ..core.training.datasets import read_rows
 from ..core.errors import DFlashError
-from ..core.tokenizer import chat_ids
+from ..core.model_files.tokenizer import chat_ids
 from ..reference.prompts import BENCHMARK_FILE
 
 CHAT_FILE = Path(__file__).with_name("prompts") / "chat.jsonl"

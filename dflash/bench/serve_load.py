@@ -27,7 +27,7 @@ from pathlib import Path
 from .. import cli
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
-from ..core.plots import can_plot, pyplot, save
+from ..core.extras.plots import can_plot, pyplot, save
 from .prompts import prompt_rows
 from .report import machine_info
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from .. import cli
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
-from ..core.plots import can_plot, pyplot, save
+from ..core.extras.plots import can_plot, pyplot, save
 from ..core.stats import mean_acceptance_length
 from .prompts import load_prompts
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..core.blas import openblas_path
+from ..core.extras.blas import openblas_path
 from .methods import Method
 
 OPENBLAS = str(openblas_path())  # Debian's libopenblas0-pthread, or $DFLASH_OPENBLAS

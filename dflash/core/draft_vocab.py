@@ -23,7 +23,7 @@ from .errors import DFlashError
 
 def count_answer_tokens(samples: Iterable[dict]) -> Counter:
     """How often each token occurs among the supervised (assistant) tokens of tokenised samples
-    ({"input_ids", "loss_mask"}, as dflash.core.datasets.load_samples returns them)."""
+    ({"input_ids", "loss_mask"}, as dflash.core.training.datasets.load_samples returns them)."""
     counts: Counter = Counter()
     for sample in samples:
         counts.update(t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from dflash import cli
-from dflash.core.deps import require
+from dflash.core.extras.deps import require
 
 
 def main(argv=None) -> int:

@@ -220,8 +220,8 @@ def completion_target(target_dir: Path, dst: Path) -> Path:
 
 def answer_samples(target_dir: Path, path: Path) -> list[dict]:
     """Tokenised training samples of regenerated answers, rendered with that target directory's template."""
-    from dflash.core.datasets import load_samples
-    from dflash.core.tokenizer import load_tokenizer
+    from dflash.core.training.datasets import load_samples
+    from dflash.core.model_files.tokenizer import load_tokenizer
 
     return load_samples(path, load_tokenizer(target_dir))
 
@@ -239,7 +239,7 @@ def train_drafter(target_dir: Path, samples: list[dict], out: Path, cfg: BuildCo
     """`python -m dflash.train`, in process, on the target's answers (loss on the answer tokens only). A run of the
     same samples, target and recipe in `out` resumes from its last checkpoint; any other is started over."""
     from dflash.core.io import atomic_write_text
-    from dflash.core.train_config import TrainConfig
+    from dflash.core.training.train_config import TrainConfig
     from dflash.train import run_training
 
     recipe = dict(dtype="float32", save_every=100) | cfg.drafter

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dflash import cli
-from ..core.plots import pyplot, save
+from ..core.extras.plots import pyplot, save
 from .corpus import SourceFile
 from .prompts import KINDS, chat_example, functions
 

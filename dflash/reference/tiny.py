@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.spec import DraftSpec, default_target_layer_ids
-from ..core.target_config import with_legacy_fields
+from ..core.model_files.target_config import with_legacy_fields
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"

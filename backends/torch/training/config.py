@@ -1,11 +1,11 @@
-"""What a training run takes (TrainConfig, framework-neutral: dflash/core/train_config.py) and what it returns."""
+"""What a training run takes (TrainConfig, framework-neutral: dflash/core/training/train_config.py) and what it returns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.core.train_config import TrainConfig
+from dflash.core.training.train_config import TrainConfig
 
 __all__ = ["TrainConfig", "TrainResult"]
 

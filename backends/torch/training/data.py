@@ -25,7 +25,7 @@ def load_samples(cfg, tokenizer, cache=None) -> list[dict]:
     elif cache is not None:
         samples = cache.samples()
     elif cfg.data:
-        from dflash.core.datasets import load_samples as tokenise
+        from dflash.core.training.datasets import load_samples as tokenise
 
         samples = tokenise(cfg.data, tokenizer, max_length=cfg.max_length, enable_thinking=cfg.enable_thinking)
     else:
@@ -38,12 +38,12 @@ def split_eval_prompts(cfg, samples: list[dict], tokenizer) -> tuple[list[dict],
     """(training samples, held-out prompts): --eval-holdout takes the last N samples out of training."""
     prompts = [list(p) for p in cfg.eval_prompts] if cfg.eval_prompts else []
     if cfg.eval_holdout:
-        from dflash.core.datasets import prompt_of
+        from dflash.core.training.datasets import prompt_of
 
         held, samples = samples[-cfg.eval_holdout:], samples[:-cfg.eval_holdout]
         prompts += [prompt_of(x) for x in held]
     if cfg.eval_data:
-        from dflash.core.datasets import load_eval_prompts
+        from dflash.core.training.datasets import load_eval_prompts
 
         prompts += load_eval_prompts(cfg.eval_data, tokenizer, cfg.enable_thinking)
     return samples, [p for p in prompts if p][:cfg.eval_max_prompts]

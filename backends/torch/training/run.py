@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dflash.core.blas import cpu_has_native_bf16
+from dflash.core.extras.blas import cpu_has_native_bf16
 from dflash.core.errors import DFlashError
 from dflash.core.spec import ABLATION_CONTEXT_MODES
 
@@ -110,7 +110,7 @@ def autocast_bf16_by_default(device: str) -> bool:
 
 def prepare(cfg: TrainConfig, target_dir: Path) -> Run:
     """The run of `cfg` for the target model in `target_dir` (a local directory: the application resolves hub ids)."""
-    from dflash.core.tokenizer import eos_token_ids, load_tokenizer
+    from dflash.core.model_files.tokenizer import eos_token_ids, load_tokenizer
 
     from ..target import load_target, resolve_device, resolve_dtype
 

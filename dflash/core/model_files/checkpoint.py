@@ -12,9 +12,9 @@ import os
 import struct
 from pathlib import Path
 
-from .errors import DFlashError
-from .io import read_json_config
-from .spec import WEIGHTS_NAME, DraftSpec
+from ..errors import DFlashError
+from ..io import read_json_config
+from ..spec import WEIGHTS_NAME, DraftSpec
 
 INDEX_NAME = "model.safetensors.index.json"
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from dflash.core.blas import openblas_preloaded
+from dflash.core.extras.blas import openblas_preloaded
 from dflash.core.contract import Capabilities
 from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .datasets import read_rows, row_id
-from .io import atomic_write_text
+from ..io import atomic_write_text
 
 
 def recover_output(path: Path) -> set[str]:

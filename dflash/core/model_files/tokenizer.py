@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 NO_LENGTH_LIMIT = int(1e30)  # transformers' own value for a tokenizer without a maximum length

