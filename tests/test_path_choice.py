@@ -1,6 +1,7 @@
 """dflash.core.path_choice: auto's chain-or-tree choice from estimates, with rare probes of the path not in use."""
 
-from dflash.core.budget import Costs, TreePlanner
+from dflash.core.budget import TreePlanner
+from dflash.core.cost_model import Costs
 from dflash.core.path_choice import PROBE_LAST, PathChoice
 
 
