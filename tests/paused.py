@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash.core.budget import Costs
+from dflash.core.cost_model import Costs
 from dflash.core.loop import generate
 from fakes import Counting
 

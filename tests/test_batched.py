@@ -10,7 +10,7 @@ from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core import engine as engine_module
 from dflash.core import rows
-from dflash.core.budget import Costs
+from dflash.core.cost_model import Costs
 from dflash.core.rows import RowLayout
 from dflash.core.errors import DFlashError
 from dflash.core.loop import Batch, Generation, generate, generate_batch

@@ -9,7 +9,9 @@ def test_auto_shrinks_its_trees_as_load_grows():
     assert [r["concurrency"] for r in rows] == [1, 2, 4, 8, 16, 32]
     nodes = [r["nodes"] for r in rows]
     assert nodes == sorted(nodes, reverse=True) and nodes[0] > 15 > nodes[-1]  # wider than the chain at 1 only
-    assert all(r["speedup"] >= 1.0 and r["speedup"] >= r["chain_speedup"] - 1e-9 for r in rows)
+    assert all(r["draft"] and r["speedup"] >= r["chain_speedup"] - 1e-9 for r in rows)  # drafting pays at every load
+    speedups = [r["speedup"] for r in rows]
+    assert speedups == sorted(speedups, reverse=True)  # ... less as the batch nears the compute knee
     assert loadsim.simulate() == rows  # deterministic
     assert "| 32 |" in loadsim.markdown(rows)
 

@@ -10,7 +10,8 @@ from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core import costs
-from dflash.core.budget import ChainBudget, Costs
+from dflash.core.chain_budget import ChainBudget
+from dflash.core.cost_model import Costs
 from dflash.core.loop import generate
 
 

@@ -93,7 +93,7 @@ def test_draft_top_k_agrees_and_matches_the_proposals(trained_pair):
 def test_identical_trees_paths_and_tokens(trained_pair, mode, budget):
     """Tree verification: the same trees (tokens, parents), the same accepted paths and tokens on both backends,
     each backend's output equal to its target-only output."""
-    from dflash.core.budget import Costs
+    from dflash.core.cost_model import Costs
 
     target_dir, draft_dir = trained_pair
     tb, mb = load_both(target_dir, draft_dir, block_size=16)

@@ -11,8 +11,12 @@ torch = pytest.importorskip("torch")
 
 from dflash import backends  # noqa: E402
 pytest.importorskip("torch")
+from dflash.backends.torch.draft_runner import TorchDraft  # noqa: E402
 from dflash.backends.torch.drafter import CandidateSelector, DynamicConv, load_drafter, scale_logits  # noqa: E402
 from dflash.backends.torch.ops import TorchOps  # noqa: E402
+from dflash.backends.torch.target import load_target  # noqa: E402
+from dflash.backends.torch.target_runner import TorchTarget  # noqa: E402
+from dflash.core.engine import Engine  # noqa: E402
 from dflash.core.proposals import walk  # noqa: E402
 from dflash.core.errors import DFlashError  # noqa: E402
 from dflash.core.loop import generate  # noqa: E402
@@ -336,13 +340,16 @@ def test_batched_rows_equal_their_single_outputs(tiny_target_dir, random_dflash2
 
 def test_compiled_fixed_shape_path_gives_the_same_drafts(tiny_target_dir, random_dflash2_dir, prompts):
     """compile=True (static caches, the drafter compiled at fixed shapes; the selector runs after it)."""
-    pkg = backends.get("torch")
-    eager = pkg.load(tiny_target_dir, random_dflash2_dir, dtype="float32", device="cpu")
-    compiled = pkg.load(tiny_target_dir, random_dflash2_dir, dtype="float32", device="cpu", cache_len=256,
-                        compile=True)
+    eager = backends.get("torch").load(tiny_target_dir, random_dflash2_dir, dtype="float32", device="cpu")
+    model = load_target(tiny_target_dir, torch.float32, "cpu")
+    drafter = load_drafter(random_dflash2_dir, torch.float32, "cpu")
     # the target's compiled verify forward is the same whatever drafts for it (tests/test_fast_path.py compiles it):
     # here it runs eagerly on its static cache, so the compile time goes to DFlash2's own layers
-    compiled.target._decode_model = compiled.target.model
+    target = TorchTarget(model, drafter.spec.target_layer_ids, cache_len=256)
+    block = drafter.spec.block_size
+    draft = TorchDraft(drafter, model.get_input_embeddings(), model.get_output_embeddings(),
+                       static_capacity=256 + 2 * block, logit_scaling=drafter.spec.logit_scaling(target.info))
+    compiled = Engine(target, draft, block_size=block, name="torch")
     a = generate(eager, prompts[0], max_new_tokens=24, trace=True)
     b = generate(compiled, prompts[0], max_new_tokens=24, trace=True)
     assert a.tokens == b.tokens and a.drafted == b.drafted

@@ -4,6 +4,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dflash.backends.torch.backend import torch_engine
+from dflash.backends.torch.draft_cache import StaticDraftCache
 from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core.loop import generate
@@ -52,7 +53,7 @@ def test_fixed_shape_drafter_matches_dynamic(pair, monkeypatch):
     target_dir, draft_dir, prompts = pair
     model, drafter = load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir)
     fixed = torch_engine(model, drafter, cache_len=256, compile=True)
-    assert fixed.drafter._compiled is not None
+    assert isinstance(fixed.drafter.cache, StaticDraftCache)  # the fixed-shape forward runs
     dynamic = torch_engine(model, drafter)
     for p in prompts:
         a = generate(fixed, p, max_new_tokens=64, trace=True)

@@ -146,9 +146,20 @@ def test_sampling_flags_show_their_defaults():
 
     from dflash import cli
 
-    p = argparse.ArgumentParser()
+    class Recording(argparse.ArgumentParser):
+        """Keeps the actions add_argument returns (argparse has no public list of a parser's actions)."""
+
+        def __init__(self):
+            super().__init__(add_help=False)
+            self.added: list[argparse.Action] = []
+
+        def add_argument(self, *args, **kwargs):
+            self.added.append(super().add_argument(*args, **kwargs))
+            return self.added[-1]
+
+    p = Recording()
     cli.add_sampling_args(p)
-    flags = [a for a in p._actions if a.option_strings and a.dest != "help"]
+    flags = p.added
     assert {a.option_strings[0] for a in flags} >= {"--max-new-tokens", "--temperature", "--top-p", "--seed"}
     for a in flags:
         shown = a.help % {"default": a.default}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash import backends
-from dflash.core.budget import Costs
+from dflash.core.cost_model import Costs
 from dflash.core.corrections import Corrections
 from dflash.core.loop import Batch, Generation, generate
 from dflash.core.sampling import SamplingParams

@@ -153,23 +153,22 @@ def test_draft_cache_rows_join_into_spare_room_and_leave_in_order(random_draft_d
     spec = DraftSpec.load(random_draft_dir)
 
     def row(seed: int, length: int, capacity: int) -> DraftContextCache:
-        c = DraftContextCache(spec, torch.float32, "cpu", capacity=capacity)
         g = torch.Generator().manual_seed(seed)
-        c._k, c._v = torch.randn(c._k.shape, generator=g), torch.randn(c._v.shape, generator=g)
-        c.layout.lengths = [length]
-        return c
+        shape = (spec.num_hidden_layers, 1, spec.num_key_value_heads, capacity, spec.head_dim)
+        return DraftContextCache.holding(spec, torch.randn(shape, generator=g), torch.randn(shape, generator=g),
+                                         [length])
 
     rows = [row(i, 5 + i, 8 if i % 2 else 16) for i in range(5)]
     live = [(r.k[:, 0, :, :r.layout.lengths[0]].clone(), r.layout.lengths[0]) for r in rows]
     batch = row(0, 5, 16)
     for r in rows[1:]:
         batch.merge(r)
-    assert batch._k.shape[1] >= 5 and batch.k.shape[1] == 5 and batch.lengths == [5, 6, 7, 8, 9]
+    assert batch.allocated_rows >= 5 and batch.k.shape[1] == 5 and batch.lengths == [5, 6, 7, 8, 9]
     batch.select([0, 2, 4])
     live = [live[i] for i in (0, 2, 4)]
     batch.merge(row(9, 3, 8))  # into a freed row: its stale slots past length 3 are never read
     live.append((row(9, 3, 8).k[:, 0, :, :3].clone(), 3))
-    assert batch.lengths == [n for _, n in live] and batch._k.shape[1] == 8  # (spare rows: 1, 2, 4, 8)
+    assert batch.lengths == [n for _, n in live] and batch.allocated_rows == 8  # (spare rows: 1, 2, 4, 8)
     for i, (k, n) in enumerate(live):
         assert torch.equal(batch.k[:, i, :, :n], k)
     alone = batch.extract(2)
@@ -192,9 +191,9 @@ def test_rows_join_and_leave_after_a_draft_forward_grew_the_cache(target, random
     batch.extend(Pending(torch.randn(1, 4, width), [4]))
     batch.merge(row(6))
     batch.select([0])  # a spare row in the buffer
-    capacity = batch.cache._k.shape[3]
+    capacity = batch.cache.capacity
     batch.extend(Pending(torch.randn(1, capacity, width), [capacity]))  # past the buffer: grown in the mode
-    assert batch.cache._k.is_inference() and batch.cache._k.shape[1] == 2
+    assert batch.cache.k.is_inference() and batch.cache.allocated_rows == 2
     batch.merge(row(5))  # into the spare row, in place
     assert batch.cache.lengths == [capacity + 4, 5]
     assert batch.extract(1).cache.lengths == [5]

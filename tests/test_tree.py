@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from dflash.core.budget import Costs, TreePlanner
+from dflash.core.budget import TreePlanner
+from dflash.core.cost_model import Costs
 from dflash.core.tree import (Calibration, CopyIndex, Tree, TreeInputs, best_first, chain_tree, choose_counts,
                          merge_candidates, to_tree)
 
@@ -139,25 +140,6 @@ def test_choose_counts_keeps_the_least_served_row_within_the_limit():
     assert counts[0] == width and rate > 2 / 1.1
     # nothing within the limit (the draft forward alone costs more): rate 0, so a pause follows
     assert choose_counts([[0.2]], lambda n, rows: 1.0, 1.0, 4, limit=1.5) == ([0], 0.0)
-
-
-def test_costs_interpolate_and_extrapolate():
-    c = Costs(0.1, [(1, 1.0), (3, 2.0), (5, 4.0)])
-    assert c.verify_seconds(2) == 1.5 and c.verify_seconds(7) == 6.0 and c.verify_seconds(0) == 1.0
-    assert Costs.from_json(c.to_json()) == c
-    assert c.verify_seconds(2, rows=3) == c.verify_seconds(6) and c.draft_seconds(3) == pytest.approx(0.3)
-
-
-def test_batch_costs_interpolate_over_rows_and_tokens():
-    """Measured batches replace 'r rows of n tokens cost one row of r * n': a GPU-like device pays little per row."""
-    c = Costs(0.1, [(1, 1.0), (16, 1.1), (64, 1.4)], batch={4: [(1, 1.05), (16, 1.3)], 16: [(1, 1.2), (16, 2.0)]},
-              draft_batch={4: 0.12, 16: 0.2})
-    assert c.verify_seconds(16, rows=1) == 1.1
-    assert c.verify_seconds(16, rows=4) == 1.3 < c.verify_seconds(64)  # not one row of 64 tokens
-    assert c.verify_seconds(16, rows=10) == pytest.approx(1.3 + 0.7 * 6 / 12)  # linear between measured rows
-    assert c.verify_seconds(16, rows=32) == pytest.approx(2.0 + 0.7 * 16 / 12)  # and beyond the last two
-    assert c.draft_seconds(2) == pytest.approx(0.1 + 0.02 / 3) and c.draft_seconds(16) == 0.2
-    assert Costs.from_json(c.to_json()) == c
 
 
 def test_auto_pauses_drafting_when_no_draft_wins():

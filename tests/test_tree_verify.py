@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter
 from dflash.backends.torch.target import load_target
-from dflash.core.budget import Costs
+from dflash.core.cost_model import Costs
 from dflash.core.contract import Draft
 from dflash.core.errors import DFlashError
 from dflash.core.loop import generate, generate_batch

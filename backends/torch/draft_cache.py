@@ -27,6 +27,21 @@ class DraftContextCache(ContextCache):
         self._v = torch.zeros(shape, dtype=dtype, device=device)
         self._masks: dict[tuple, torch.Tensor] = {}
 
+    @classmethod
+    def holding(cls, spec, k: torch.Tensor, v: torch.Tensor, lengths: list[int], offset: int = 0,
+                window: int | None = None) -> DraftContextCache:
+        """A cache over these buffers (layers, rows, kv_heads, capacity, head_dim), its rows `lengths` long after
+        `offset` dropped positions."""
+        cache = cls(spec, k.dtype, k.device, capacity=k.shape[3], window=window)
+        cache._k, cache._v = k, v
+        cache.layout.offset, cache.layout.lengths = offset, list(lengths)
+        return cache
+
+    @property
+    def allocated_rows(self) -> int:
+        """Rows the buffers hold room for: the live ones and the spare ones a joining row is copied into."""
+        return self._k.shape[1]
+
     @property
     def k(self) -> torch.Tensor:
         return self._k[:, :len(self.layout.lengths)]
@@ -109,10 +124,9 @@ class DraftContextCache(ContextCache):
     def extract(self, i: int) -> DraftContextCache:
         """Row i alone, in buffers of its own sized to what it holds."""
         used = max(self.layout.slot(self.layout.lengths[i]), 1)
-        row = DraftContextCache(self.spec, self._k.dtype, self._k.device, capacity=used, window=self.window)
-        row._k, row._v = self._k[:, i:i + 1, :, :used].clone(), self._v[:, i:i + 1, :, :used].clone()
-        row.layout.offset, row.layout.lengths = self.layout.offset, [self.layout.lengths[i]]
-        return row
+        return DraftContextCache.holding(self.spec, self._k[:, i:i + 1, :, :used].clone(),
+                                         self._v[:, i:i + 1, :, :used].clone(), [self.layout.lengths[i]],
+                                         self.layout.offset, self.window)
 
     @property
     def nbytes(self) -> int:

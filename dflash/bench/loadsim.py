@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 
 from .. import cli
-from ..core.budget import Costs
+from ..core.cost_model import Costs
 from ..core.costs import BATCH_TOKENS, DRAFT_BLOCKS, GRID
 from ..core.tree import best_first, choose_counts
 

@@ -3,162 +3,39 @@
 `--verify chain` verifies the drafter's B-1 proposals (the DFlash paper's decoding). `--verify tree` verifies a fixed
 budget of the most probable prefixes every cycle (the DDTree paper's). `--verify auto` chooses, every cycle and for
 every row, the node count that maximises expected committed tokens per second on this device: expected tokens from the
-calibrated acceptance estimates of dflash.core.tree, seconds from the costs measured at load (dflash/core/costs.py). A
-short chain, a wide tree or the root alone (an autoregressive step) are all answers it can give. When even the best
-drafted cycle is predicted to lose to a cycle without a draft forward, it stops drafting for a while (1, 2, 4 .. 64
-cycles, then a drafted cycle probes again), so a drafter that is almost always wrong costs little more than not
-drafting; the copied branch still runs in those cycles, since it costs no draft forward. For a batch the rule is the
-same over all rows at once: costs of r rows of n tokens each after the batch's context (measured at load at two context
-lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes), and a pause skips the
-whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. The draft forward itself
-fills 2, 4, 8 or all B positions: the drafter's work grows with them, and where deep nodes do not pay (a CPU at high
-load) the block whose best plan is fastest, its own draft forward counted, is drafted. Every prediction goes through a
-CycleClock fitted online on the cycles' own wall times. Whether a cycle runs on the chain's own path or a
-tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the whole cycle, so a plan is taken only
-while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served row expects (docs/trees.md, "Latency
-limit").
+calibrated acceptance estimates of dflash.core.tree, seconds from the costs measured at load (dflash/core/costs.py, read
+through dflash/core/cost_model.py). A short chain, a wide tree or the root alone (an autoregressive step) are all
+answers it can give. When even the best drafted cycle is predicted to lose to a cycle without a draft forward, it stops
+drafting for a while (1, 2, 4 .. 64 cycles, then a drafted cycle probes again), so a drafter that is almost always wrong
+costs little more than not drafting; the copied branch still runs in those cycles, since it costs no draft forward. For
+a batch the rule is the same over all rows at once: costs of r rows of n tokens each after the batch's context (measured
+at load at two context lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes),
+and a pause skips the whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. The
+draft forward itself fills 2, 4, 8 or all B positions: the drafter's work grows with them, and where deep nodes do not
+pay (a CPU at high load) the block whose best plan is fastest, its own draft forward counted, is drafted. Every
+prediction goes through a CycleClock fitted online on the cycles' own wall times. Rows that verify by rejection (chains
+only) choose a chain's length by the same rule: dflash/core/chain_budget.py. Whether a cycle runs on the chain's own
+path or a tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the whole cycle, so a plan is
+taken only while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served row expects
+(docs/trees.md, "Latency limit").
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
-from .corrections import Corrections
+from .cost_model import Costs, CycleClock
 from .path_choice import PathChoice
 from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates, to_tree
 
 VERIFY_MODES = ("chain", "tree", "auto")
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
-PLAIN_EVERY = 32  # ChainBudget: drafted cycles in a row before a plain step is timed again
 MAX_PAUSE = 64  # the longest run of cycles without a draft forward between probes (a probe costs ~2 steps)
 BLOCK_SMOOTHING = 0.2  # auto: weight of a cycle's predicted rate in each draft block's smoothed one
 BLOCK_MARGIN = 0.1  # auto: how much faster a shorter draft block must be predicted to be to replace the drafted one
 ITL_LIMIT = 1.5  # auto: a cycle takes at most this many plain steps per token its least-served row expects
-MEMO_SIZE = 4096  # Costs: answers kept
-
-
-def interpolate(points: Sequence[tuple[int, float]], x: float) -> float:
-    """Linear between measured (x, seconds) points, flat below the first, extrapolated from the last two beyond the
-    last (never decreasing)."""
-    if x <= points[0][0]:
-        return points[0][1]
-    for (x0, t0), (x1, t1) in zip(points, points[1:]):
-        if x <= x1:
-            return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
-    (x0, t0), (x1, t1) = points[-2:] if len(points) > 1 else (points[0], (points[0][0] + 1, points[0][1]))
-    return t1 + max(t1 - t0, 0.0) * (x - x1) / (x1 - x0)
-
-
-@dataclass
-class Costs:
-    """Seconds on this device: one draft forward and one target forward of n tokens after `context` cached positions,
-    for one row (`draft`, `verify`) and, where the backend batches, for r rows of n tokens each (`batch`: r -> points,
-    `draft_batch`: r -> seconds), measured at a few r and n. Without batch points, r rows of n tokens cost what one
-    row of r * n tokens does and r drafts cost r single ones (a CPU pays for every token; a GPU below its compute
-    knee does not, which only the batch points show). `longer` is the same profile after a longer context: every
-    token attends to every cached position, so at a serving load's contexts a forward can cost twice what it costs
-    after a short one; a cost at `context` positions is interpolated between the two (linear past the longer)."""
-
-    draft: float
-    verify: list[tuple[int, float]]  # (tokens, seconds), increasing tokens
-    batch: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # rows -> (tokens per row, seconds)
-    draft_batch: dict[int, float] = field(default_factory=dict)  # rows -> seconds of one draft forward
-    context: int = 64  # positions cached before the measured forwards
-    longer: Costs | None = None  # the same forwards after more cached positions
-    # draft forwards of fewer positions than the block: block -> rows -> seconds (the largest block: the full one).
-    # The drafter's work grows with the positions it fills; without points a shorter draft costs a full one
-    draft_blocks: dict[int, dict[int, float]] = field(default_factory=dict)
-
-    # per cycle shape, the wall clock over the profile, learnt from the cycles the engine ran (persisted with it)
-    corrections: Corrections = field(default_factory=Corrections, repr=False, compare=False)
-    # answers already given: a cycle's plan asks the same few dozen questions (one batch, one context) many times
-    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def verify_seconds(self, tokens: int, rows: int = 1, context: float | None = None) -> float:
-        return self._remember(("verify", tokens, rows, context),
-                              lambda: self._at(context, lambda c: c._verify(tokens, rows)))
-
-    def draft_seconds(self, rows: int = 1, context: float | None = None, block: int | None = None) -> float:
-        """One draft forward of `block` positions (default: the whole block) for `rows` rows."""
-        return self._remember(("draft", rows, context, block),
-                              lambda: self._at(context, lambda c: c._draft(rows)) * self._block_share(block, rows))
-
-    def _remember(self, key: tuple, seconds) -> float:
-        answer = self._memo.get(key)
-        if answer is None:
-            if len(self._memo) >= MEMO_SIZE:  # (contexts grow: old ones are not asked again)
-                self._memo.clear()
-            answer = self._memo[key] = seconds()
-        return answer
-
-    def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
-                      block: int | None = None) -> float:
-        """A cycle's forwards: the draft forward (of `block` positions) when `drafted`, then a target forward of
-        `tokens` per row."""
-        return self.corrections.factor(tokens, rows, drafted) * self.measured_cycle(tokens, rows, drafted, context,
-                                                                                   block)
-
-    def measured_cycle(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
-                       block: int | None = None) -> float:
-        """cycle_seconds as the profile measured it, before the online corrections."""
-        draft = self.draft_seconds(rows, context, block) if drafted else 0.0
-        return self.verify_seconds(tokens, rows, context) + draft
-
-    def observe(self, tokens: int, rows: int, drafted: bool, seconds: float, context: float | None = None,
-                block: int | None = None) -> None:
-        """A cycle of this shape took `seconds` on the wall clock: its shape's correction learns from it."""
-        self.corrections.observe(tokens, rows, drafted, self.measured_cycle(tokens, rows, drafted, context, block),
-                                 seconds)
-
-    def _block_share(self, block: int | None, rows: int) -> float:
-        """A draft of `block` positions over one of the whole block, at `rows` rows (measured at a few blocks)."""
-        if block is None or not self.draft_blocks or block >= max(self.draft_blocks):
-            return 1.0
-        at = {b: interpolate(sorted(points.items()), rows) for b, points in self.draft_blocks.items()}
-        full = at[max(at)]
-        return interpolate([(b, at[b] / full) for b in sorted(at)], block)
-
-    def _at(self, context: float | None, seconds) -> float:
-        near = seconds(self)
-        if context is None or self.longer is None or context <= self.context:
-            return near
-        growth = max(seconds(self.longer) - near, 0.0) / (self.longer.context - self.context)
-        return near + growth * (context - self.context)
-
-    def _verify(self, tokens: int, rows: int) -> float:
-        if rows == 1 or not self.batch:
-            return interpolate(self.verify, rows * tokens)
-        widest = min(points[-1][0] for points in self.batch.values())
-        curves = [(1, self.verify), *sorted(self.batch.items())]
-        seconds = interpolate([(r, interpolate(points, min(tokens, widest))) for r, points in curves], rows)
-        if tokens > widest:  # past the batch points: extra tokens cost what they add to one row's longer forward
-            seconds += interpolate(self.verify, rows * tokens) - interpolate(self.verify, rows * widest)
-        return seconds
-
-    def _draft(self, rows: int) -> float:
-        if rows == 1 or not self.draft_batch:
-            return self.draft * rows
-        return interpolate([(1, self.draft), *sorted(self.draft_batch.items())], rows)
-
-    def to_json(self) -> dict:
-        return {"draft_seconds": self.draft, "verify_seconds": [list(p) for p in self.verify],
-                "batch_verify_seconds": {str(r): [list(p) for p in pts] for r, pts in self.batch.items()},
-                "batch_draft_seconds": {str(r): t for r, t in self.draft_batch.items()}, "context": self.context,
-                "draft_block_seconds": {str(b): {str(r): t for r, t in pts.items()}
-                                        for b, pts in self.draft_blocks.items()},
-                **({"longer": self.longer.to_json()} if self.longer is not None else {})}
-
-    @classmethod
-    def from_json(cls, d: dict) -> Costs:
-        points = lambda pts: [(int(n), float(t)) for n, t in pts]  # noqa: E731
-        return cls(float(d["draft_seconds"]), points(d["verify_seconds"]),
-                   {int(r): points(pts) for r, pts in d.get("batch_verify_seconds", {}).items()},
-                   {int(r): float(t) for r, t in d.get("batch_draft_seconds", {}).items()}, int(d.get("context", 64)),
-                   cls.from_json(d["longer"]) if "longer" in d else None,
-                   {int(b): {int(r): float(t) for r, t in pts.items()}
-                    for b, pts in d.get("draft_block_seconds", {}).items()})
 
 
 def _chain_tokens(top_probs: Sequence[Sequence[float]], calibration: Calibration) -> float:
@@ -170,35 +47,6 @@ def _chain_tokens(top_probs: Sequence[Sequence[float]], calibration: Calibration
         value = min(value, q * calibration.scale(depth))
         total += value
     return total
-
-
-class CycleClock:
-    """What a cycle really takes, from what the profile says its forwards take: k * forwards + a, fitted online over
-    recent cycles by exponentially weighted least squares. k carries what the profile under-counts in proportion to
-    the work (more rows than its batches, a second thread of the process such as a server's event loop), a the host
-    work per cycle (the heap, the walk, sampling). While the cycles' forwards barely vary (one shape), a ridge towards
-    the prior k leaves the difference to a, as a plain mean of the excess; once shapes vary, the slope is measured."""
-
-    def __init__(self, smoothing: float = 0.1, ridge: float = 0.01, k: float = 1.0, a: float = 0.0):
-        self.smoothing, self.ridge, self.prior = smoothing, ridge, k
-        self.sums = [0.0] * 5  # decayed means of 1, x, x^2, y, x*y (x: the profile's seconds, y: the measured)
-        self.k, self.a = k, a
-
-    def __call__(self, forwards: float) -> float:
-        return max(self.k * forwards + self.a, 0.1 * forwards)
-
-    def observe(self, forwards: float, seconds: float) -> None:
-        x, y, s = forwards, seconds, self.smoothing
-        self.sums = [m + s * (v - m) for m, v in zip(self.sums, (1.0, x, x * x, y, x * y))]
-        w, sx, sxx, sy, sxy = self.sums
-        # minimise sum w (y - kx - a)^2 + r sxx (k - prior)^2:
-        # [[sxx (1 + r), sx], [sx, w]] [k, a] = [sxy + r sxx prior, sy]
-        a11, b1 = sxx * (1 + self.ridge), sxy + self.ridge * sxx * self.prior
-        det = a11 * w - sx * sx
-        if det <= 0:
-            return
-        self.k = max((w * b1 - sx * sy) / det, 0.0)
-        self.a = (a11 * sy - sx * b1) / det
 
 
 @dataclass
@@ -400,66 +248,3 @@ class TreePlanner:
             self.skip = self.backoff
         else:
             self.backoff = 0
-
-
-class ChainBudget:
-    """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies,
-    and whether it drafts at all. Expected tokens of a chain of L proposals are 1 + sum_j prod_{i<=j} a_i with a_i
-    the measured rate at which position i accepts when reached (an exponential average over recent cycles, under the
-    rule in use); seconds are T_draft(L + 1 positions) + T_verify(L + 1) from the device profile (the draft fills
-    only the positions verified), taken to the wall clock by a CycleClock fitted on the cycles' own times (either
-    way: a profile measured while the machine was busy overstates). L = 0 is a plain target step without the draft
-    forward; while it wins, drafting pauses for 1, 2, 4 .. 64 cycles between probes, as the tree planner's pauses do."""
-
-    def __init__(self, block_size: int, costs: Costs, prior: float = 0.5, smoothing: float = 0.1):
-        self.costs, self.smoothing = costs, smoothing
-        self.rates = [prior] * (block_size - 1)
-        self.clock = {True: CycleClock(smoothing), False: CycleClock(smoothing)}
-        self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
-        self.skip, self.backoff, self.probing = 0, 0, False
-        self.since_plain = 0  # drafted cycles since the last plain one
-
-    def expected(self, length: int) -> float:
-        tokens, reach = 1.0, 1.0
-        for a in self.rates[:length]:
-            reach *= a
-            tokens += reach
-        return tokens
-
-    def forwards(self, length: int, rows: int = 1) -> float:
-        """The profile's seconds for a cycle verifying `length` proposals per row (0: no draft forward)."""
-        return self.costs.cycle_seconds(length + 1, rows, length > 0, self.context, length + 1)
-
-    def seconds(self, length: int, rows: int = 1) -> float:
-        return self.clock[length > 0](self.forwards(length, rows))
-
-    def length(self, can_pause: bool = True, rows: int = 1) -> int:
-        """Proposals every one of `rows` rows verifies this cycle (0: no draft forward; only when `can_pause`). The
-        cycle after a pause drafts (a probe), so the acceptance estimates stay current."""
-        if can_pause and (self.skip > 0 or self.since_plain >= PLAIN_EVERY):
-            self.skip = max(self.skip - 1, 0)  # a pause; or a plain step now and then, to keep its time known
-            return 0
-        best = max(range(1, len(self.rates) + 1), key=lambda n: self.expected(n) / self.seconds(n, rows))
-        if not can_pause:
-            return best
-        plain_wins = self.expected(0) / self.seconds(0, rows) > self.expected(best) / self.seconds(best, rows)
-        if plain_wins and not self.probing:
-            self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
-            self.skip, self.probing = self.backoff - 1, True
-            return 0
-        self.probing = False
-        if not plain_wins:
-            self.backoff = 0
-        return best
-
-    def observe(self, length: int, accepted: Sequence[int], seconds: float) -> None:
-        """One cycle: `length` proposals verified per row, rows accepted `accepted[r]` of them, in `seconds`."""
-        s = self.smoothing
-        for k in accepted:
-            for i in range(min(k + 1, length)):  # position i was reached; accepted unless i == k
-                self.rates[i] += s * ((1.0 if i < k else 0.0) - self.rates[i])
-        drafted = length > 0
-        self.since_plain = self.since_plain + 1 if drafted else 0
-        rows = max(len(accepted), 1)
-        self.clock[drafted].observe(self.forwards(length, rows), seconds)
-        self.costs.observe(length + 1, rows, drafted, seconds, self.context, length + 1)

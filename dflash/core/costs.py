@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from .budget import MAX_TOP_K, Costs, interpolate
+from .budget import MAX_TOP_K
+from .cost_model import Costs, interpolate
 from .corrections import Corrections
 from .io import cache_root
 from .tree import TreeInputs, chain_tree

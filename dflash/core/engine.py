@@ -23,8 +23,10 @@ import time
 from typing import Sequence
 
 from .admission import Admission
-from .budget import ITL_LIMIT, MAX_PAUSE, VERIFY_MODES, ChainBudget, Costs, TreePlanner
+from .budget import ITL_LIMIT, MAX_PAUSE, VERIFY_MODES, TreePlanner
+from .chain_budget import ChainBudget
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
+from .cost_model import Costs
 from .errors import DFlashError, SettingError
 from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row

@@ -6,28 +6,22 @@ The checkpoint config is a Qwen3 config plus `architectures: ["DFlashDraftModel"
 candidate selector (`selector_rank`, `selector_top_k`). Either may carry `output_multiplier`,
 `final_logit_softcapping` and `input_embedding_scale`; a DFlash drafter may carry a draft vocabulary
 (`draft_vocab_size` at top level: dflash.core.draft_vocab). Unknown keys other tools add (top level or inside
-`dflash_config`) are kept and written back unchanged.
+`dflash_config`) are kept and written back unchanged. Reading the fields' types is dflash/core/draft_config.py's; what
+they must agree on, with each other and with a target, is this module's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
 
+from .draft_config import ARCHITECTURE, DFLASH2, DFLASH2_KEYS, SCALE_KEYS, is_int, read_fields
 from .errors import DFlashError, SettingError
 from .io import atomic_write_text, read_json_config
 
-ARCHITECTURE = "DFlashDraftModel"
-DFLASH2 = "DFlash2DraftModel"
-ARCHITECTURES = (ARCHITECTURE, DFLASH2)
-# dflash_config keys a DFlash2 drafter must set (the convolution and the candidate selector)
-_DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-_SCALES = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
 # Ablation drafters (torch only, docs/training.md section 5), marked in config.json as dflash_config.context_mode:
 #   none   no target features at all: attention sees only the block (anchor + mask slots)
 #   input  input fusion (EAGLE-style): the projected target feature of the last context position is added to every
@@ -36,9 +30,6 @@ _SCALES = ("output_multiplier", "final_logit_softcapping", "input_embedding_scal
 ABLATION_CONTEXT_MODES = ("none", "input")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-
-# Keys of config.json that DraftSpec owns; everything else round-trips through `extra`.
-_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 @dataclass
@@ -135,83 +126,10 @@ class DraftSpec:
     # ---- config.json ---------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> "DraftSpec":
-        if not isinstance(cfg, dict):
-            raise DFlashError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
-        archs = cfg.get("architectures")
-        if archs is not None and (not isinstance(archs, list) or not any(a in archs for a in ARCHITECTURES)):
-            raise DFlashError(f"{source}: architectures is {json.dumps(archs)}, expected [\"{ARCHITECTURE}\"] or "
-                              f"[\"{DFLASH2}\"] (is this a target model rather than a DFlash drafter?)")
-        architecture = DFLASH2 if archs is not None and DFLASH2 in archs else ARCHITECTURE
-        for key in _REQUIRED:
-            if key not in cfg:
-                raise DFlashError(f"{source}: missing required field '{key}'")
-        dcfg = cfg.get("dflash_config") or {}
-        if not isinstance(dcfg, dict):
-            raise DFlashError(f"{source}: field 'dflash_config' must be an object")
-        if "target_layer_ids" not in dcfg and "target_layer_ids" not in cfg:
-            raise DFlashError(f"{source}: missing required field 'dflash_config.target_layer_ids'")
-        if "mask_token_id" not in dcfg and "mask_token_id" not in cfg:
-            raise DFlashError(f"{source}: missing required field 'dflash_config.mask_token_id'")
-        layer_ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
-        block_size = cfg.get("block_size", dcfg.get("block_size", 16))
-        n_heads = _int(cfg, "num_attention_heads", source)
-        hidden = _int(cfg, "hidden_size", source)
-        rope_params = cfg["rope_parameters"] if isinstance(cfg.get("rope_parameters"), dict) else {}
-        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 1_000_000.0))
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is not None and not isinstance(rope_scaling, dict):
-            raise DFlashError(f"{source}: field 'rope_scaling' must be an object or null, got {rope_scaling!r}")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        num_layers = _int(cfg, "num_hidden_layers", source)
-        layer_types = cfg.get("layer_types")
-        if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != num_layers
-                                        or not all(isinstance(t, str) for t in layer_types)):
-            raise DFlashError(f"{source}: field 'layer_types' must list one type per draft layer ({num_layers})")
-        if not isinstance(layer_ids, list) or not layer_ids or not all(_is_int(i) for i in layer_ids):
-            raise DFlashError(f"{source}: field 'dflash_config.target_layer_ids' must be a non-empty list of ints, "
-                              f"got {layer_ids!r}")
-        if architecture == DFLASH2:
-            for key in _DFLASH2_REQUIRED:
-                if key not in dcfg:
-                    raise DFlashError(f"{source}: missing required field 'dflash_config.{key}' (a {DFLASH2} sets it)")
-        dflash2 = {key: _optional_int({f"dflash_config.{key}": dcfg.get(key)}, f"dflash_config.{key}", source)
-                   for key in _DFLASH2_REQUIRED}
-        scales = {key: _optional_float({f"dflash_config.{key}": dcfg.get(key, cfg.get(key))}, f"dflash_config.{key}",
-                                       source) for key in _SCALES}
-        owned = set(f.name for f in dataclasses.fields(cls)) | {"architectures", "dflash_config", "rope_parameters",
-                                                                "model_type", "torch_dtype", "dtype"}
-        owned_dflash = {"target_layer_ids", "mask_token_id", "block_size", *_DFLASH2_REQUIRED, *_SCALES}
-        spec = cls(
-            hidden_size=hidden,
-            num_hidden_layers=num_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=_int(cfg, "num_key_value_heads", source, default=n_heads),
-            head_dim=_int(cfg, "head_dim", source, default=hidden // max(n_heads, 1)),
-            intermediate_size=_int(cfg, "intermediate_size", source),
-            vocab_size=_int(cfg, "vocab_size", source),
-            num_target_layers=_int(cfg, "num_target_layers", source, default=-1),
-            target_layer_ids=[int(i) for i in layer_ids],
-            mask_token_id=_int(dcfg if "mask_token_id" in dcfg else cfg, "mask_token_id", source),
-            block_size=_int({"block_size": block_size}, "block_size", source),
-            rms_norm_eps=_float(cfg, "rms_norm_eps", source, 1e-6),
-            rope_theta=_float({"rope_theta": rope_theta}, "rope_theta", source, 1e6),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=_int(cfg, "max_position_embeddings", source, default=40960),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            sliding_window=_optional_int(cfg, "sliding_window", source),
-            use_sliding_window=bool(cfg.get("use_sliding_window", False)),
-            layer_types=layer_types,
-            architecture=architecture,
-            **dflash2,
-            output_multiplier=scales["output_multiplier"],
-            final_logit_softcapping=scales["final_logit_softcapping"],
-            input_embedding_scale=scales["input_embedding_scale"],
-            draft_vocab_size=_optional_int(cfg, "draft_vocab_size", source),
-            context_mode=dcfg.get("context_mode", "kv"),
-            extra={k: v for k, v in cfg.items() if k not in owned},
-            extra_dflash={k: v for k, v in dcfg.items() if k not in owned_dflash},
-        )
+        fields = read_fields(cfg, source)  # (refuses a cfg that is not an object)
+        owned = {f.name for f in dataclasses.fields(cls)} | {"architectures", "dflash_config", "rope_parameters",
+                                                               "model_type", "torch_dtype", "dtype"}
+        spec = cls(**fields, extra={k: v for k, v in cfg.items() if k not in owned})
         spec.check(source)
         return spec
 
@@ -236,8 +154,8 @@ class DraftSpec:
                                                 for t in self.layer_types):
             raise DFlashError(f"{source}: field 'layer_types' entries must be 'full_attention' or 'sliding_attention'")
         if self.is_dflash2:
-            for name in _DFLASH2_REQUIRED:
-                if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            for name in DFLASH2_KEYS:
+                if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                     raise DFlashError(f"{source}: field 'dflash_config.{name}' must be a positive int, got "
                                       f"{getattr(self, name)!r}")
             assert self.conv_group_size and self.conv_kernel_size and self.selector_top_k  # (positive ints: above)
@@ -251,7 +169,7 @@ class DraftSpec:
                 raise DFlashError(f"{source}: field 'dflash_config.selector_top_k' ({self.selector_top_k}) must be at "
                                   f"most vocab_size ({self.vocab_size})")
         if self.draft_vocab_size is not None:
-            if not _is_int(self.draft_vocab_size) or not 1 <= self.draft_vocab_size <= self.vocab_size:
+            if not is_int(self.draft_vocab_size) or not 1 <= self.draft_vocab_size <= self.vocab_size:
                 raise DFlashError(f"{source}: field 'draft_vocab_size' must be an int in 1..vocab_size "
                                   f"({self.vocab_size}), got {self.draft_vocab_size!r}")
             if self.has_draft_vocab and self.is_dflash2:
@@ -262,7 +180,7 @@ class DraftSpec:
                               f"{self.final_logit_softcapping}")
         sliding = any(self.window_for_layer(i) is not None for i in range(self.num_hidden_layers))
         if sliding:
-            if not _is_int(self.sliding_window) or self.sliding_window < 1:
+            if not is_int(self.sliding_window) or self.sliding_window < 1:
                 raise DFlashError(f"{source}: field 'sliding_window' must be a positive int when sliding layers are "
                                   f"used, got {self.sliding_window!r}")
         if self.context_mode not in ("kv",) + ABLATION_CONTEXT_MODES:
@@ -295,7 +213,7 @@ class DraftSpec:
         dflash_config = dict(self.extra_dflash)
         dflash_config.update(target_layer_ids=list(self.target_layer_ids), mask_token_id=self.mask_token_id,
                              block_size=self.block_size)
-        for name in (*_DFLASH2_REQUIRED, *_SCALES):
+        for name in (*DFLASH2_KEYS, *SCALE_KEYS):
             if getattr(self, name) is not None:
                 dflash_config[name] = getattr(self, name)
         if self.is_dflash2:  # transformers 5 spelling, as the public DFlash2 configs write it
@@ -378,32 +296,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     start, end = 1, max(num_target_layers - 3, 1)
     span = end - start
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
-
-def _is_int(x: Any) -> TypeGuard[int]:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _int(cfg: dict, key: str, source: str, default: int | None = None) -> int:
-    value = cfg.get(key, default)
-    if not _is_int(value):
-        raise DFlashError(f"{source}: field '{key}' must be an integer, got {value!r}")
-    return value
-
-
-def _optional_int(cfg: dict, key: str, source: str) -> int | None:
-    return None if cfg.get(key) is None else _int(cfg, key, source)
-
-
-def _optional_float(cfg: dict, key: str, source: str) -> float | None:
-    return None if cfg.get(key) is None else _float(cfg, key, source, 0.0)
-
-
-def _float(cfg: dict, key: str, source: str, default: float) -> float:
-    value = cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise DFlashError(f"{source}: field '{key}' must be a finite number, got {value!r}")
-    return float(value)
 
 
 def drafter_block_size(drafter, target_info, block_size: int | None, validated: bool = False) -> int:

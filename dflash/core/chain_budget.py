@@ -1,0 +1,75 @@
+"""--verify auto for rows that verify by rejection (chains only, dflash/core/sampling.py): how many of the drafter's B-1
+sampled proposals a cycle verifies, and whether it drafts at all. Greedy rows' trees are dflash/core/budget.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .budget import MAX_PAUSE
+from .cost_model import Costs, CycleClock
+
+PLAIN_EVERY = 32  # drafted cycles in a row before a plain step is timed again
+
+
+class ChainBudget:
+    """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies,
+    and whether it drafts at all. Expected tokens of a chain of L proposals are 1 + sum_j prod_{i<=j} a_i with a_i
+    the measured rate at which position i accepts when reached (an exponential average over recent cycles, under the
+    rule in use); seconds are T_draft(L + 1 positions) + T_verify(L + 1) from the device profile (the draft fills
+    only the positions verified), taken to the wall clock by a CycleClock fitted on the cycles' own times (either
+    way: a profile measured while the machine was busy overstates). L = 0 is a plain target step without the draft
+    forward; while it wins, drafting pauses for 1, 2, 4 .. 64 cycles between probes, as the tree planner's pauses do."""
+
+    def __init__(self, block_size: int, costs: Costs, prior: float = 0.5, smoothing: float = 0.1):
+        self.costs, self.smoothing = costs, smoothing
+        self.rates = [prior] * (block_size - 1)
+        self.clock = {True: CycleClock(smoothing), False: CycleClock(smoothing)}
+        self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
+        self.skip, self.backoff, self.probing = 0, 0, False
+        self.since_plain = 0  # drafted cycles since the last plain one
+
+    def expected(self, length: int) -> float:
+        tokens, reach = 1.0, 1.0
+        for a in self.rates[:length]:
+            reach *= a
+            tokens += reach
+        return tokens
+
+    def forwards(self, length: int, rows: int = 1) -> float:
+        """The profile's seconds for a cycle verifying `length` proposals per row (0: no draft forward)."""
+        return self.costs.cycle_seconds(length + 1, rows, length > 0, self.context, length + 1)
+
+    def seconds(self, length: int, rows: int = 1) -> float:
+        return self.clock[length > 0](self.forwards(length, rows))
+
+    def length(self, can_pause: bool = True, rows: int = 1) -> int:
+        """Proposals every one of `rows` rows verifies this cycle (0: no draft forward; only when `can_pause`). The
+        cycle after a pause drafts (a probe), so the acceptance estimates stay current."""
+        if can_pause and (self.skip > 0 or self.since_plain >= PLAIN_EVERY):
+            self.skip = max(self.skip - 1, 0)  # a pause; or a plain step now and then, to keep its time known
+            return 0
+        best = max(range(1, len(self.rates) + 1), key=lambda n: self.expected(n) / self.seconds(n, rows))
+        if not can_pause:
+            return best
+        plain_wins = self.expected(0) / self.seconds(0, rows) > self.expected(best) / self.seconds(best, rows)
+        if plain_wins and not self.probing:
+            self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
+            self.skip, self.probing = self.backoff - 1, True
+            return 0
+        self.probing = False
+        if not plain_wins:
+            self.backoff = 0
+        return best
+
+    def observe(self, length: int, accepted: Sequence[int], seconds: float) -> None:
+        """One cycle: `length` proposals verified per row, rows accepted `accepted[r]` of them, in `seconds`."""
+        s = self.smoothing
+        for k in accepted:
+            for i in range(min(k + 1, length)):  # position i was reached; accepted unless i == k
+                self.rates[i] += s * ((1.0 if i < k else 0.0) - self.rates[i])
+        drafted = length > 0
+        self.since_plain = self.since_plain + 1 if drafted else 0
+        rows = max(len(accepted), 1)
+        self.clock[drafted].observe(self.forwards(length, rows), seconds)
+        self.costs.observe(length + 1, rows, drafted, seconds, self.context, length + 1)
