@@ -52,7 +52,7 @@ class FakeTarget:
     def set_sampling(self, params):
         pass
 
-    def sample(self, logits, histories, block, paths=None, draws=None, draft=None, starts=None):
+    def sample(self, logits, histories, block, paths=None, logprobs=None, draws=None, draft=None, starts=None):
         return logits.argmax(-1)
 
     def forward(self, ids, last_only):

@@ -219,7 +219,8 @@ class RowSampling:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         rule = acceptance_rule(params, has_distribution, trees)
         auto = params.accept == "auto" and not has_distribution
-        return cls(params, rule, seed, prompt_tokens, ShapeChoice(draft_temperatures(rule, params, auto)))
+        shapes = ShapeChoice(draft_temperatures(rule, params.draft_temperature, auto))
+        return cls(params, rule, seed, prompt_tokens, shapes)
 
     @property
     def greedy(self) -> bool:
