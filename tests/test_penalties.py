@@ -103,7 +103,7 @@ def processed(name: str, params: SamplingParams, logits: np.ndarray, history, bl
         import torch
 
         from dflash.backends.torch.sampling import TorchSampler
-        out = TorchSampler(params, "cpu").scores(torch.tensor(logits), history, torch.tensor(block), paths, start)
+        out = TorchSampler(params).scores(torch.tensor(logits), history, torch.tensor(block), paths, start)
         return out.numpy()
     import mlx.core as mx
 

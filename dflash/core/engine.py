@@ -93,7 +93,6 @@ class Engine:
     def set_sampling(self, params: SamplingParams) -> None:
         """The sampling settings of the next lone row (and of rows admitted without their own)."""
         self.sampling = params
-        self.target.set_sampling(params)
 
     @property
     def accept_rules(self) -> list[str]:
@@ -144,7 +143,6 @@ class Engine:
         row = self.prefix_cache.take(prompt_ids, at_least=own)
         if row is not None:
             self._take_caches(row, pending=None)
-            self.target.set_sampling(self.sampling)
 
     def _take_caches(self, row: Engine, pending: Pending | None) -> None:
         """A one-row engine's caches (a kept prefix, or a row admitted alone) become this engine's."""
@@ -187,7 +185,6 @@ class Engine:
         check_fits(prompt_ids, self.max_context)
         row = (self.prefix_cache.take(prompt_ids) if self.prefix_cache is not None else None) or self.spawn()
         row.logprobs = self.logprobs
-        row.target.set_sampling(sampling or self.sampling)
         chunks = row.prefill_chunks(prompt_ids, self._admitted(sampling, len(prompt_ids) - generated),
                                     chunk or self.prefill_chunk)
         return Admission(row, chunks, len(prompt_ids))
@@ -377,12 +374,10 @@ class Engine:
         return row_draws(self.rows, self.row_sampling, lambda keys: self.target.gumbel(keys), width, offset, noise)
 
     def sample(self, logits, block, paths=None, draws=None, draft=None):
-        """Each row's tokens drawn from `logits` after its committed tokens + block (a tree: + paths), as
-        Target.sample; (tokens, None), or with self.logprobs set (tokens, (chosen, tops)): per row and position the
+        """Each row's tokens drawn from `logits` after its committed tokens + block (a tree: + paths) under its own
+        settings (Target.sample); (tokens, None), or with self.logprobs set (tokens, (chosen, tops)): per row and position the
         chosen token's log-probability and its top (id, log-probability) pairs, on the host."""
-        starts = [r.prompt_tokens for r in self.row_sampling]
-        out = self.target.sample(logits, self.rows, block, paths, logprobs=self.logprobs, draws=draws, draft=draft,
-                                 starts=starts)
+        out = self.target.sample(logits, self.rows, block, self.row_sampling, paths, self.logprobs, draws, draft)
         if self.logprobs is None:
             return out, None
         tokens, (chosen, top_ids, top_lps) = out
