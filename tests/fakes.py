@@ -49,10 +49,12 @@ class FakeTarget:
     def settle(self, drafter=None, *arrays):
         pass
 
-    def set_sampling(self, params):
-        pass
-
-    def sample(self, logits, histories, block, paths=None, draws=None, draft=None, starts=None):
+    def sample(self, logits, histories, block, rows, paths=None, logprobs=None, draws=None, draft=None):
+        """Greedy, each row under its own logit bias (the one setting a fake honours)."""
+        logits = logits.copy()
+        for i, row in enumerate(rows):
+            for token, bias in row.params.logit_bias:
+                logits[i, :, token] += bias
         return logits.argmax(-1)
 
     def forward(self, ids, last_only):

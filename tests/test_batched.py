@@ -15,7 +15,7 @@ from dflash.core.rows import RowLayout
 from dflash.core.errors import DFlashError
 from dflash.core.loop import Batch, Generation, generate, generate_batch
 from dflash.core.sampling import SamplingParams, accepted_length
-from dflash.core.tree_step import tree_step
+from dflash.core.chain_step import chain_step
 
 
 @pytest.fixture(scope="module")
@@ -312,8 +312,8 @@ def chain_cycles(target, drafter, prompts, kinds, eager: bool, before=None, afte
     for kind in kinds:
         notes.append(before(be, kind) if before else None)
         if kind == "plain" and eager:
-            be.drafter.extend(be._take_pending())
-        steps = be._chain_step(anchors, top_k=0, length=0 if kind == "plain" else None)
+            be.absorb_pending()
+        steps = chain_step(be, anchors, length=0 if kind == "plain" else None)
         out.append([s.drafted for s in steps])
         anchors = [s.tokens[-1] for s in steps]
         if after:
@@ -375,14 +375,14 @@ def test_cycles_of_copied_nodes_alone_leave_features_pending_for_the_next_draft(
         anchors = be.prefill(repeating)
         out, copied = [], 0
         for kind in ["copy", "draft", "copy", "copy", "draft"]:
-            be.planner.skip = 1 if kind == "copy" else 0  # (a pause: this cycle runs without a draft forward)
+            be.verification.planner.skip = 1 if kind == "copy" else 0  # (a pause: no draft forward this cycle)
             if kind == "copy" and eager:
-                be.drafter.extend(be._take_pending())
-            steps = tree_step(be, anchors)
+                be.absorb_pending()
+            steps = be.verification.trees.run(be, anchors)
             if kind == "copy":
-                copied += any(len(t.tokens) > 1 for t in be.last_trees)
+                copied += any(len(t.tokens) > 1 for t in be.verification.trees.last_trees)
                 if eager:
-                    be.drafter.extend(be._take_pending())
+                    be.absorb_pending()
             out.append([s.drafted for s in steps])
             anchors = [s.tokens[-1] for s in steps]
         tokens = [list(r) for r in be.rows]

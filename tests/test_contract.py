@@ -12,6 +12,7 @@ from dflash.core.contract import Capabilities, Draft, Drafter, Target, Verified
 from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
 from dflash.core.loop import generate, generate_batch
+from dflash.core.sampling import RowSampling, SamplingParams
 
 B = 4
 N = 12
@@ -81,6 +82,28 @@ def test_greedy_output_is_the_targets_own(backend):
     plain, speculative = make(drafter=False), make()
     for p in prompts:
         assert generate(speculative, p, max_new_tokens=N).tokens == generate(plain, p, max_new_tokens=N).tokens
+
+
+def test_each_step_brings_every_rows_settings(backend):
+    """A target holds no per-row sampling settings: Target.sample draws row i under rows[i], the settings passed with
+    the step, whatever it drew under before and in either row order."""
+    make, prompts = backend
+    engine = make(drafter=False)
+    target = engine.target
+    (first,) = engine.prefill([prompts[0]])
+    logits, _ = target.forward(target.ids([[first]]), last_only=False)
+    two, histories = target.take_rows(logits, [0, 0]), [list(engine.tokens)] * 2
+
+    def sample(*rows):
+        return [row[0] for row in target.to_host(target.sample(two, histories, None, rows))]
+
+    greedy = RowSampling.admit(SamplingParams())
+    (plain, _) = sample(greedy, greedy)
+    bias = (plain + 1) % logits.shape[-1]
+    biased = RowSampling.admit(SamplingParams(logit_bias=((bias, 100.0),)))
+    assert sample(greedy, biased) == [plain, bias]
+    assert sample(biased, greedy) == [bias, plain]
+    assert sample(greedy, greedy) == [plain, plain]
 
 
 def test_crop_rewinds_to_any_committed_length(backend):

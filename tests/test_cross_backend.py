@@ -72,13 +72,11 @@ def test_draft_top_k_agrees_and_matches_the_proposals(trained_pair):
 
     target_dir, draft_dir = trained_pair
     tb, mb = load_both(target_dir, draft_dir, block_size=16)
-    for be in (tb, mb):
-        be.top_k = 4
     for p in held_out_prompts(3, 12):
         drafts = []
         for be in (tb, mb):
             (first,) = be.prefill([p])
-            d = be.draft([first])
+            d = be.draft([first], top_k=4)
             drafts.append([np.array(d.ids), np.array(d.top_ids), np.array(d.top_probs)])
             if be is mb:
                 mx.eval(d.top_ids)
@@ -102,9 +100,10 @@ def test_identical_trees_paths_and_tokens(trained_pair, mode, budget):
     records = {}
     for name, be in (("torch", tb), ("mlx", mb)):
         be.set_verify(mode, budget, costs)
-        if be.planner.mode == "auto":  # auto's chain-or-tree choice and its clock follow wall time; its rule does not
-            be.planner.path = lambda: "tree"
-            for clock in be.planner.clock.values():  # (the profile as it is: pauses then follow the plans alone)
+        planner = be.verification.planner
+        if planner.mode == "auto":  # auto's chain-or-tree choice and its clock follow wall time; its rule does not
+            planner.path = lambda: "tree"
+            for clock in planner.clock.values():  # (the profile as it is: pauses then follow the plans alone)
                 clock.observe = lambda *a: None
             costs.corrections.observe = lambda *a: None  # (nor its per-shape corrections from the cycles' times)
         seen = records[name] = []
@@ -112,7 +111,8 @@ def test_identical_trees_paths_and_tokens(trained_pair, mode, budget):
 
         def recording(anchors, be=be, step=step, seen=seen):
             out = step(anchors)
-            seen.append([(t.tokens, t.parents, p) for t, p in zip(be.last_trees, be.last_paths)])
+            trees = be.verification.trees
+            seen.append([(t.tokens, t.parents, p) for t, p in zip(trees.last_trees, trees.last_paths)])
             return out
         be.step = recording
     for p in held_out_prompts(6):
@@ -138,7 +138,8 @@ def test_mlx_cache_after_a_tree_commit(trained_pair):
     for _ in range(6):
         (step,) = mb.step([anchor])
         anchor = step.tokens[-1]
-        gathered |= mb.last_paths[0] != list(range(1, len(mb.last_paths[0]) + 1))
+        path = mb.verification.trees.last_paths[0]
+        gathered |= path != list(range(1, len(path) + 1))
     assert gathered
     logits, _ = mb.target.forward(mb.target.ids([[anchor]]), last_only=False)
     fresh = backends.get("mlx").load(target_dir, draft_dir, dtype="float32", device="cpu")

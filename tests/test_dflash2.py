@@ -157,9 +157,8 @@ def with_config(src, dst, **dflash_config):
 
 
 def first_draft(run, prompt):
-    run.top_k = 8
     (first,) = run.prefill([prompt])
-    d = run.draft([first])
+    d = run.draft([first], top_k=8)
     return d.ids, d.top_ids, d.top_probs
 
 

@@ -2,7 +2,9 @@
 and everything else in dflash/ (the API and the applications). Imports point down the layers, inside functions as
 well as at module level, and never form a circle; the core imports neither torch nor mlx at module level. Inside a
 function a module may import an optional package lazily (torch, mlx, fastapi, ...), never a project module that
-its layer may not see; imports under `if TYPE_CHECKING:` (annotations only) are not imports.
+its layer may not see. Imports under `if TYPE_CHECKING:` (annotations only) count like the others: a circle of
+them is a circle of modules that need each other, whichever runs first; they load nothing, so they do not count as
+loading a framework.
 
 The core's own folder holds the speculative loop and what it stands on (contract, engine, loop, budget, trees,
 sampling, rows, caches' policy, specs, errors, io); its subfolders hold what serves loading, training and the
@@ -48,18 +50,14 @@ def modules() -> dict[str, Path]:
 
 
 def imports(name: str, path: Path, known: dict) -> list[tuple[str, bool]]:
-    """(what `name` imports, whether at module level) for every import statement in it, resolved to known modules or
-    to the top-level name of an outside package."""
+    """(what `name` imports, whether it loads at module level) for every import statement in it, resolved to known
+    modules or to the top-level name of an outside package."""
     tree = ast.parse(path.read_text())
     is_pkg = path.name == "__init__.py"
     base = name.split(".") if is_pkg else name.split(".")[:-1]
     top = {id(node) for node in tree.body}
-    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
-                 for n in ast.walk(node)}  # annotations only: never executed
     found = []
     for node in ast.walk(tree):
-        if id(node) in type_only:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -70,14 +68,15 @@ def imports(name: str, path: Path, known: dict) -> list[tuple[str, bool]]:
             targets = ([] if own_package else [mod]) + [f"{mod}.{a.name}" for a in node.names]
         else:
             continue
+        loads = id(node) in top  # (not inside a function, nor under `if TYPE_CHECKING:`)
         for t in targets:
             while t and t not in known and "." in t:
                 t = t.rsplit(".", 1)[0]
             if t in known:
                 if t != name:
-                    found.append((t, id(node) in top))
+                    found.append((t, loads))
             elif t.split(".")[0] != "dflash":
-                found.append((t.split(".")[0], id(node) in top))
+                found.append((t.split(".")[0], loads))
     return found
 
 

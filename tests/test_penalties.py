@@ -31,8 +31,9 @@ def tree_engine(pair, name):
     costs = replace(STEEP, corrections=Corrections())
     costs.corrections.observe = lambda *a: None  # (nor do the profile's per-shape corrections learn from wall time)
     engine.set_verify("auto", 48, costs)
-    engine.planner.path = lambda: "tree"  # (auto's chain-or-tree choice follows wall time; its sizes do not)
-    for clock in engine.planner.clock.values():
+    # (auto's chain-or-tree choice follows wall time; its sizes do not)
+    engine.verification.planner.path = lambda: "tree"
+    for clock in engine.verification.planner.clock.values():
         clock.observe = lambda *a: None
     return engine
 
@@ -53,7 +54,7 @@ def test_penalised_rows_beside_greedy_rows_in_trees_of_different_widths(trained_
     while batch:
         live = [s.repetition_penalty != 1.0 for s in (g.sampling for g in batch.generations)]
         batch.step()
-        widths = [len(t.tokens) for t in engine.last_trees]
+        widths = [len(t.tokens) for t in engine.verification.trees.last_trees]
         narrower += any(p and w < max(widths) for p, w in zip(live, widths))
     assert [g.result.error for g in gens] == [""] * 4
     assert [g.result.tokens for g in gens] == want
@@ -102,7 +103,7 @@ def processed(name: str, params: SamplingParams, logits: np.ndarray, history, bl
         import torch
 
         from dflash.backends.torch.sampling import TorchSampler
-        out = TorchSampler(params, "cpu").scores(torch.tensor(logits), history, torch.tensor(block), paths, start)
+        out = TorchSampler(params).scores(torch.tensor(logits), history, torch.tensor(block), paths, start)
         return out.numpy()
     import mlx.core as mx
 

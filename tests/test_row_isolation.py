@@ -148,6 +148,6 @@ def test_overflowing_scores_never_fail_the_draw():
     (nan counts as -inf) instead of failing the batch's draw."""
     import torch
 
-    sampler = TorchSampler(SamplingParams(temperature=1.0, seed=0), "cpu")
+    sampler = TorchSampler(SamplingParams(temperature=1.0, seed=0))
     scores = torch.tensor([[float("inf"), 0.0, float("nan")], [0.0, 0.0, 50.0]])
     assert sampler.draw(scores, torch.zeros(2, 3)).tolist() == [0, 2]

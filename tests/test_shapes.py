@@ -43,7 +43,7 @@ def test_exploration_covers_every_shape_and_reads_only_its_uniform():
 def test_each_rule_chooses_among_its_shapes(accept, seed, shapes):
     params = SamplingParams(temperature=0.8, seed=seed, accept=accept, draft_temperature=0.25)
     row = RowSampling.admit(params)
-    assert draft_temperatures(row.rule, params, accept == "auto") == shapes == row.shapes.temperatures
+    assert draft_temperatures(row.rule, params.draft_temperature, accept == "auto") == shapes == row.shapes.temperatures
 
 
 def test_a_cycles_shape_is_fixed_before_its_draws():

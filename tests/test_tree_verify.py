@@ -44,7 +44,8 @@ class Recorder:
 
         def recording(anchors):
             out = step(anchors)
-            self.trees += list(zip(backend.last_trees, backend.last_paths))
+            trees = backend.verification.trees
+            self.trees += list(zip(trees.last_trees, trees.last_paths))
             return out
         backend.step = recording
 
@@ -55,7 +56,7 @@ def test_greedy_tree_is_lossless(trained, mode, budget):
     backend = torch_engine(model, drafter, block_size=16)
     backend.set_verify(mode, budget, FLAT)
     if mode == "auto":  # its chain-or-tree choice follows wall time (tests/test_tree.py); here the tree rule
-        backend.planner.path = lambda: "tree"
+        backend.verification.planner.path = lambda: "tree"
     rec = Recorder(backend)
     lengths = []
     for p, ref in zip(prompts, baseline):
@@ -214,7 +215,8 @@ def empirical_pairs(engine, params, n, first=1):
         r = generate(engine, PROMPT, max_new_tokens=first + 2, sampling=SamplingParams(**{**params.__dict__,
                                                                                         "seed": i}))
         observed[r.tokens[first - 1], r.tokens[first]] += 1
-        descended += any(non_first_child(t, p) for t, p in zip(engine.last_trees, engine.last_paths))
+        trees = engine.verification.trees
+        descended += any(non_first_child(t, p) for t, p in zip(trees.last_trees, trees.last_paths))
     return observed, descended
 
 

@@ -10,6 +10,8 @@ temperature first, dflash.core.rules.filters), so both backends draw from the sa
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
@@ -21,9 +23,16 @@ from .ops import MLXOps
 _WHOLE_HISTORY = 2**31 - 1  # slice bounds must fit int32
 
 
+@lru_cache(maxsize=256)
+def sampler(params: SamplingParams) -> MLXSampler:
+    """The sampler of these settings, built once: each step brings every row's settings (Target.sample)."""
+    return MLXSampler(params)
+
+
 class MLXSampler:
-    """One row's processors and filters. Its draws take their noise from the engine (dflash.core.sampling: noise tied to
-    positions): the target's token is argmax(filtered log-weights + Gumbel noise), an exact sample of them."""
+    """The processors and filters of one row's settings. Its draws take their noise from the engine
+    (dflash.core.sampling: noise tied to positions): the target's token is argmax(filtered log-weights + Gumbel
+    noise), an exact sample of them."""
 
     def __init__(self, params: SamplingParams):
         p = self.params = params

@@ -9,7 +9,7 @@ own positions and a mask over the row's valid slots (backends/mlx/tree.py), as t
 from __future__ import annotations
 
 import os
-from typing import cast
+from typing import Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -21,14 +21,14 @@ from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
 from dflash.core.rows import RowLayout, visible
 from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
-from dflash.core.sampling import SamplingParams
+from dflash.core.sampling import RowSampling
 from dflash.core.spec import drafter_block_size
 from dflash.core.tree import TreeInputs
 
 from .draft_runner import MLXDraft
 from .drafter import DFlashDrafter
 from .rewind import MLXRewind, needs_rewind
-from .sampling import MLXSampler, gumbel, multi_candidate_tokens, rejection_tokens
+from .sampling import gumbel, multi_candidate_tokens, rejection_tokens, sampler
 from .target import TargetRunner, embedding, lm_head, target_info
 from .tree import explicit_positions, keep_path, positions_refusal
 
@@ -42,7 +42,6 @@ class MLXTarget:
         self.rewind: MLXRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
         self.cache = self._new_cache()
         self.layout: RowLayout | None = None  # once rows share the cache
-        self.samplers = [MLXSampler(SamplingParams())]  # one per row (its own settings)
 
     # ---- arrays ----------------------------------------------------------------------------------------------------
     @staticmethod
@@ -78,31 +77,29 @@ class MLXTarget:
         return mx.concatenate([features, mx.zeros((n, *features.shape[1:]), dtype=features.dtype)])
 
     # ---- sampling --------------------------------------------------------------------------------------------------
-    def set_sampling(self, params: SamplingParams) -> None:
-        self.samplers = [MLXSampler(params)] * len(self.samplers)
-
-    def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None, paths=None,
-               logprobs: int | None = None, draws=None, draft=None, starts: list[int] | None = None):
-        """Every row with its own history, processors and draws: see dflash/core/contract.py."""
-        if draws is None and logprobs is None and all(not s.processors for s in self.samplers):
+    def sample(self, logits: mx.array, histories: list[list[int]], block: mx.array | None,
+               rows: Sequence[RowSampling], paths=None, logprobs: int | None = None, draws=None, draft=None):
+        """Every row with its own history, settings and draws: see dflash/core/contract.py."""
+        if draws is None and logprobs is None and not any(r.params.processors for r in rows):
             return mx.argmax(logits, axis=-1).astype(mx.int32)  # all greedy: one argmax for the batch
         drawn, stats = [], []
-        for i, sampler in enumerate(self.samplers):
-            scores = sampler.processed(logits[i], histories[i], None if block is None else block[i],
-                                       None if paths is None else paths[i], 0 if starts is None else starts[i])
+        for i, r in enumerate(rows):
+            row_sampler = sampler(r.params)
+            scores = row_sampler.processed(logits[i], histories[i], None if block is None else block[i],
+                                           None if paths is None else paths[i], r.prompt_tokens)
             draw = draws[i] if draws is not None else None
             n = scores.shape[0] - 1  # (a chain may verify fewer positions than its draws cover)
-            row = sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[: n + 1])
+            row = row_sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[: n + 1])
             if draw is not None and draw.children is not None:  # a multi row's tree: rejection at every node
-                row = multi_candidate_tokens(sampler.probabilities(scores), draw)
+                row = multi_candidate_tokens(row_sampler.probabilities(scores), draw)
             elif draw is not None and draw.rejects and draft is not None and draft.q_probs is not None \
                     and block is not None:
-                row = rejection_tokens(sampler.probabilities(scores), block[i, 1:], draft.q_ids[i, :n],
+                row = rejection_tokens(row_sampler.probabilities(scores), block[i, 1:], draft.q_ids[i, :n],
                                        draft.q_probs[i, :n], mx.array(draw.accept_u[:n]),
                                        mx.array(draw.residual_u[:n]), row[-1])
             drawn.append(row.astype(mx.int32))
             if logprobs is not None:
-                stats.append(sampler.log_probs(scores, drawn[-1], logprobs))
+                stats.append(row_sampler.log_probs(scores, drawn[-1], logprobs))
         tokens = mx.stack(drawn)
         if logprobs is None:
             return tokens
@@ -151,7 +148,6 @@ class MLXTarget:
 
     def reset(self) -> None:
         self.cache, self.layout = self._new_cache(), None
-        self.samplers = self.samplers[:1]
 
     # ---- trees -------------------------------------------------------------------------------------------------------
     def device_key(self) -> str:
@@ -206,7 +202,7 @@ class MLXTarget:
         self._check_batchable()
         row = MLXTarget.__new__(MLXTarget)
         row.__dict__.update(self.__dict__)
-        row.cache, row.layout, row.samplers = self._new_cache(), None, self.samplers[:1]
+        row.cache, row.layout = self._new_cache(), None
         return row
 
     def merge(self, other: "MLXTarget") -> None:
@@ -219,7 +215,6 @@ class MLXTarget:
             mine.keys, mine.values = (mx.concatenate([_left_pad(x, a), _left_pad(y, b)])
                                       for x, y in zip(_filled(mine), _filled(theirs)))
             mine.offset = self.layout.width
-        self.samplers = self.samplers + other.samplers
 
     def select(self, rows: list[int]) -> None:
         if self.layout is None:
@@ -228,7 +223,6 @@ class MLXTarget:
         for c in self.cache:
             c.keys, c.values = c.keys[idx], c.values[idx]
         self.layout.select(rows)
-        self.samplers = [self.samplers[i] for i in rows]
         mx.clear_cache()  # (the rows that left: see settle)
 
     def extract(self, i: int) -> "MLXTarget":
@@ -243,7 +237,6 @@ class MLXTarget:
             mine.keys, mine.values = pick(theirs.keys), pick(theirs.values)
             mine.offset = mine.keys.shape[2]
         mx.eval([c.state for c in row.cache])  # its own buffers now: unevaluated, it would pin the whole batch's
-        row.samplers = [self.samplers[i if self.layout is not None else 0]]
         return row
 
     def cache_bytes(self) -> int:

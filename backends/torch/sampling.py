@@ -8,6 +8,8 @@ with the history it would have in target-only decoding: the committed tokens plu
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -18,16 +20,22 @@ from dflash.core.sampling import SamplingParams
 from .ops import TorchOps
 
 
-class TorchSampler:
-    """One row's processors. Its draws take their noise from the engine (dflash.core.sampling: noise tied to positions):
-    the target's token is argmax(scores + Gumbel noise), an exact sample of softmax(scores)."""
+@lru_cache(maxsize=256)
+def sampler(params: SamplingParams) -> TorchSampler:
+    """The sampler of these settings, built once: each step brings every row's settings (Target.sample)."""
+    return TorchSampler(params)
 
-    def __init__(self, params: SamplingParams, device=None):
+
+class TorchSampler:
+    """The processors of one row's settings. Its draws take their noise from the engine (dflash.core.sampling: noise
+    tied to positions): the target's token is argmax(scores + Gumbel noise), an exact sample of softmax(scores)."""
+
+    def __init__(self, params: SamplingParams):
         self.params = p = params
         self.repetition = RepetitionPenaltyLogitsProcessor(p.repetition_penalty) if p.repetition_penalty != 1.0 \
             else None
         self.warpers = LogitsProcessorList(warpers(p))
-        self.processors = bool(p.logit_bias or self.repetition or p.output_penalties or self.warpers)
+        self.processors = p.processors or bool(self.warpers)
 
     def scores(self, logits: torch.Tensor, history: list[int], block: torch.Tensor | None,
                paths: list[list[int]] | None = None, start: int = 0) -> torch.Tensor:

@@ -8,6 +8,8 @@ slots, holes, positions, compaction); their tokens go in with explicit position_
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
@@ -16,13 +18,13 @@ from dflash.core.contract import Capabilities, Drafter
 from dflash.core.errors import DFlashError
 from dflash.core.rows import RowLayout, visible
 from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
-from dflash.core.sampling import SamplingParams
+from dflash.core.sampling import RowSampling
 from dflash.core.tree import TreeInputs
 
 from .attention import GROUPED_SDPA
 from .kv_cache import growing
 from .rewind import CacheRewind, bounded_layers
-from .sampling import TorchSampler, gumbel, log_probs, multi_candidate_tokens, rejection_tokens
+from .sampling import gumbel, log_probs, multi_candidate_tokens, rejection_tokens, sampler
 from .target import LayerCapture, target_info
 
 
@@ -48,7 +50,6 @@ class TorchTarget:
         if compile:
             self._decode_model = torch.compile(model, dynamic=False, fullgraph=False,
                                                mode="reduce-overhead" if self.device.type == "cuda" else None)
-        self.samplers = [TorchSampler(SamplingParams(), self.device)]  # one per row (its own settings and seed)
 
     # ---- arrays ----------------------------------------------------------------------------------------------------
     def ids(self, rows: list[list[int]]) -> torch.Tensor:
@@ -78,28 +79,27 @@ class TorchTarget:
         """Nothing to do: torch runs eagerly (MLX evaluates its lazy graph here)."""
 
     # ---- sampling --------------------------------------------------------------------------------------------------
-    def set_sampling(self, params: SamplingParams) -> None:
-        self.samplers = [TorchSampler(params, self.device)] * len(self.samplers)
-
     def sample(self, logits: torch.Tensor, histories: list[list[int]], block: torch.Tensor | None,
-               paths: list[list[list[int]]] | None = None, logprobs: int | None = None, draws=None, draft=None,
-               starts: list[int] | None = None):
-        """The target's token at every position of every row (rows, T), each row with its own history, processors
-        and draws (dflash.core.sampling.RowDraw; None: all greedy); rejection rows verify `draft`'s sampled proposals.
-        For a tree, position j follows history + paths[row][j]; row i's output starts at histories[i][starts[i]].
-        With logprobs=k also (chosen, top-k ids, top-k log-probs) of the distributions the tokens were drawn from."""
-        if draws is None and all(not s.processors for s in self.samplers):
+               rows: Sequence[RowSampling], paths: list[list[list[int]]] | None = None, logprobs: int | None = None,
+               draws=None, draft=None):
+        """The target's token at every position of every row (rows, T), each row with its own history, settings
+        (rows[i]) and draws (dflash.core.sampling.RowDraw; None: all greedy); rejection rows verify `draft`'s sampled
+        proposals. For a tree, position j follows history + paths[row][j]; row i's output starts at
+        histories[i][rows[i].prompt_tokens]. With logprobs=k also (chosen, top-k ids, top-k log-probs) of the
+        distributions the tokens were drawn from."""
+        if draws is None and not any(r.params.processors for r in rows):
             scores = logits  # the common case: one argmax for the whole batch
             tokens = logits.argmax(dim=-1)
         else:
+            samplers = [sampler(r.params) for r in rows]
             per_row = [s.scores(logits[i], histories[i], None if block is None else block[i],
-                                None if paths is None else paths[i], 0 if starts is None else starts[i])
-                       for i, s in enumerate(self.samplers)]
+                                None if paths is None else paths[i], r.prompt_tokens)
+                       for i, (s, r) in enumerate(zip(samplers, rows))]
             drawn = []
-            for i, (sampler, scores) in enumerate(zip(self.samplers, per_row)):
+            for i, (row_sampler, scores) in enumerate(zip(samplers, per_row)):
                 draw = draws[i] if draws is not None else None
                 t = scores.shape[0]  # (a chain may verify fewer positions than its draws cover)
-                row = sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[:t])
+                row = row_sampler.draw(scores, None if draw is None or draw.gumbel is None else draw.gumbel[:t])
                 if draw is not None and draw.children is not None:  # a multi row's tree: rejection at every node
                     row = multi_candidate_tokens(torch.softmax(scores.float(), dim=-1), draw)
                 elif draw is not None and draw.rejects and draft is not None and draft.q_probs is not None \
@@ -242,7 +242,6 @@ class TorchTarget:
         else:
             self.cache = self._new_cache()
         self.length, self.layout = 0, None
-        self.samplers = self.samplers[:1]
 
     def close(self) -> None:
         if self.capture is not None:
@@ -257,7 +256,6 @@ class TorchTarget:
         row = TorchTarget.__new__(TorchTarget)
         row.__dict__.update(self.__dict__)
         row.cache, row.length, row.layout = self._new_cache(), 0, None
-        row.samplers = self.samplers[:1]
         return row
 
     @torch.inference_mode()
@@ -271,7 +269,6 @@ class TorchTarget:
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
             mine.keys = torch.cat([pad(mine.keys, a), pad(theirs.keys, b)])
             mine.values = torch.cat([pad(mine.values, a), pad(theirs.values, b)])
-        self.samplers = self.samplers + other.samplers
 
     @torch.inference_mode()
     def extract(self, i: int) -> "TorchTarget":
@@ -285,7 +282,6 @@ class TorchTarget:
         for layer_idx, layer in enumerate(self.cache.layers):
             row.cache.update(pick(layer.keys), pick(layer.values), layer_idx)
         row.length = n
-        row.samplers = [self.samplers[i if self.layout is not None else 0]]
         return row
 
     def cache_bytes(self) -> int:
@@ -298,7 +294,6 @@ class TorchTarget:
             return  # one row, kept
         self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
         self.layout.select(rows)
-        self.samplers = [self.samplers[i] for i in rows]
 
     # ---- internals ---------------------------------------------------------------------------------------------------
     def _batch_refusal(self) -> str | None:

@@ -10,12 +10,12 @@ the core; a backend owns models, caches and arrays.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:
     from typing import Self  # (3.11)
 
-    from .sampling import RowDraw, SamplingParams
+    from .sampling import RowDraw, RowSampling
     from .spec import DraftSpec, TargetInfo
     from .tree import TreeInputs
 
@@ -113,17 +113,17 @@ class Target(Protocol):
     def to_host(self, x) -> list[list[int]]: ...
     def settle(self, drafter: Drafter | None = None, *arrays) -> None: ...  # evaluate lazy state (MLX): drafter.state()
 
-    # sampling: the target's token at each position, as target-only decoding would draw it
-    def set_sampling(self, params: SamplingParams) -> None: ...            # every row; spawn/merge/select keep
-    # each row's own settings; sample: (rows, T, V) -> (rows, T), each row drawn with its RowDraw's noise (draws
-    # None: all greedy), rejection rows verifying the draft's sampled proposals (Draft.q_ids / q_probs), multi rows
-    # in a tree their nodes' children (RowDraw.children: dflash.core.rules.multi_candidate_tokens); with
-    # logprobs=k also (chosen, top-k ids, top-k log-probs), each (rows, T[, k]), of the distributions drawn from.
-    # Position j of row i follows histories[i] + block[i][:j+1] (a tree: + paths[i][j]); its output starts at
-    # histories[i][starts[i]] (presence and frequency penalties count the output only; None: all of it)
-    def sample(self, logits, histories: list[list[int]], block, paths=None, logprobs: int | None = None,
-               draws: list[RowDraw] | None = None, draft: Draft | None = None,
-               starts: list[int] | None = None): ...
+    # sampling: the target's token at each position, as target-only decoding would draw it. A target holds no
+    # per-row settings: each step brings them, as vLLM's batch metadata does. (rows, T, V) -> (rows, T): row i
+    # drawn under rows[i] (its SamplingParams; its output starts at histories[i][rows[i].prompt_tokens], which
+    # presence and frequency penalties count) with its RowDraw's noise (draws None: all greedy), rejection rows
+    # verifying the draft's sampled proposals (Draft.q_ids / q_probs), multi rows in a tree their nodes' children
+    # (RowDraw.children: dflash.core.rules.multi_candidate_tokens); with logprobs=k also (chosen, top-k ids, top-k
+    # log-probs), each (rows, T[, k]), of the distributions drawn from. Position j of row i follows histories[i] +
+    # block[i][:j+1] (a tree: + paths[i][j]). Greedy rows without processors (SamplingParams.processors) and no
+    # log-probs: one argmax for the batch
+    def sample(self, logits, histories: list[list[int]], block, rows: Sequence[RowSampling], paths=None,
+               logprobs: int | None = None, draws: list[RowDraw] | None = None, draft: Draft | None = None): ...
     def gumbel(self, keys: list[int]): ...                                  # (len(keys), V) noise, a row per key
 
     # the model and its cache

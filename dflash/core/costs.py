@@ -168,7 +168,7 @@ class Probe:
         ids = target.ids(inputs.ids.tolist())
         start = time.perf_counter()
         logits, _ = target.forward(ids, last_only=False, tree=inputs)
-        target.to_host(target.sample(logits, self.engine.rows, ids))
+        target.to_host(target.sample(logits, self.engine.rows, ids, self.engine.row_sampling))
         seconds = time.perf_counter() - start
         target.keep([0] * rows, n)
         return seconds

@@ -3,7 +3,8 @@
 dflash.core.loop decides what to commit and when to stop; the engine keeps what the caches hold and moves them: the
 committed tokens of every row (whose K/V is in the target cache), the target features the drafter has not read yet,
 prefix reuse and chunked prefill, and the cycle's arrays (draft -> verify -> commit). A batch of one and a batch of
-N are the same code; a running batch admits a row (its prefill) and retires rows between cycles.
+N are the same code; a running batch admits a row (its prefill) and retires rows between cycles. Which cycle runs
+(chain_step.py, tree_step.py) is verification.py's choice; cycles drive the engine through its public methods.
 
 One cycle, for block size B and a row with n cached positions; its anchor is the last committed token, not yet fed
 to the target, so it sits at position n:
@@ -19,20 +20,17 @@ to the target, so it sits at position n:
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
-from .admission import Admission
-from .budget import ITL_LIMIT, MAX_PAUSE, VERIFY_MODES, TreePlanner
-from .chain_budget import ChainBudget
+from .admission import Admission, join_caches
+from .budget import ITL_LIMIT, MAX_PAUSE
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
 from .cost_model import Costs
-from .errors import DFlashError, SettingError
+from .errors import DFlashError
 from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
-from .sampling import RowDraw, RowSampling, SamplingParams, accepted_length, common_prefix, row_draws
-from .tree import CopyIndex, Tree
-from .tree_step import tree_step
+from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, row_draws
+from .verification import Verification
 
 # features pending past which a cycle without a draft forward hands them to the drafter's context (the work the next
 # draft would do), which bounds what waits; a pause lasts at most MAX_PAUSE cycles, so its features are read once
@@ -61,19 +59,13 @@ class Engine:
         self.rows: list[list[int]] = []  # per row: ids whose K/V is in the target cache
         self.shared = False  # rows share the caches (a batch was admitted): no prefix reuse until reset
         self.queue = PendingFeatures()  # target features the drafter has not read yet (see `pending`)
-        self.top_k = 0  # > 0: every draft also returns the per-position top-k (tree verification)
         self.sampling = SamplingParams()  # the settings of rows admitted without their own
         self.row_sampling: list[RowSampling] = []  # per row: its settings, acceptance rule and noise seed
         self.logprobs: int | None = None  # None: off; k >= 0: every sample also returns log-probs (top k)
         self.first_logprobs: tuple[list[float], list[list[tuple[int, float]]]] | None = None  # last prefill's
         self.prefix_cache: PrefixCache | None = None  # finished rows' caches, for later prompts (enable_prefix_cache)
         self.last_reused = 0  # prompt tokens the last prefill found in the caches
-        self.verify_mode, self.verify_note = "chain", ""
-        self.planner: TreePlanner | None = None  # tree / auto verification (dflash/core/budget.py)
-        self.chain_budget: ChainBudget | None = None  # auto, for rows that verify by rejection
-        self._copies: list[CopyIndex] = []  # per row: prompt lookup for the tree's copied branch
-        self.last_trees: list[Tree] = []  # the last tree cycle's trees and accepted paths
-        self.last_paths: list[list[int]] = []
+        self.verification = Verification()  # how each cycle verifies (set_verify)
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
     @property
@@ -102,49 +94,25 @@ class Engine:
     def set_sampling(self, params: SamplingParams) -> None:
         """The sampling settings of the next lone row (and of rows admitted without their own)."""
         self.sampling = params
-        self.target.set_sampling(params)
 
     @property
     def accept_rules(self) -> list[str]:
-        """Each row's acceptance rule: greedy, match, rejection, argmax, sharpened, shaped or multi
-        (dflash.core.sampling)."""
+        """Each row's acceptance rule (dflash.core.sampling: greedy, match, rejection, ..., multi)."""
         return [r.rule for r in self.row_sampling]
 
     def set_verify(self, mode: str = "chain", budget: int | None = None, costs: Costs | None = None,
                    copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT) -> None:
-        """chain: verify the B-1 proposals. tree: a tree of `budget` nodes every cycle. auto: each cycle, the node
-        count that maximises committed tokens per second under `costs` (chain when that is best), in cycles that
-        take at most `itl_limit` plain steps per token any row expects (None: no limit)."""
-        if mode not in VERIFY_MODES:
-            raise SettingError("verify", f"got {mode!r}, expected one of {', '.join(VERIFY_MODES)}")
-        if budget is not None and budget < 1:
-            raise SettingError("tree_budget", f"got {budget}, expected >= 1 draft nodes")
-        self.verify_mode, self.verify_note, self.planner, self.top_k = mode, "", None, 0
-        self.chain_budget = None
-        if mode == "chain" or self.drafter is None:
-            self.verify_mode = "chain"
-            return
-        reason = self.target.capabilities.tree_refusal
-        selector = mode == "auto" and not reason and self.drafter is not None and self.drafter.distribution
-        if selector:
-            # DFlash2: its selector walk picks each proposal given the previous one; trees would branch over the
-            # raw top-k without it. auto still chooses how much of the chain to verify, or a plain step (a target
-            # that refuses trees keeps its full chain: a static cache wants one verify shape)
-            reason = "DFlash2's selector chooses the proposals"
-            self.chain_budget = ChainBudget(self.block_size, costs) if costs else None
-        if reason:
-            if mode == "tree":
-                raise DFlashError(f"--verify tree: {reason}; use --verify chain or auto")
-            self.verify_mode, self.verify_note = "chain", f"auto verifies the chain: {reason}"
-            return
-        if mode == "auto" and costs is None:
-            raise DFlashError("--verify auto: needs the device's measured costs (dflash.core.costs.measured_costs)")
-        if budget is None:  # tree: the chain's verify tokens; auto: as many as the measured costs reach
-            budget = self.block_size - 1 if mode == "tree" or costs is None else max(
-                self.block_size - 1, min(256, costs.verify[-1][0] - 1))
-        self.planner = TreePlanner(mode, self.block_size, budget, costs, copy_branch, itl_limit)
-        self.top_k = self.planner.top_k
-        self.chain_budget = ChainBudget(self.block_size, costs) if mode == "auto" and costs is not None else None
+        """chain, tree or auto verification (dflash.core.verification.Verification.choose)."""
+        self.verification = Verification.choose(mode, self.block_size, self.drafter, self.capabilities, budget, costs,
+                                                copy_branch, itl_limit)
+
+    @property
+    def verify_mode(self) -> str:
+        return self.verification.mode
+
+    @property
+    def verify_note(self) -> str:
+        return self.verification.note
 
     def enable_prefix_cache(self, max_bytes: int) -> None:
         """Keep finished rows' caches (at most max_bytes, least recently used out) for prompts that share their
@@ -175,8 +143,13 @@ class Engine:
             self.keep_prefix(0)
         row = self.prefix_cache.take(prompt_ids, at_least=own)
         if row is not None:
-            self.target, self.drafter, self.rows, self.pending = row.target, row.drafter, row.rows, None
-            self.target.set_sampling(self.sampling)
+            self._take_caches(row, pending=None)
+
+    def _take_caches(self, row: Engine, pending: Pending | None) -> None:
+        """A one-row engine's caches (a kept prefix, or a row admitted alone) become this engine's."""
+        self.target, self.drafter, self.rows, self.shared = row.target, row.drafter, row.rows, False
+        self.pending = pending
+        self.verification.reset()
 
     # ---- prefill ---------------------------------------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]],
@@ -187,10 +160,7 @@ class Engine:
             check_fits(p, self.max_context)
         samplings = list(samplings) if samplings is not None else [None] * len(prompts)
         if len(prompts) == 1 and not self.shared:
-            if samplings[0] is not None:
-                self.set_sampling(samplings[0])
-            self._adopt_prefix(list(prompts[0]))
-            return [self._prefill_single(list(prompts[0]))]
+            return [self._prefill_alone(list(prompts[0]), samplings[0])]
         self.reset()
         return [self.admit(p, s) for p, s in zip(prompts, samplings)]
 
@@ -201,59 +171,84 @@ class Engine:
         prompt_ids = list(prompt_ids)
         check_fits(prompt_ids, self.max_context)
         if not self.rows:
-            if sampling is not None:
-                self.set_sampling(sampling)
-            self._adopt_prefix(prompt_ids)
-            return self._prefill_single(prompt_ids, generated)
+            return self._prefill_alone(prompt_ids, sampling, generated)
         admission = self.begin_admit(prompt_ids, sampling, generated=generated)
         while not admission.advance():
             pass
         return self.end_admit(admission)
 
     def begin_admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
-                    chunk: int | None = None, generated: int = 0) -> Admission:
+                    chunk: int | None = None, generated: int = 0) -> Admission[Engine]:
         """admit() in steps, for a caller that interleaves a joining prompt with the batch's cycles: the prompt is
-        prefilled `chunk` tokens per Admission.advance() into caches of its own (dflash/core/admission.py), then
-        end_admit merges it."""
+        prefilled `chunk` tokens per Admission.advance() into a one-row engine of its own (a kept prefix's caches, or
+        empty ones on the same models: dflash/core/admission.py), then end_admit merges it."""
         prompt_ids = list(prompt_ids)
         check_fits(prompt_ids, self.max_context)
-        return Admission(self, prompt_ids, sampling, chunk, generated)
+        row = (self.prefix_cache.take(prompt_ids) if self.prefix_cache is not None else None) or self.spawn()
+        row.logprobs = self.logprobs
+        chunks = row.prefill_chunks(prompt_ids, self._admitted(sampling, len(prompt_ids) - generated),
+                                    chunk or self.prefill_chunk)
+        return Admission(row, chunks, len(prompt_ids))
 
-    def end_admit(self, admission: Admission, alone: bool = False) -> int:
+    def end_admit(self, admission: Admission[Engine], alone: bool = False) -> int:
         """Merge a prefilled row into the batch, target and drafter caches together or neither; `alone`: the batch
-        emptied meanwhile, so the row's caches become the engine's. Returns its first token."""
-        return admission.join(alone)
+        emptied meanwhile (a finished lone sequence may still be cached), so the row's caches become the engine's.
+        Returns its first token."""
+        row, first = admission.row, admission.first
+        if first is None:
+            raise DFlashError("end_admit: the row's prefill has not finished")
+        self.first_logprobs, self.last_reused = row.first_logprobs, row.last_reused
+        if alone or not self.rows:
+            if self.rows and not self.shared:
+                self.keep_prefix(0)  # (the finished sequence, for later prompts)
+            self._take_caches(row, row.pending)
+            self.row_sampling = row.row_sampling
+            return first
+        self.shared = True  # (from here on the caches are in rows mode, even if the drafter's merge fails)
+        join_caches(self.target, self.drafter, row.target, row.drafter, len(self.rows))
+        if self.pending is not None:
+            self.pending = Pending(self.target.pad_rows(self.pending.features, 1), self.pending.counts + [0])
+        self.rows.append(row.rows[0])
+        self.row_sampling.append(row.row_sampling[0])
+        return first
 
-    def _prefill_single(self, prompt_ids: list[int], generated: int = 0) -> int:
-        for first in self.prefill_chunks(prompt_ids, generated):
+    def _prefill_alone(self, prompt_ids: list[int], sampling: SamplingParams | None, generated: int = 0) -> int:
+        """A lone row's prefill, from the kept prefix that beats the caches' own; `sampling` becomes the engine's."""
+        if sampling is not None:
+            self.set_sampling(sampling)
+        self._adopt_prefix(prompt_ids)
+        for first in self.prefill_chunks(prompt_ids, self._admitted(None, len(prompt_ids) - generated),
+                                         self.prefill_chunk):
             pass
         return first
 
-    def prefill_chunks(self, prompt_ids: list[int], generated: int = 0):
-        """Prefill chunk by chunk: yields None after every chunk but the last, then the first token. `generated`:
-        the last that many ids are the row's own output (see admit)."""
-        self._copies = []
+    def _admitted(self, params: SamplingParams | None, prompt_tokens: int) -> RowSampling:
+        """A new row's sampling (default: the engine's settings), with a fresh noise seed unless the request has one
+        (its draws are keyed by position); its output starts after `prompt_tokens`."""
+        return RowSampling.admit(params or self.sampling, self.drafter is not None and self.drafter.distribution,
+                                 trees=self.verify_mode == "tree", prompt_tokens=prompt_tokens)
+
+    def prefill_chunks(self, prompt_ids: list[int], sampling: RowSampling, chunk: int):
+        """Prefill `prompt_ids` as this engine's one row, sampling with `sampling`, `chunk` tokens at a time: yields
+        None after every chunk but the last, then the first token."""
+        self.verification.reset()
         self.crop(common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
         if not self.rows:  # (a fresh engine, or the crop had to start over)
             self.rows = [[]]
         start, logits = len(self.tokens), None
-        self.last_reused = start
-        # a fresh noise seed per generation (unless the request has one): its draws are keyed by position
-        self.row_sampling = [RowSampling.admit(self.sampling, self.drafter is not None and self.drafter.distribution,
-                                               trees=self.verify_mode == "tree",
-                                               prompt_tokens=len(prompt_ids) - generated)]
-        for at in range(start, len(prompt_ids), self.prefill_chunk):
-            chunk = prompt_ids[at:at + self.prefill_chunk]
-            logits, features = self.target.forward(self.target.ids([chunk]), last_only=True)
-            self.tokens.extend(chunk)
+        self.last_reused, self.row_sampling = start, [sampling]
+        for at in range(start, len(prompt_ids), chunk):
+            ids = prompt_ids[at:at + chunk]
+            logits, features = self.target.forward(self.target.ids([ids]), last_only=True)
+            self.tokens.extend(ids)
             if self.drafter is not None:
-                self._add_pending(features, len(chunk))
-                self.drafter.extend(self._take_pending())
-            if at + self.prefill_chunk < len(prompt_ids):
+                self.queue.add(Pending(features, [len(ids)]))
+                self.absorb_pending()
+            if at + chunk < len(prompt_ids):
                 self.target.settle(self.drafter)  # bound the lazy graph (and its memory) chunk by chunk
                 yield None
         assert logits is not None  # (prefill runs at least the prompt's last token)
-        first, logprobs = self._sample(logits[:, -1:], [self.tokens], None, draws=self._row_draws(1, offset=0))
+        first, logprobs = self.sample(logits[:, -1:], None, draws=self.row_draws(1, offset=0))
         self.target.settle(self.drafter, first)
         if logprobs is not None:
             self.first_logprobs = (logprobs[0][0][0], logprobs[1][0][0])
@@ -261,62 +256,18 @@ class Engine:
 
     # ---- the cycle -------------------------------------------------------------------------------------------------
     def step(self, anchors: Sequence[int]) -> list[Step]:
-        """One speculative cycle for every row (draft -> verify -> accept -> commit); row i's anchor is its last
-        committed token."""
-        context = max(map(len, self.rows), default=0)  # what every verify token attends to (rows pad to the longest)
-        for budget in (self.planner, self.chain_budget):
-            if budget is not None:
-                budget.context = context
-        if self.chain_budget is not None and (self.planner is None or any(not r.greedy for r in self.row_sampling)):
-            # chains only (sampled rows, a DFlash2 drafter, a target without trees): auto chooses their length, or a
-            # plain step
-            start = time.perf_counter()
-            length = self.chain_budget.length(rows=len(self.rows))
-            steps = self._chain_step(anchors, top_k=0, length=length)
-            self.chain_budget.observe(length, [s.accepted for s in steps], time.perf_counter() - start)
-            return steps
-        if self.planner is not None:
-            start = time.perf_counter()
-            path = self.planner.path() if not any(r.chains_only for r in self.row_sampling) else "chain"
-            steps = tree_step(self, list(anchors)) if path == "tree" else self._chain_step(anchors, top_k=0)
-            self.planner.observe_speed(path, [s.accepted for s in steps], time.perf_counter() - start)
-            return steps
-        return self._chain_step(anchors, self.top_k)
+        """One speculative cycle for every row (draft -> verify -> accept -> commit, or a tree's: set_verify); row
+        i's anchor is its last committed token."""
+        return self.verification.step(self, anchors)
 
-    def _chain_step(self, anchors: Sequence[int], top_k: int, length: int | None = None) -> list[Step]:
-        """Draft, verify the first `length` proposals (default: all B-1; 0: no draft forward), commit."""
-        verified = self.block_size if length is None else length + 1
-        # a matched row's draft reads the noise of every block position; otherwise only the verified ones are drawn,
-        # and a cycle without a draft forward draws what a plain step does: its one token's
-        drafts_read_noise = length != 0 and "match" in self.accept_rules
-        draws = self._row_draws(self.block_size if length != 0 else 1,
-                                noise=self.block_size if drafts_read_noise else verified)
-        if length == 0:  # (the pending features wait for the next draft forward: see commit)
-            draft = Draft(self.target.ids([[a] for a in anchors]))
-        else:  # (a draft of `length` proposals fills just those positions: the drafter's work grows with them)
-            draft = self.draft(anchors, top_k, draws, block=verified)
-        result = self.verify(draft, draws)
-        drafted = length != 0 and self.drafter is not None
-        steps = [Step(t[: accepted_length(d, t) + 1], d, len(d), drafted)
-                 for d, t in zip(result.proposals, result.tokens)]
-        if draws is not None and length != 0:  # what each row's proposal shape accepted (dflash.core.shapes)
-            for draw, step in zip(draws, steps):
-                draw.sampling.shapes.observe(draw.draft_temperature, step.accepted, step.verified)
-        if result.logprobs is not None and result.top_logprobs is not None:
-            for step, chosen, top in zip(steps, result.logprobs, result.top_logprobs):
-                step.logprobs, step.top_logprobs = chosen[:len(step.tokens)], top[:len(step.tokens)]
-        self.commit(result, [len(s.tokens) for s in steps])
-        return steps
-
-    def draft(self, anchors: Sequence[int], top_k: int | None = None,
-              draws: list[RowDraw] | None = None, block: int | None = None) -> Draft:
+    def draft(self, anchors: Sequence[int], top_k: int = 0, draws: list[RowDraw] | None = None,
+              block: int | None = None) -> Draft:
         """Each row's block [anchor, proposals] of `block` positions (default: the block size; the anchor alone
         without a drafter), from the features pending."""
         anchor_ids = self.target.ids([[a] for a in anchors])
         if self.drafter is None:
             return Draft(anchor_ids)
-        return self.drafter.propose(anchor_ids, self._take_pending(), block or self.block_size,
-                                    self.top_k if top_k is None else top_k, draws)
+        return self.drafter.propose(anchor_ids, self.take_pending(), block or self.block_size, top_k, draws)
 
     def verify(self, draft: Draft, draws: list[RowDraw] | None = None) -> Verified:
         """The target's token at every position of each row's block, in one forward, under the row's rule: its own
@@ -324,7 +275,7 @@ class Engine:
         rejection sampling accepts it and the residual's draw where it does not (so the longest agreeing prefix is
         the accepted one either way)."""
         logits, features = self.target.forward(draft.ids, last_only=False)
-        tokens, logprobs = self._sample(logits, self.rows, draft.ids, draws=draws, draft=draft)
+        tokens, logprobs = self.sample(logits, draft.ids, draws=draws, draft=draft)
         rows = self.target.to_host(self.target.cat([draft.ids, tokens]))  # the cycle's one device -> host read
         width = len(rows[0]) // 2
         chosen, top = logprobs if logprobs is not None else (None, None)
@@ -343,6 +294,15 @@ class Engine:
         self._queue_pending(Pending(features if most == len(verified.blocks[0]) else self.target.head(features, most),
                                     keeps))
 
+    def commit_slots(self, slots: list[list[int]], width: int, committed: list[list[int]], features) -> None:
+        """A tree cycle's commit: row i keeps slots[i] of the last forward's `width` (their tokens committed[i], the
+        anchor first), and their features become the drafter's pending context."""
+        self.target.keep_slots(slots, width)
+        for row, ids in zip(self.rows, committed):
+            row.extend(ids)
+        if features is not None:  # (None: a drafter that reads no target features)
+            self._queue_pending(Pending(self.target.gather(features, slots), [len(s) for s in slots]))
+
     def _queue_pending(self, new: Pending) -> None:
         """A cycle's committed features wait for the drafter. After a cycle without a draft forward (a plain step, or
         copied nodes alone) they wait behind the earlier pending ones, unjoined: the next draft takes them all in one
@@ -351,7 +311,7 @@ class Engine:
         self.queue.add(new)
         if max(self.queue.counts) >= PENDING_ABSORB:
             assert self.drafter is not None  # (features pend for a drafter only)
-            self.drafter.extend(self._take_pending())
+            self.absorb_pending()
 
     def retire(self, rows: Sequence[int]) -> None:
         """Drop finished rows (indices into the current rows) from every cache."""
@@ -364,6 +324,7 @@ class Engine:
         if not keep:
             self.reset()
             return
+        self.verification.retire(keep, len(self.rows))
         self.target.select(keep)
         if self.drafter is not None:
             self.drafter.select(keep)
@@ -372,7 +333,6 @@ class Engine:
                                        [self.pending.counts[i] for i in keep])
         self.rows = [self.rows[i] for i in keep]
         self.row_sampling = [self.row_sampling[i] for i in keep]
-        self._copies = [self._copies[i] for i in keep] if len(self._copies) == len(keep) + len(gone) else []
 
     # ---- single sequence: rewind and reset ---------------------------------------------------------------------------
     def crop(self, length: int) -> None:
@@ -402,32 +362,34 @@ class Engine:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
-        self.rows, self.pending, self.shared, self._copies = [], None, False, []
-        self.row_sampling = []
+        self.rows, self.pending, self.shared, self.row_sampling = [], None, False, []
+        self.verification.reset()
 
     def close(self) -> None:
         self.target.close()
 
-    # ---- internals -----------------------------------------------------------------------------------------------
-    def _row_draws(self, width: int, offset: int = 1, noise: int | None = None) -> list[RowDraw] | None:
+    # ---- what a cycle draws and reads (the tree cycle's too: dflash/core/tree_step.py) ---------------------------
+    def row_draws(self, width: int, offset: int = 1, noise: int | None = None) -> list[RowDraw] | None:
+        """Each row's draws for the positions n + offset .. n + offset + width - 1 (dflash.core.sampling.row_draws);
+        None when every row is greedy."""
         return row_draws(self.rows, self.row_sampling, lambda keys: self.target.gumbel(keys), width, offset, noise)
 
-    def _add_pending(self, features, n: int) -> None:
-        self.queue.add(Pending(features, [n]))
-
-    def _sample(self, logits, histories, block, paths=None, draws=None, draft=None):
-        """(the target's tokens, None); with self.logprobs set, (tokens, (chosen, tops)): per row and position the
+    def sample(self, logits, block, paths=None, draws=None, draft=None):
+        """Each row's tokens drawn from `logits` after its committed tokens + block (a tree: + paths) under its own
+        settings (Target.sample); (tokens, None), or with self.logprobs set (tokens, (chosen, tops)): per row and position the
         chosen token's log-probability and its top (id, log-probability) pairs, on the host."""
-        starts = [r.prompt_tokens for r in self.row_sampling]
+        out = self.target.sample(logits, self.rows, block, self.row_sampling, paths, self.logprobs, draws, draft)
         if self.logprobs is None:
-            return self.target.sample(logits, histories, block, paths, draws=draws, draft=draft,
-                                      starts=starts), None
-        tokens, (chosen, top_ids, top_lps) = self.target.sample(logits, histories, block, paths,
-                                                                logprobs=self.logprobs, draws=draws, draft=draft,
-                                                                starts=starts)
+            return out, None
+        tokens, (chosen, top_ids, top_lps) = out
         chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
-        tops = [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)]
-        return tokens, (chosen, tops)
+        return tokens, (chosen, [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)])
 
-    def _take_pending(self) -> Pending | None:
+    def take_pending(self) -> Pending | None:
+        """Every target feature the drafter has not read, for the next draft; none pending after."""
         return self.queue.take(self.target)
+
+    def absorb_pending(self) -> None:
+        """The drafter reads every pending feature into its context now (no draft)."""
+        assert self.drafter is not None  # (features pend for a drafter only)
+        self.drafter.extend(self.take_pending())

@@ -117,7 +117,7 @@ class _Row:
 
     def add(self, new: list[int], logprobs=None, top_logprobs=None) -> Increment:
         gen, detok = self.gen, self.detok
-        new, finish = gen._stop_policy(new, len(self.tokens))
+        new, finish = self._cut(new)
         kept, searched = len(self.tokens), len(detok.text)
         self.tokens.extend(new)
         detok.add(new)
@@ -126,7 +126,7 @@ class _Row:
         if gen.stop_strings:
             at, end = find_stop(detok.text, gen.stop_strings, searched)
             if at != -1:
-                self.tokens, finish = gen._tokens_reaching(self.tokens, kept, end), "stop"
+                self.tokens, finish = self._tokens_reaching(kept, end), "stop"
                 detok.text = detok.text[:at]
         visible = len(detok.text) if finish else max(self.emitted, len(detok.text) - self.hold)
         increment = Increment(self.tokens[kept:], detok.text[self.emitted:visible])
@@ -135,6 +135,26 @@ class _Row:
             increment.logprobs, increment.top_logprobs = logprobs[:n], top_logprobs[:n]
         self.emitted, self.finish = visible, finish
         return increment
+
+    def _cut(self, new: list[int]) -> tuple[list[int], str | None]:
+        """Cut a step's tokens at the first EOS (kept) and at max_new_tokens (exact)."""
+        finish = None
+        for i, tok in enumerate(new):
+            if tok in self.gen.eos:
+                new, finish = new[: i + 1], "stop"
+                break
+        room = self.gen.max_new_tokens - len(self.tokens)
+        if len(new) > room or (len(new) == room and finish is None):
+            new, finish = new[:room], "length"
+        return new, finish
+
+    def _tokens_reaching(self, kept: int, end: int) -> list[int]:
+        """The fewest tokens whose text covers a stop string ending at character `end` (none of the first `kept`
+        dropped)."""
+        for k in range(kept + 1, len(self.tokens) + 1):
+            if len(self.gen.tokenizer.decode(self.tokens[:k], skip_special_tokens=True)) >= end:
+                return self.tokens[:k]
+        return self.tokens
 
     def result(self, engine) -> "GenerationResult":
         gen = self.gen
@@ -323,25 +343,6 @@ class Generation:
     def __iter__(self) -> Iterator[Increment]:
         for cycle in _cycles(self.backend, [self]):
             yield cycle[0][1]
-
-    def _stop_policy(self, new: list[int], n_done: int) -> tuple[list[int], str | None]:
-        """Cut a step's tokens at the first EOS (kept) and at max_new_tokens (exact)."""
-        finish = None
-        for i, tok in enumerate(new):
-            if tok in self.eos:
-                new, finish = new[: i + 1], "stop"
-                break
-        room = self.max_new_tokens - n_done
-        if len(new) > room or (len(new) == room and finish is None):
-            new, finish = new[:room], "length"
-        return new, finish
-
-    def _tokens_reaching(self, tokens: list[int], kept: int, end: int) -> list[int]:
-        """The fewest tokens whose text covers a stop string ending at character `end`."""
-        for k in range(kept + 1, len(tokens) + 1):
-            if len(self.tokenizer.decode(tokens[:k], skip_special_tokens=True)) >= end:
-                return tokens[:k]
-        return tokens
 
     def run(self) -> GenerationResult:
         for _ in self:

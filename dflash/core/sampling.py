@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal, Sequence, get_args
 
 from .errors import SettingError
@@ -69,6 +70,12 @@ class SamplingParams:
     def output_penalties(self) -> bool:
         """The presence or the frequency penalty is on (their counts are over the output only)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @cached_property
+    def processors(self) -> bool:
+        """A logits processor is on (the logit bias, the repetition, presence or frequency penalty): a batch of
+        greedy rows without one is drawn by one argmax. (Cached: a target reads it for every row every cycle.)"""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.output_penalties
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Refuse what no sampler can use (logit_bias ids outside 0 .. vocab_size - 1 when it is given); returns the
@@ -219,7 +226,8 @@ class RowSampling:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         rule = acceptance_rule(params, has_distribution, trees)
         auto = params.accept == "auto" and not has_distribution
-        return cls(params, rule, seed, prompt_tokens, ShapeChoice(draft_temperatures(rule, params, auto)))
+        shapes = ShapeChoice(draft_temperatures(rule, params.draft_temperature, auto))
+        return cls(params, rule, seed, prompt_tokens, shapes)
 
     @property
     def greedy(self) -> bool:

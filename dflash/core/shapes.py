@@ -14,10 +14,7 @@ fixed before any of its own noise is read.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
-
-if TYPE_CHECKING:
-    from .sampling import SamplingParams
+from typing import Sequence
 
 # the draft temperatures an unseeded DFlash row chooses from (q, sharpened, argmax; ties go to the first), and a
 # matched one (coupled, argmax)
@@ -28,13 +25,14 @@ EXPLORE = 0.05  # the share of cycles after that which try a shape at random (ke
 DECAY = 0.95  # per observation of a shape: its estimate follows the text as it changes
 
 
-def draft_temperatures(rule: str, params: SamplingParams, auto: bool) -> tuple[float, ...]:
-    """The draft temperatures a row of this rule chooses from (one: fixed). auto: the request left the rule to
-    dflash (--accept auto), so a matched row may choose its shape too."""
+def draft_temperatures(rule: str, sharpened: float, auto: bool) -> tuple[float, ...]:
+    """The draft temperatures a row of this rule chooses from (one: fixed); sharpened: the request's
+    (SamplingParams.draft_temperature). auto: the request left the rule to dflash (--accept auto), so a matched row
+    may choose its shape too."""
     if rule in ("argmax", "multi"):
         return (0.0,)
     if rule == "sharpened":
-        return (float(params.draft_temperature),)
+        return (float(sharpened),)
     if rule == "shaped":
         return SHAPES
     if rule == "match" and auto:

@@ -1,0 +1,96 @@
+"""How the engine verifies its cycles (--verify chain / tree / auto): the choice Engine.set_verify makes once, and
+each cycle's chain, shorter chain, plain step or tree under it.
+
+chain verifies the B-1 proposals. tree verifies a tree of a fixed node count every cycle (dflash/core/tree_step.py).
+auto chooses, each cycle, what maximises committed tokens per second under the device's measured costs: a tree of
+some size, the chain, or a plain step; rows that verify by rejection (chains only) get a chain length instead
+(dflash/core/budget.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from .budget import ITL_LIMIT, VERIFY_MODES, TreePlanner
+from .chain_budget import ChainBudget
+from .chain_step import CycleEngine, chain_step
+from .contract import Capabilities, Drafter, Step
+from .cost_model import Costs
+from .errors import DFlashError, SettingError
+from .tree_step import TreeCycle
+
+
+class Verification:
+    """The verify mode of one engine: `mode` as it runs (a refused tree runs as chain, `note` says why), the tree
+    planner and its cycles (tree, auto), the chain budget (auto, for chains)."""
+
+    def __init__(self, mode: str = "chain", note: str = "", planner: TreePlanner | None = None,
+                 chain_budget: ChainBudget | None = None):
+        self.mode, self.note = mode, note
+        self.planner = planner
+        self.trees = TreeCycle(planner) if planner is not None else None
+        self.chain_budget = chain_budget
+
+    @classmethod
+    def choose(cls, mode: str, block_size: int, drafter: Drafter | None, capabilities: Capabilities,
+               budget: int | None = None, costs: Costs | None = None, copy_branch: bool = True,
+               itl_limit: float | None = ITL_LIMIT) -> Verification:
+        """chain: verify the B-1 proposals. tree: a tree of `budget` nodes every cycle. auto: each cycle, the node
+        count that maximises committed tokens per second under `costs` (chain when that is best), in cycles that
+        take at most `itl_limit` plain steps per token any row expects (None: no limit)."""
+        if mode not in VERIFY_MODES:
+            raise SettingError("verify", f"got {mode!r}, expected one of {', '.join(VERIFY_MODES)}")
+        if budget is not None and budget < 1:
+            raise SettingError("tree_budget", f"got {budget}, expected >= 1 draft nodes")
+        if mode == "chain" or drafter is None:
+            return cls()
+        reason, chain_budget = capabilities.tree_refusal, None
+        if mode == "auto" and not reason and drafter.distribution:
+            # DFlash2: its selector walk picks each proposal given the previous one; trees would branch over the
+            # raw top-k without it. auto still chooses how much of the chain to verify, or a plain step (a target
+            # that refuses trees keeps its full chain: a static cache wants one verify shape)
+            reason = "DFlash2's selector chooses the proposals"
+            chain_budget = ChainBudget(block_size, costs) if costs else None
+        if reason:
+            if mode == "tree":
+                raise DFlashError(f"--verify tree: {reason}; use --verify chain or auto")
+            return cls("chain", f"auto verifies the chain: {reason}", chain_budget=chain_budget)
+        if mode == "auto" and costs is None:
+            raise DFlashError("--verify auto: needs the device's measured costs (dflash.core.costs.measured_costs)")
+        if budget is None:  # tree: the chain's verify tokens; auto: as many as the measured costs reach
+            budget = block_size - 1 if mode == "tree" or costs is None else max(
+                block_size - 1, min(256, costs.verify[-1][0] - 1))
+        planner = TreePlanner(mode, block_size, budget, costs, copy_branch, itl_limit)
+        return cls(mode, "", planner, ChainBudget(block_size, costs) if mode == "auto" and costs is not None else None)
+
+    def step(self, engine: CycleEngine, anchors: Sequence[int]) -> list[Step]:
+        """One cycle for every row of `engine`; row i's anchor is its last committed token."""
+        context = max(map(len, engine.rows), default=0)  # what every verify token attends to (rows pad to the longest)
+        for budget in (self.planner, self.chain_budget):
+            if budget is not None:
+                budget.context = context
+        if self.chain_budget is not None and (self.planner is None or any(not r.greedy for r in engine.row_sampling)):
+            # chains only (sampled rows, a DFlash2 drafter, a target without trees): auto chooses their length, or a
+            # plain step
+            start = time.perf_counter()
+            length = self.chain_budget.length(rows=len(engine.rows))
+            steps = chain_step(engine, anchors, length=length)
+            self.chain_budget.observe(length, [s.accepted for s in steps], time.perf_counter() - start)
+            return steps
+        if self.planner is not None and self.trees is not None:
+            start = time.perf_counter()
+            path = self.planner.path() if not any(r.chains_only for r in engine.row_sampling) else "chain"
+            steps = self.trees.run(engine, list(anchors)) if path == "tree" else chain_step(engine, anchors)
+            self.planner.observe_speed(path, [s.accepted for s in steps], time.perf_counter() - start)
+            return steps
+        return chain_step(engine, anchors)
+
+    def retire(self, keep: list[int], rows: int) -> None:
+        """Of the engine's `rows` rows only `keep` stay, in that order."""
+        if self.trees is not None:
+            self.trees.retire(keep, rows)
+
+    def reset(self) -> None:
+        """The engine's rows start over."""
+        if self.trees is not None:
+            self.trees.reset()
