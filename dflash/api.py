@@ -17,6 +17,7 @@ from .core.extras import blas
 from .core.budget import ITL_LIMIT, VERIFY_MODES
 from .core.model_files.checkpoint import check_target_dir
 from .core.costs import measured_costs
+from .core.engine import Engine
 from .core.errors import DFlashError
 from .core.loop import Generation, GenerationResult, Increment, generate_batch
 from .core.sampling import SamplingParams
@@ -25,10 +26,10 @@ from .core.model_files.tokenizer import chat_ids, eos_token_ids, load_tokenizer
 
 
 class Pipeline:
-    """A target, an optional drafter and the target's tokenizer, behind one backend."""
+    """An engine (a target and an optional drafter on one backend, `backend_name`) and the target's tokenizer."""
 
-    def __init__(self, backend, tokenizer, target_dir: Path, draft_dir: Path | None, backend_name: str):
-        self.backend, self.tokenizer = backend, tokenizer
+    def __init__(self, engine: Engine, tokenizer, target_dir: Path, draft_dir: Path | None, backend_name: str):
+        self.engine, self.tokenizer = engine, tokenizer
         self.target_dir, self.draft_dir, self.backend_name = target_dir, draft_dir, backend_name
         self.eos_token_ids = eos_token_ids(target_dir, tokenizer)
 
@@ -44,16 +45,16 @@ class Pipeline:
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), trace: bool = False,
                **sampling_kwargs) -> Generation:
         """An iterable of `Increment`s; `.result` is filled once it is exhausted."""
-        sampling = (sampling or SamplingParams(**sampling_kwargs)).validate(self.backend.info.vocab_size)
+        sampling = (sampling or SamplingParams(**sampling_kwargs)).validate(self.engine.info.vocab_size)
         ids = self.encode(prompt, chat=chat)
         max_new_tokens = self.fit_to_context(max_new_tokens, len(ids))
-        return Generation(self.backend, ids, tokenizer=self.tokenizer, max_new_tokens=max_new_tokens,
+        return Generation(self.engine, ids, tokenizer=self.tokenizer, max_new_tokens=max_new_tokens,
                           sampling=sampling, eos_token_ids=self.eos_token_ids, stop_strings=stop, trace=trace)
 
     def fit_to_context(self, max_new_tokens: int, prompt_tokens: int) -> int:
         """max_new_tokens, capped with one line on stderr so that prompt + generation stay within the target's
         context (past max_position_embeddings a model's output is untrained territory, not an error)."""
-        max_context = self.backend.max_context
+        max_context = self.engine.max_context
         room = max_context - prompt_tokens if max_context else None
         if room is None or room < 1 or max_new_tokens <= room:  # room < 1: prefill refuses the prompt itself
             return max_new_tokens
@@ -71,10 +72,10 @@ class Pipeline:
         """All prompts in one batch (PyTorch backend): every cycle drafts and verifies all unfinished rows at once,
         each row accepting its own prefix; greedy row i equals generate(prompts[i]). The engine's caches then hold
         the batch, so the next single prompt is prefilled from scratch."""
-        if not self.backend.capabilities.batches:
-            raise DFlashError(self.backend.capabilities.batch_refusal)
-        sampling = (sampling or SamplingParams(**sampling_kwargs)).validate(self.backend.info.vocab_size)
-        return generate_batch(self.backend, [self.encode(p, chat=chat) for p in prompts], tokenizer=self.tokenizer,
+        if not self.engine.capabilities.batches:
+            raise DFlashError(self.engine.capabilities.batch_refusal)
+        sampling = (sampling or SamplingParams(**sampling_kwargs)).validate(self.engine.info.vocab_size)
+        return generate_batch(self.engine, [self.encode(p, chat=chat) for p in prompts], tokenizer=self.tokenizer,
                               max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=self.eos_token_ids,
                               stop_strings=stop, trace=trace)
 

@@ -160,9 +160,9 @@ class Chat:
     def __init__(self, pipe, args, out=None, err=None):
         self.pipe, self.args = pipe, args
         self.out, self.err = out or sys.stdout, err or sys.stderr
-        self.sampling = cli.sampling_from(args, pipe.backend.info.vocab_size)
+        self.sampling = cli.sampling_from(args, pipe.engine.info.vocab_size)
         self.conv = Conversation(pipe.tokenizer, args.system, args.thinking)
-        self.max_context = args.max_context or pipe.backend.max_context
+        self.max_context = args.max_context or pipe.engine.max_context
         self.stats = Stats()
 
     def context_name(self) -> str:
@@ -179,7 +179,7 @@ class Chat:
 
     # ---- one turn ------------------------------------------------------------------------------------------------
     def turn(self, user: str) -> str:
-        args, backend = self.args, self.pipe.backend
+        args, backend = self.args, self.pipe.engine
         reserve = min(args.max_new_tokens, self.max_context // 2) if self.max_context else 0
         ids, drop = self.conv.fit(user, self.max_context, reserve)
         max_new = args.max_new_tokens
@@ -252,7 +252,7 @@ class Chat:
 
     # ---- /stats --------------------------------------------------------------------------------------------------
     def report(self) -> list[str]:
-        s, backend = self.stats, self.pipe.backend
+        s, backend = self.stats, self.pipe.engine
         if not s.replies:
             return ["no replies yet"]
         per_token = s.decode_seconds / s.decode_tokens if s.decode_tokens else 0.0
@@ -342,7 +342,7 @@ def describe(pipe, args) -> str:
     draft = "no drafter"
     if pipe.draft_dir is not None:
         name = args.draft or (hub.draft_for(str(args.model)) if args.model else "bundled reference drafter")
-        draft = f"{name} (block {pipe.backend.block_size})"
+        draft = f"{name} (block {pipe.engine.block_size})"
     mode = "chat template" if getattr(pipe.tokenizer, "chat_template", None) else "plain completion (no chat template)"
     return f"dflash chat | {pipe.backend_name} | {target} + {draft} | {mode}"
 

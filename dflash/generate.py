@@ -35,7 +35,7 @@ def prompt_ids_from(args, pipe) -> list[int]:
             ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
             raise DFlashError(f"--prompt-ids: expected comma-separated integers, got {args.prompt_ids!r}") from None
-        vocab = pipe.backend.info.vocab_size
+        vocab = pipe.engine.info.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise DFlashError(f"--prompt-ids: id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     if args.max_new_tokens < 1:
         raise DFlashError(f"--max-new-tokens: got {args.max_new_tokens}, expected >= 1")
     pipe = cli.load_pipeline(args)
-    sampling = cli.sampling_from(args, pipe.backend.info.vocab_size)  # (--logit-bias ids, now the vocabulary is known)
+    sampling = cli.sampling_from(args, pipe.engine.info.vocab_size)  # (--logit-bias ids, now the vocabulary is known)
     ids = prompt_ids_from(args, pipe)
     gen = pipe.stream(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, trace=args.trace)
     if args.json:

@@ -62,10 +62,10 @@ def main() -> None:
                 continue
             accepted, verified, tokens = [], [], 0
             for seed, prompt in enumerate(prompts):
-                pipes[mode].backend.reset()
+                pipes[mode].engine.reset()
                 params = SamplingParams(temperature=temperature, seed=args.seed + seed, accept=rule,
                                         draft_temperature=draft_temperature if rule == "sharpened" else 0.5)
-                r = generate(pipes[mode].backend, prompt["ids"], max_new_tokens=args.max_new_tokens, sampling=params)
+                r = generate(pipes[mode].engine, prompt["ids"], max_new_tokens=args.max_new_tokens, sampling=params)
                 accepted += [n - 1 for n in r.acceptance_lengths]
                 verified += r.verified
                 tokens += len(r.tokens)

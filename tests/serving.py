@@ -21,7 +21,7 @@ def seed_costs(cache_dir: Path, backend: str, costs: dict = STEEP_COSTS) -> None
     keyed as a server started with the same environment keys it, so the server runs auto under these costs instead
     of measuring its own."""
     code = ("import dflash; from dflash.core.costs import cost_key; "
-            f"print(cost_key(dflash.load(backend={backend!r}, verify='chain').backend))")
+            f"print(cost_key(dflash.load(backend={backend!r}, verify='chain').engine))")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DFLASH_CACHE_DIR=str(cache_dir))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          check=True)

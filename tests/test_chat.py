@@ -278,7 +278,7 @@ def test_max_context_drops_oldest_turns(pipe):
         chat.turn(m)
     assert "dropped the" in err.getvalue()
     assert [u for u, _ in chat.conv.turns][-1] == messages[-1] and len(chat.conv.turns) < 3
-    assert len(pipe.backend.cached_tokens) <= 80
+    assert len(pipe.engine.cached_tokens) <= 80
     with pytest.raises(Exception, match="--max-context"):
         chat.turn("x " * 200)
     chat.command("/reset")

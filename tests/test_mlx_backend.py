@@ -15,7 +15,7 @@ from fakes import OracleDrafter  # noqa: E402
 from paused import check_paused_cycles  # noqa: E402
 
 from dflash.backends.mlx import load  # noqa: E402
-from dflash.backends.mlx.target_runner import mlx_engine  # noqa: E402
+from dflash.backends.mlx.backend import mlx_engine  # noqa: E402
 from dflash.backends.mlx.drafter import load_drafter  # noqa: E402
 from dflash.backends.mlx.target import decoder_layers, embedding, load_target  # noqa: E402
 from dflash.core.errors import DFlashError  # noqa: E402

@@ -39,7 +39,7 @@ def solo(pipe):
 
 @pytest.mark.parametrize("fault", ["sampler", "forward"])
 def test_a_failing_row_fails_alone(pipe, solo, monkeypatch, fault):
-    engine = pipe.backend
+    engine = pipe.engine
     if fault == "sampler":
         draws = {"poisoned": 0}
         real_draw = TorchSampler.draw
@@ -78,7 +78,7 @@ def test_a_failing_row_fails_alone(pipe, solo, monkeypatch, fault):
 
 def serve(pipe, prompts, params):
     """Every prompt submitted at once to a Scheduler's engine thread; each one's last event, and the scheduler."""
-    engine = pipe.backend
+    engine = pipe.engine
     scheduler = Scheduler(engine, Metrics(engine.block_size), max_batch=16, max_queue=0)
 
     async def run():
@@ -107,7 +107,7 @@ def test_a_batch_fault_fails_no_row(pipe, solo, monkeypatch, caplog):
     """The target's forward raises twice on a batch of several rows and never on one: every row replays clean
     alone, so no request fails; each fault is one warning line (its traceback at debug level), and every row's
     output is its output alone."""
-    engine = pipe.backend
+    engine = pipe.engine
     real_forward = type(engine.target).forward
     faults = {"left": 2, "cycles": 0}
 

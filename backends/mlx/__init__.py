@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-_PUBLIC = {"mlx_engine": "target_runner", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
+_PUBLIC = {"mlx_engine": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
            "DFlashDrafter": "drafter", "load_drafter": "drafter"}
 
 
@@ -24,7 +24,7 @@ def load(target_dir, draft_dir=None, *, dtype: str = "auto", device: str = "auto
 
     from dflash.core.model_files.checkpoint import load_pair
 
-    from .target_runner import mlx_engine
+    from .backend import mlx_engine
     from .drafter import load_drafter
     from .target import load_target, resolve_device, resolve_dtype, target_info
 

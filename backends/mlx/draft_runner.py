@@ -12,12 +12,12 @@ from dflash.core.sampling import RowDraw
 from .draft_cache import DraftContextCache
 from .drafter import DFlashDrafter, scale_logits, spread
 from .ops import MLXOps
-from .sampling import MLXSampler
+from .sampling import sampler
 
 
 def _filtered(params, logits: mx.array) -> mx.array:
     """One row's draft logits (P, V) under the row's sampling filters (mlx-lm's, in transformers' order)."""
-    return MLXSampler(params).filtered(logits)
+    return sampler(params).filtered(logits)
 
 
 class MLXDraft:

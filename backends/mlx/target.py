@@ -123,7 +123,7 @@ class _Tap:
         return getattr(self.layer, name)
 
 
-class TargetRunner:
+class TappedForward:
     """Forward passes of an mlx-lm model with its own cache, recording the layers in `layer_ids`. The taps are put
     into this model instance's layer list for the duration of one call and removed after, so two runners with
     different layer ids can share a model, and nothing outlives the call."""

@@ -1,4 +1,4 @@
-"""MLX backend: an mlx-lm target + a DFlash drafter as primitives of the one engine (dflash/core/engine.py).
+"""The target's primitives for dflash.core.engine on MLX: an mlx-lm model, its cache, rows, sampling.
 
 Everything stays lazy inside a cycle: the draft's proposals feed the verify forward as an array, and the only
 device -> host read is the `tolist()` of the B drafted + B target ids at the end of verify(). Rows share mlx-lm's
@@ -17,19 +17,15 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from dflash.core.extras.blas import openblas_preloaded
 from dflash.core.contract import Capabilities
-from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
 from dflash.core.rows import RowLayout, visible
 from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
 from dflash.core.sampling import RowSampling
-from dflash.core.spec import drafter_block_size
 from dflash.core.tree import TreeInputs
 
-from .draft_runner import MLXDraft
-from .drafter import DFlashDrafter
 from .rewind import MLXRewind, needs_rewind
 from .sampling import gumbel, multi_candidate_tokens, rejection_tokens, sampler
-from .target import TargetRunner, embedding, lm_head, target_info
+from .target import TappedForward, embedding, target_info
 from .tree import explicit_positions, keep_path, positions_refusal
 
 
@@ -38,7 +34,7 @@ class MLXTarget:
         self.model, self.config = model, config
         self.info = target_info(model, config)
         self.max_context = config.get("text_config", config).get("max_position_embeddings")
-        self.runner = TargetRunner(model, config, layer_ids)
+        self.runner = TappedForward(model, config, layer_ids)
         self.rewind: MLXRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
         self.cache = self._new_cache()
         self.layout: RowLayout | None = None  # once rows share the cache
@@ -268,20 +264,6 @@ class MLXTarget:
             raise DFlashError(f"{self.info.model_type}: this target's mlx-lm cache cannot be rewound (recurrent or "
                               "rotating layers), which speculative decoding needs")
         return cache
-
-
-def mlx_engine(model, config: dict, drafter: DFlashDrafter | None = None, block_size: int | None = None,
-               draft_window: int | None = None, prefill_chunk: int = 2048, validated: bool = False) -> Engine:
-    """The engine over an mlx-lm target (+ a drafter)."""
-    target = MLXTarget(model, config, drafter.spec.target_layer_ids if drafter is not None else None)
-    draft = None
-    if drafter is not None:
-        block_size = drafter_block_size(drafter, target.info, block_size, validated)
-        embed = embedding(model)
-        dtype = embed(mx.array([[0]])).dtype  # the drafter computes in the dtype the embeddings come out in
-        draft = MLXDraft(drafter, embed, lm_head(model), dtype, window=draft_window,
-                         logit_scaling=drafter.spec.logit_scaling(target.info))
-    return Engine(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="mlx")
 
 
 def _filled(cache) -> tuple[mx.array, mx.array]:

@@ -224,6 +224,7 @@ class TorchDraft:
         return flat.view(*hidden.shape[:-1], -1)
 
     def _static_forward(self, block, features, start, n):
+        assert isinstance(self.cache, StaticDraftCache)  # (static_capacity set: the compiled path's buffers)
         hidden = static_draft(self.drafter, self.embed_block(block), features, start, n, self.cache, *self._rope)
         return self.logits(hidden[:, 1:]), hidden[:, 1:]
 

@@ -29,9 +29,12 @@ forward is impossible for these layers; `rewind` then returns False and the back
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from dflash.core.errors import DFlashError
 
 from .target import decoder_layers
 
@@ -58,15 +61,13 @@ class CacheRewind:
                 continue
             missing = [a for a in _LINEAR_ATTRS if not hasattr(mixer, a)]
             if missing:
-                from dflash.core.errors import DFlashError
-
                 raise DFlashError(f"{type(mixer).__name__}: a linear-attention layer this backend cannot rewind "
                                   f"(no {', '.join(missing)}); speculative decoding needs an exact rollback")
             self.linear[i] = mixer
             self.ab[i] = {}
             for name in ("a", "b"):
                 self.handles.append(getattr(mixer, f"in_proj_{name}").register_forward_hook(self._record(i, name)))
-        self.cache = None
+        self.cache: Any = None  # the DynamicCache of attach() (transformers' caches are untyped)
         self.snapshot: dict[int, torch.Tensor | None] = {}
         self.post: list[dict] | None = None
         self.length = 0  # positions of the last forward
@@ -80,8 +81,6 @@ class CacheRewind:
     def attach(self, cache) -> None:
         unknown = [i for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states") and i not in self.linear]
         if unknown:
-            from dflash.core.errors import DFlashError
-
             raise DFlashError(f"layer {unknown[0]}: recurrent/convolutional state of a kind this backend cannot "
                               "rewind (only Gated DeltaNet linear attention is); speculative decoding needs an exact "
                               "rollback")

@@ -331,8 +331,8 @@ class TorchTarget:
                 self.rewind.attach(cache)
                 return cache
             return growing(cache, self.max_context)
-        cache = StaticCache(config=self.model.config, max_cache_len=self.cache_len)
-        if bounded_layers(cache):
+        static = StaticCache(config=self.model.config, max_cache_len=self.cache_len)
+        if bounded_layers(static):
             raise DFlashError(f"{self.info.model_type}: a static cache (cache_len / --compile) cannot rewind this "
                               "target's sliding-window or linear-attention layers; use the dynamic cache")
-        return cache
+        return static

@@ -107,7 +107,7 @@ def build_prompts(tokenizer, lengths: list[int], num_prompts: int, seed: int) ->
 def decode_all(pipe, prompts: list[dict], max_new_tokens: int, progress=None) -> list:
     out = []
     for p in prompts:
-        pipe.backend.reset()  # no prefix reuse: prompt i at length L starts like prompt i at shorter lengths
+        pipe.engine.reset()  # no prefix reuse: prompt i at length L starts like prompt i at shorter lengths
         out.append(pipe.generate(p["ids"], max_new_tokens=max_new_tokens))
         if progress:
             progress()
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     args.verify = "chain"
 
     pipe = load(args, no_draft=True, draft_window=None)
-    max_context = pipe.backend.max_context
+    max_context = pipe.engine.max_context
     lengths = []
     for n in dict.fromkeys(args.lengths):
         fit = min(n, max_context - args.max_new_tokens) if max_context else n
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
             pipe = load(args, draft_window=w)
             if pipe.draft_dir is None:
                 raise DFlashError("long-context: no drafter for this target; pass --draft DIR")
-            block = pipe.backend.block_size
+            block = pipe.engine.block_size
             report.update(draft=str(pipe.draft_dir), block_size=block)
             for n in lengths:
                 group = [x for x in prompts if x["length"] == n]

@@ -112,10 +112,10 @@ class DFlashRunner:
                                 verify=method.verify, tree_budget=cfg.get("tree_budget"),
                                 copy_branch=method.copy_branch)
         self.pipe.eos_token_ids = set(cfg["eos_token_ids"])
-        self.info = {"block_size": self.pipe.backend.block_size}
+        self.info = {"block_size": self.pipe.engine.block_size}
 
     def generate(self, ids: list[int], seed: int) -> dict:
-        self.pipe.backend.reset()  # no prompt-prefix reuse across prompts: every method prefills from scratch
+        self.pipe.engine.reset()  # no prompt-prefix reuse across prompts: every method prefills from scratch
         sampling = SamplingParams(temperature=self.cfg["temperature"], seed=seed,
                                   accept=self.cfg.get("accept", "auto"),
                                   draft_temperature=self.cfg.get("draft_temperature", 0.5))

@@ -37,8 +37,8 @@ METHODS = {"plain": {"no_draft": True}, "chain": {"verify": "chain"}, "tree": {"
 
 def decode(pipe, ids: list[int], n: int):
     """One greedy generation of exactly n tokens (EOS ignored) from a cold cache."""
-    pipe.backend.reset()  # no prefix reuse between runs
-    return Generation(pipe.backend, ids, tokenizer=pipe.tokenizer, max_new_tokens=n).run()
+    pipe.engine.reset()  # no prefix reuse between runs
+    return Generation(pipe.engine, ids, tokenizer=pipe.tokenizer, max_new_tokens=n).run()
 
 
 def markdown(report: dict) -> str:
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
              for m in methods}
     first = next(iter(pipes.values()))
     ids = first.encode(args.prompt, chat=args.chat)
-    max_context = first.backend.max_context
+    max_context = first.engine.max_context
     lengths = sorted({min(n, max_context - len(ids)) if max_context else n for n in args.lengths})
     for pipe in pipes.values():
         decode(pipe, ids, 16)  # warm-up: first-forward allocations and kernel choices are not the length's cost

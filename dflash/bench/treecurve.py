@@ -27,7 +27,7 @@ CHAINS = (2, 3, 5, 9, 16)  # block sizes: B-1 verified tokens
 
 def run_curve(pipe, prompts: list[list[int]], max_new_tokens: int, budgets, chains, copy_branch: bool,
               progress=None) -> dict:
-    backend = pipe.backend
+    backend = pipe.engine
     backend.set_verify("chain")
     reference = [pipe.generate(p, max_new_tokens=max_new_tokens).tokens for p in prompts]
     full_block = backend.block_size
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     pipe = cli.load_pipeline(args)
     if pipe.draft_dir is None:
         raise DFlashError("tree-curve: needs a drafter (drop --no-draft)")
-    rows, _ = load_prompts([args.prompts], pipe.tokenizer, args.num_prompts, False, pipe.backend.max_context,
+    rows, _ = load_prompts([args.prompts], pipe.tokenizer, args.num_prompts, False, pipe.engine.max_context,
                            args.max_new_tokens)
     prompts = [x["ids"] for x in rows]
     total = len(prompts) * (len(args.chains) + len(args.budgets))

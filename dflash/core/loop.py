@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence, cast
 
+from .engine import Engine
 from .errors import DFlashError, SettingError
 from .sampling import SamplingParams
 from .stats import cycle_counts, mean_acceptance_length
@@ -156,7 +157,7 @@ class _Row:
                 return self.tokens[:k]
         return self.tokens
 
-    def result(self, engine) -> "GenerationResult":
+    def result(self, engine: Engine) -> "GenerationResult":
         gen = self.gen
         assert self.finish is not None, "a row has a result once it finished"
         return GenerationResult(
@@ -177,7 +178,7 @@ class Batch:
     set when it leaves. generate(), generate_batch() and the server's engine thread all drive this object.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self.rows: list[_Row] = []  # live rows, in the engine's row order
 
@@ -307,10 +308,10 @@ class Batch:
         self.engine.logprobs = max(wants) if wants else None
 
 
-def _cycles(backend, gens: Sequence["Generation"]) -> Iterator[list[tuple[int, Increment]]]:
+def _cycles(engine: Engine, gens: Sequence["Generation"]) -> Iterator[list[tuple[int, Increment]]]:
     """A fixed set of generations through one Batch; yields each cycle's (index, Increment) pairs (the first: every
     prefill's token) and leaves the results on the Generations."""
-    batch = Batch(backend)
+    batch = Batch(engine)
     yield [(i, batch.join(g)) for i, g in enumerate(gens)]
     index = {id(g): i for i, g in enumerate(gens)}
     while batch:
@@ -320,7 +321,7 @@ def _cycles(backend, gens: Sequence["Generation"]) -> Iterator[list[tuple[int, I
 class Generation:
     """Iterate for `Increment`s; `.result` holds the `GenerationResult` once the iterator is exhausted."""
 
-    def __init__(self, backend, prompt_ids: Sequence[int], *, tokenizer=None, max_new_tokens: int = 256,
+    def __init__(self, engine: Engine, prompt_ids: Sequence[int], *, tokenizer=None, max_new_tokens: int = 256,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Iterable[int] = (),
                  stop_strings: Sequence[str] = (), trace: bool = False, logprobs: int | None = None):
         if len(prompt_ids) == 0:
@@ -329,7 +330,7 @@ class Generation:
             raise SettingError("max_new_tokens", f"got {max_new_tokens}, expected >= 1")
         if stop_strings and tokenizer is None:
             raise DFlashError("--stop: stop strings need a tokenizer to detokenize with")
-        self.backend = backend
+        self.engine = engine
         self.prompt_ids = list(prompt_ids)
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
@@ -341,7 +342,7 @@ class Generation:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[Increment]:
-        for cycle in _cycles(self.backend, [self]):
+        for cycle in _cycles(self.engine, [self]):
             yield cycle[0][1]
 
     def run(self) -> GenerationResult:
@@ -351,11 +352,11 @@ class Generation:
         return self.result
 
 
-def generate(backend, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
-    return Generation(backend, prompt_ids, **kwargs).run()
+def generate(engine: Engine, prompt_ids: Sequence[int], **kwargs) -> GenerationResult:
+    return Generation(engine, prompt_ids, **kwargs).run()
 
 
-def generate_batch(backend, prompts: Sequence[Sequence[int]], *, on_cycle=None, **kwargs) -> list[GenerationResult]:
+def generate_batch(engine: Engine, prompts: Sequence[Sequence[int]], *, on_cycle=None, **kwargs) -> list[GenerationResult]:
     """Several prompts at once through one engine (any backend whose target batches); each row accepts its own prefix per cycle and stops on
     its own, so row i's greedy output is generate()'s for it. on_cycle(tokens, finished), if given, is called after
     every cycle with the tokens it committed over all rows and the (index, result) of each row that finished in it,
@@ -367,9 +368,9 @@ def generate_batch(backend, prompts: Sequence[Sequence[int]], *, on_cycle=None, 
     # is generate()'s with the same seed)
     per_row = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
                for i in range(len(prompts))]
-    gens = [Generation(backend, p, sampling=s, **kwargs) for p, s in zip(prompts, per_row)]
+    gens = [Generation(engine, p, sampling=s, **kwargs) for p, s in zip(prompts, per_row)]
     reported: set[int] = set()
-    for increments in _cycles(backend, gens):
+    for increments in _cycles(engine, gens):
         if on_cycle is not None:
             finished = [(i, g.result) for i, g in enumerate(gens) if g.result is not None and i not in reported]
             reported.update(i for i, _ in finished)

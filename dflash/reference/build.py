@@ -307,7 +307,7 @@ def measure_tau(target_dir: Path, draft_dir: Path, prompts: list[str], max_new_t
         n_tok += r.generation_tokens
         rows.append({"prompt": p, "completion": r.text, "tau": r.mean_acceptance_length,
                      "tokens": r.generation_tokens})
-    b = spec_pipe.backend.block_size
+    b = spec_pipe.engine.block_size
     return {"tau": mean_acceptance_length(lengths), "cycles": len(lengths), "tokens": n_tok,
             "histogram": acceptance_histogram(lengths, b), "per_position": per_position_acceptance(lengths, b),
             "decode_seconds_speculative": round(t_spec, 3), "decode_seconds_target_only": round(t_plain, 3),

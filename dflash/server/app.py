@@ -41,7 +41,7 @@ class Server:
                  api_key: str | None = None, max_request_bytes: int = 1 << 20, drain_timeout: float = 30.0,
                  prefix_cache_mb: float = 0, chat_template: str | None = None, sampling_defaults: dict | None = None,
                  body_timeout: float = 30.0, metrics_public: bool = False, executor=None, prefill_step: int = 256):
-        self.pipe, self.engine, self.tokenizer = pipe, pipe.backend, pipe.tokenizer
+        self.pipe, self.engine, self.tokenizer = pipe, pipe.engine, pipe.tokenizer
         if not self.engine.capabilities.batches:
             max_batch = 1  # one row at a time: requests queue in FIFO order
         self.model_name, self.names = model_name, {model_name, *aliases}
@@ -68,6 +68,7 @@ class Server:
             self.scheduler.start()
             yield
             self.scheduler.drain(0)  # (after a drain, a no-op: every request has been answered already)
+            assert self.scheduler.future is not None  # (started above)
             try:
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.scheduler.future)), ENGINE_GRACE)
             except asyncio.TimeoutError:

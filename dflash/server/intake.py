@@ -109,7 +109,7 @@ def _unsupported(req, chat: bool) -> None:
 class Intake:
     def __init__(self, pipe, names: set[str], model_name: str, chat_template: str | None = None,
                  sampling_defaults: dict | None = None):
-        self.pipe, self.engine, self.tokenizer = pipe, pipe.backend, pipe.tokenizer
+        self.pipe, self.engine, self.tokenizer = pipe, pipe.engine, pipe.tokenizer
         self.names, self.model_name = names, model_name
         self.chat_template, self.sampling_defaults = chat_template, dict(sampling_defaults or {})
         vocab = self.tokenizer.get_vocab()
