@@ -92,7 +92,7 @@ class ScriptedEngine:
 def client_for(answer: str):
     tok = CharTokenizer()
     engine = ScriptedEngine(tok.encode(answer) + [EOS])
-    pipe = SimpleNamespace(backend=engine, tokenizer=tok, eos_token_ids={EOS}, backend_name="torch")
+    pipe = SimpleNamespace(engine=engine, tokenizer=tok, eos_token_ids={EOS}, backend_name="torch")
     return TestClient(Server(pipe, model_name="m").app()), tok
 
 
@@ -194,7 +194,7 @@ def test_drain_ends_streams_while_the_engine_is_inside_a_cycle():
     thread, after its cycle, and uvicorn had cancelled the streams by then)."""
     tok = CharTokenizer()
     engine = StuckEngine(tok.encode("x" * 200) + [EOS])
-    pipe = SimpleNamespace(backend=engine, tokenizer=tok, eos_token_ids={EOS}, backend_name="torch")
+    pipe = SimpleNamespace(engine=engine, tokenizer=tok, eos_token_ids={EOS}, backend_name="torch")
     server = Server(pipe, model_name="m", drain_timeout=0.5)
     lines = []
 
