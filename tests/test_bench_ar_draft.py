@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+pytest.importorskip("torch")
+
 from dflash.backends.torch.ar_draft import TAU_DRAFT_LENGTHS, greedy_tau
 from dflash.bench import ar_draft
 from dflash.core.errors import DFlashError
