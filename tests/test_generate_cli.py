@@ -12,7 +12,8 @@ def run(*args, input=None):
                           input=input, timeout=300)
 
 
-@pytest.mark.parametrize("verify", ["chain", "auto", pytest.param("tree", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("verify", ["auto", pytest.param("chain", marks=pytest.mark.slow),
+                                    pytest.param("tree", marks=pytest.mark.slow)])
 def test_json_contract(tiny_target_dir, random_draft_dir, verify):
     p = run("--backend", "torch", "--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "def f(x):",
             "--max-new-tokens", 24, "--json", "--trace", "--verify", verify, "--tree-budget", 6)

@@ -118,6 +118,7 @@ def test_backend_auto_picks_mlx_when_torch_is_missing():
     assert json.loads(p.stdout)["generation_tokens"] == 3
 
 
+@pytest.mark.slow
 def test_bench_without_matplotlib_writes_results_and_says_so(tmp_path):
     p = run_without(("matplotlib",), "dflash.bench", "--methods", "no_draft", "--prompts", "reference",
                     "--num-prompts", "1", "--max-new-tokens", "2", "--warmup", "0", "--threads", "1",

@@ -81,8 +81,9 @@ def lossless(pair, observed, temperature=1.0, prompt=PROMPT):
     return chi_square_ok(observed.flatten(), exact_pair(pair[0], temperature, prompt).flatten() * observed.sum())
 
 
-@pytest.mark.parametrize("accept, backend", [("rejection", "torch"), ("match", "torch"), ("rejection", "mlx"),
-                                             ("match", "mlx")])
+@pytest.mark.parametrize("accept, backend", [("rejection", "torch"), ("match", "torch"),
+                                             pytest.param("rejection", "mlx", marks=pytest.mark.slow),
+                                             pytest.param("match", "mlx", marks=pytest.mark.slow)])
 def test_chain_rules_are_exact(small_vocab_pair, accept, backend):
     """(t2, t3): t2 at block position 1, t3 at position 2 when the first draft token is accepted."""
     if backend == "mlx":
