@@ -3,13 +3,13 @@ forward, commit each row's accepted prefix and the target's own token after it (
 arrays of one cycle).
 
 A cycle drives its engine through the engine's public cycle API, CycleEngine: the rows and their models, the
-primitives draft / verify / commit, the draws, the sampler, the pending features."""
+primitives draft / verify / commit, the draws, the sampler."""
 
 from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from .contract import Draft, Drafter, Pending, Step, Target, Verified
+from .contract import Draft, Drafter, Step, Target, Verified
 from .sampling import RowDraw, RowSampling, accepted_length
 
 
@@ -34,7 +34,6 @@ class CycleEngine(Protocol):
     def commit_slots(self, slots: list[list[int]], width: int, committed: list[list[int]], features) -> None: ...
     def row_draws(self, width: int, offset: int = 1, noise: int | None = None) -> list[RowDraw] | None: ...
     def sample(self, logits, block, paths=None, draws=None, draft=None) -> tuple: ...
-    def take_pending(self) -> Pending | None: ...
 
 
 def chain_step(engine: CycleEngine, anchors: Sequence[int], top_k: int = 0, length: int | None = None) -> list[Step]:

@@ -48,8 +48,7 @@ class TreeCycle:
         draws = engine.row_draws(b)
         if drafts:
             assert engine.drafter is not None  # (the planner drafts only with a drafter)
-            draft = engine.drafter.propose(target.ids([[a] for a in anchors]), engine.take_pending(),
-                                           planner.draft_block, planner.top_k, draws)
+            draft = engine.draft(anchors, planner.top_k, draws, block=planner.draft_block)
             plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
         else:
             plan = planner.plan(anchors, copies=copies)
