@@ -24,6 +24,10 @@ from .core.sampling import SamplingParams
 from .core.spec import DraftSpec
 from .core.model_files.tokenizer import chat_ids, eos_token_ids, load_tokenizer
 
+# --compile's default static cache: every decoding step attends over all of it, so it is not the full context of a
+# long-context model (SmolLM2: 8192) unless asked for with --cache-len
+COMPILED_CACHE_LEN = 2048
+
 
 class Pipeline:
     """An engine (a target and an optional drafter on one backend, `backend_name`) and the target's tokenizer."""
@@ -83,12 +87,15 @@ class Pipeline:
 def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None = None, *, backend: str = "auto",
          no_draft: bool = False, dtype: str = "auto", device: str = "auto", block_size: int | None = None,
          draft_window: int | None = None, trust_remote_code: bool = False, verify: str = "auto",
-         tree_budget: int | None = None, copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT) -> Pipeline:
+         tree_budget: int | None = None, copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT,
+         compile: bool = False, cache_len: int | None = None) -> Pipeline:
     """verify: chain (the drafter's B-1 proposals), tree (`tree_budget` nodes of the most probable prefixes each
     cycle) or auto (each cycle the node count that maximises tokens per second on this device, from costs measured
     at load and cached; see dflash/core/budget.py). itl_limit (auto): a cycle takes at most this many plain steps
     per token any of its rows expects, so that in a batch a row whose drafts are rarely accepted is not slowed
-    down by the others' trees (None or 0: no limit)."""
+    down by the others' trees (None or 0: no limit). compile (torch): the target's K/V in a preallocated static
+    cache of `cache_len` positions (default: the target's context, at most COMPILED_CACHE_LEN) and the decoding
+    forwards through torch.compile; one stream (trees and batches need the dynamic cache, so auto verifies chains)."""
     name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load
     if verify not in VERIFY_MODES:
         raise DFlashError(f"--verify: got {verify!r}, expected one of {', '.join(VERIFY_MODES)}")
@@ -96,6 +103,13 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         raise DFlashError(f"--tree-budget: got {tree_budget}, expected >= 1 draft nodes")
     if itl_limit is not None and itl_limit != 0 and not itl_limit >= 1:
         raise DFlashError(f"--itl-limit: got {itl_limit}, expected 0 (no limit) or >= 1 plain steps per token")
+    if cache_len is not None and not compile:
+        raise DFlashError("--cache-len: sizes the static cache of --compile; add --compile or drop it")
+    if cache_len is not None and cache_len < 1:
+        raise DFlashError(f"--cache-len: got {cache_len}, expected >= 1 positions")
+    if compile and name != "torch":
+        raise DFlashError(f"--compile: a torch option (static cache + torch.compile); the {name} backend runs "
+                          "without it")
     if model is not None:
         pair = hub.pair_for(str(model))  # refuse a known-unsupported family before downloading it
         if pair is not None and not no_draft and name not in pair.backends:
@@ -111,9 +125,16 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     if name == "mlx":
         blas.tell_once(blas.advice(blas.mlx_blas()))  # the inputs are fine: say why this run will be slow
     tokenizer = load_tokenizer(target_dir, trust_remote_code)
+    extra: dict = {}
+    if compile:
+        text = target_config["text_config"] if isinstance(target_config.get("text_config"), dict) else target_config
+        cache_len = cache_len or min(text.get("max_position_embeddings") or COMPILED_CACHE_LEN, COMPILED_CACHE_LEN)
+        extra = {"compile": True, "cache_len": cache_len}
+        print(f"dflash: --compile: a static cache of {cache_len} positions; the first forward of each shape "
+              "compiles (tens of seconds on a CPU, less once torch's compile cache holds it)", file=sys.stderr)
     be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
                       draft_window=draft_window, trust_remote_code=trust_remote_code, spec=spec,
-                      target_config=target_config)
+                      target_config=target_config, **extra)
     if len(tokenizer) > be.info.vocab_size:
         raise DFlashError(f"{target_dir}: the tokenizer has {len(tokenizer)} tokens but the target's embedding table "
                           f"has {be.info.vocab_size} rows (a tokenizer of another model?)")

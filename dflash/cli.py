@@ -9,7 +9,7 @@ import signal
 import sys
 
 from . import backends
-from .api import load
+from .api import COMPILED_CACHE_LEN, load
 from .core.extras import blas
 from .core.budget import ITL_LIMIT
 from .core.errors import DFlashError, did_you_mean
@@ -74,6 +74,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "accepted (0: no limit; default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda[:N], mps")
+    p.add_argument("--compile", action="store_true",
+                   help="torch, one stream: a preallocated static cache and torch.compile'd forwards (the first "
+                   "forward of each shape compiles; trees and batches need the dynamic cache: auto verifies chains)")
+    p.add_argument("--cache-len", type=int, help="--compile: the static cache's positions, prompt and output "
+                   "(default: the target's context, at most %d)" % COMPILED_CACHE_LEN)
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
     p.add_argument("--debug", action="store_true", help="full tracebacks")
 
@@ -151,7 +156,8 @@ def load_pipeline(args):
     return load(args.model, args.draft, backend=args.backend, no_draft=args.no_draft, dtype=args.dtype,
                 device=args.device, block_size=args.block_size, draft_window=args.draft_window,
                 trust_remote_code=args.trust_remote_code, verify=args.verify, tree_budget=args.tree_budget,
-                copy_branch=args.copy_branch, itl_limit=args.itl_limit)
+                copy_branch=args.copy_branch, itl_limit=args.itl_limit, compile=args.compile,
+                cache_len=args.cache_len)
 
 
 def run(main, argv=None) -> int:

@@ -60,6 +60,9 @@ def check_args(args) -> None:
                              ("--prefill-step", args.prefill_step, 1)):
         if value < low:
             raise DFlashError(f"{flag}: got {value}, expected >= {low}")
+    if args.compile:
+        raise DFlashError("--compile: the server decodes its requests as one batch on the dynamic cache; the static, "
+                          "compiled cache runs one stream (generate, chat, bench)")
     if args.prefix_cache_mb < 0:
         raise DFlashError(f"--prefix-cache-mb: got {args.prefix_cache_mb}, expected >= 0")
     if not args.drain_timeout >= 0:

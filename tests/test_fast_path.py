@@ -52,7 +52,7 @@ def test_fixed_shape_drafter_matches_dynamic(pair, monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # eager: the same fixed-shape code
     target_dir, draft_dir, prompts = pair
     model, drafter = load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir)
-    fixed = torch_engine(model, drafter, cache_len=256, compile=True)
+    fixed = torch_engine(model, drafter, cache_len=256, compile=True, compile_draft=True)
     assert isinstance(fixed.drafter.cache, StaticDraftCache)  # the fixed-shape forward runs
     dynamic = torch_engine(model, drafter)
     for p in prompts:
@@ -62,6 +62,39 @@ def test_fixed_shape_drafter_matches_dynamic(pair, monkeypatch):
     fixed.crop(3)  # a shorter prompt after a longer one: the static context is cut, not rebuilt
     assert generate(fixed, prompts[0][:5], max_new_tokens=16).tokens == \
         generate(dynamic, prompts[0][:5], max_new_tokens=16).tokens
+
+
+def test_windows_change_as_the_context_grows(pair, monkeypatch):
+    """A static cache of 1024 positions attends over 256, then 512 (the target's and the fixed-shape drafter's
+    windows): the output is the dynamic cache's across the change."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # eager: the same windowed code
+    target_dir, draft_dir, prompts = pair
+    model, drafter = load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir)
+    prompt = (prompts[0] * 40)[:240]  # 240 + 48 tokens cross the first window
+    for draft in (None, drafter):
+        fixed = torch_engine(model, draft, cache_len=1024, compile=True, compile_draft=draft is not None)
+        dynamic = torch_engine(model, draft)
+        assert generate(fixed, prompt, max_new_tokens=48).tokens == generate(dynamic, prompt, max_new_tokens=48).tokens
+
+
+def test_the_drafter_compiles_on_cuda_only_unless_asked(pair):
+    target_dir, draft_dir, _ = pair
+    model, drafter = load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir)
+    assert not isinstance(torch_engine(model, drafter, cache_len=64, compile=True).drafter.cache, StaticDraftCache)
+
+
+@pytest.mark.slow
+def test_compiled_pipeline_lossless_cpu(tiny_target_dir, random_draft_dir):
+    """dflash.load(compile=True): greedy output equals the eager pipeline's, plain and speculative."""
+    import dflash
+
+    for no_draft in (True, False):
+        kw = dict(backend="torch", no_draft=no_draft, dtype="float32", verify="chain")
+        compiled = dflash.load(tiny_target_dir, None if no_draft else random_draft_dir, compile=True,
+                               cache_len=128, **kw)
+        eager = dflash.load(tiny_target_dir, None if no_draft else random_draft_dir, **kw)
+        for prompt in ([5, 6, 7], list(range(10, 40))):
+            assert compiled.generate(prompt, max_new_tokens=24).tokens == eager.generate(prompt, max_new_tokens=24).tokens
 
 
 @pytest.mark.slow

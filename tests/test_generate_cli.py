@@ -93,6 +93,9 @@ def test_chat_template(tiny_target_dir, random_draft_dir):
     (["--itl-limit", "0.5"], "--itl-limit"),
     (["--itl-limit", "nan"], "--itl-limit"),
     (["--temperature", "0.7", "--accept", "rejection", "--verify", "tree"], "--accept rejection verifies chains"),
+    (["--cache-len", "512"], "--cache-len: sizes the static cache of --compile"),
+    (["--compile", "--cache-len", "0"], "--cache-len: got 0"),
+    (["--compile", "--backend", "mlx"], "--compile: a torch option"),
 ])
 def test_bad_flags_one_line(tiny_target_dir, random_draft_dir, args, needle):
     base = ["--model", tiny_target_dir, "--draft", random_draft_dir]

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from transformers.cache_utils import DynamicLayer
 
-from dflash.backends.torch.kv_cache import GrowingLayer, growing
+from dflash.backends.torch.kv_cache import GrowingLayer, WindowedStaticLayer, attention_window, growing
 
 
 def kv(t, seed, rows=1):
@@ -67,3 +67,22 @@ def test_growing_replaces_plain_layers_only():
 
     cache = growing(Cache(), 64)
     assert isinstance(cache.layers[0], GrowingLayer) and type(cache.layers[1]) is Other
+
+
+def test_attention_window_is_a_power_of_two_bucket_within_the_buffer():
+    assert [attention_window(n, 2048) for n in (1, 256, 257, 600, 1025, 2048)] == [256, 256, 512, 1024, 2048, 2048]
+    assert attention_window(300, 400) == 400  # never past the buffer
+
+
+def test_windowed_static_layer_attends_over_its_window_only():
+    """A forward sees the first `window` positions (what it wrote included) and the mask is sized to match."""
+    layer = WindowedStaticLayer(max_cache_len=1024)
+    k, v = kv(300, 0)
+    layer.update(k, v)  # a prefill of 300 positions
+    layer.window = 512
+    k1, v1 = kv(1, 1)
+    keys, values = layer.update(k1, v1)
+    assert keys.shape[-2] == values.shape[-2] == 512 and layer.get_mask_sizes(1) == (512, 0)
+    assert torch.equal(keys[:, :, :300], k) and torch.equal(keys[:, :, 300:301], k1)
+    assert torch.equal(values[:, :, 300:301], v1)
+    assert int(layer.get_seq_length()) == 301

@@ -169,12 +169,13 @@ class StaticDraftCache(DraftContextCache):
             raise DFlashError(f"context: {self.layout.position + n} positions exceed the static draft cache "
                               f"({self.capacity}); raise cache_len")
 
-    def static_mask(self, layer: int, start: torch.Tensor, n: torch.Tensor, block: int) -> torch.Tensor:
-        """The layer's mask over every slot for a block whose anchor sits at device-side position start + n."""
+    def static_mask(self, layer: int, start: torch.Tensor, n: torch.Tensor, block: int, window: int) -> torch.Tensor:
+        """The layer's mask over the first `window` slots for a block whose anchor sits at device-side position
+        start + n."""
         rule = self.rules[layer]
         anchor = start + n
         q = anchor + torch.arange(block, device=self.k.device)[:, None]
-        k = torch.arange(self.capacity, device=self.k.device)
+        k = torch.arange(window, device=self.k.device)
         return draft_visible(q, k, anchor, block, sliding=rule.sliding, causal=rule.causal)[None, None]
 
     def merge(self, other) -> None:

@@ -21,6 +21,7 @@ from dflash.core.sampling import RowDraw
 
 from .draft_cache import BlockOnlyContext, DraftContextCache, StaticDraftCache
 from .drafter import DFlashDrafter, DraftAttention, rotate, scale_logits, spread
+from .kv_cache import attention_window
 from .ops import TorchOps
 from .sampling import warpers
 
@@ -102,11 +103,13 @@ def block_step(model: DFlashDrafter, block: torch.Tensor, features: torch.Tensor
 
 
 def static_draft(model: DFlashDrafter, block: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
-                 n: torch.Tensor, cache: StaticDraftCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                 n: torch.Tensor, cache: StaticDraftCache, cos: torch.Tensor, sin: torch.Tensor,
+                 window: int) -> torch.Tensor:
     """One draft forward at fixed shapes (compile it once): `features` (1, B, K*H) holds the n new context
     positions padded to B, written at slots start..; the embedded block (1, B, H) goes at start + n.., over the
     padding. `start` and `n` are 0-d device tensors and cos/sin the RoPE table of every slot, so nothing here
-    depends on a host value."""
+    depends on a host value but `window`, the slots attended over (a bucket that covers start + n + B: attending
+    over the whole buffer costs more than the drafter's matmuls on a CPU)."""
     b = block.shape[1]
     k_cache, v_cache = cache.k, cache.v
     arange = torch.arange(b, device=block.device)
@@ -120,8 +123,9 @@ def static_draft(model: DFlashDrafter, block: torch.Tensor, features: torch.Tens
         k_cache[i].index_copy_(2, block_slots, k[:, :, b:])  # after the context: it overwrites the padding
         v_cache[i].index_copy_(2, ctx_slots, v[:, :, :b])
         v_cache[i].index_copy_(2, block_slots, v[:, :, b:])
-        mask = cache.static_mask(i, start, n, b)
-        return F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask, enable_gqa=True)
+        mask = cache.static_mask(i, start, n, b, window)
+        return F.scaled_dot_product_attention(q, k_cache[i][:, :, :window], v_cache[i][:, :, :window],
+                                              attn_mask=mask, enable_gqa=True)
 
     return model(block, model.project_context(features), rope_q, rope_kv, attend)
 
@@ -160,7 +164,9 @@ class TorchDraft:
             # the drafter at fixed shapes too: a static context buffer as long as the target's, compiled once
             static = self.cache = StaticDraftCache(spec, self.dtype, self.device, static_capacity)
             self._rope = drafter.rope_range(0, static.capacity, static.k)
-            self._compiled = torch.compile(self._static_forward, dynamic=False, fullgraph=False,
+            # dynamic=None: the window is specialised once, then compiled as a symbol (one more graph, not one per
+            # window)
+            self._compiled = torch.compile(self._static_forward, dynamic=None, fullgraph=True,
                                            mode="reduce-overhead" if self.device.type == "cuda" else None)
 
     @property
@@ -194,7 +200,8 @@ class TorchDraft:
             self.cache.reserve(n + block_size)
             features = F.pad(features, (0, 0, 0, block_size - n))
             as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-            logits, hidden = self._compiled(block, features, as_tensor(self.cache.position), as_tensor(n))
+            window = attention_window(self.cache.position + n + block_size, self.cache.capacity)
+            logits, hidden = self._compiled(block, features, as_tensor(self.cache.position), as_tensor(n), window)
             self.cache.advance([n])
         else:
             args = (self.drafter, self.embed_block(block), pending.features, pending.counts)
@@ -223,9 +230,10 @@ class TorchDraft:
             flat = spread(flat, self.vocab_ids, self.spec.vocab_size)
         return flat.view(*hidden.shape[:-1], -1)
 
-    def _static_forward(self, block, features, start, n):
+    def _static_forward(self, block, features, start, n, window: int):
         assert isinstance(self.cache, StaticDraftCache)  # (static_capacity set: the compiled path's buffers)
-        hidden = static_draft(self.drafter, self.embed_block(block), features, start, n, self.cache, *self._rope)
+        hidden = static_draft(self.drafter, self.embed_block(block), features, start, n, self.cache, *self._rope,
+                              window=window)
         return self.logits(hidden[:, 1:]), hidden[:, 1:]
 
     # Every method that writes the context cache runs in inference mode: a buffer grown inside a draft forward is an

@@ -22,7 +22,7 @@ from dflash.core.sampling import RowSampling
 from dflash.core.tree import TreeInputs
 
 from .attention import GROUPED_SDPA
-from .kv_cache import growing
+from .kv_cache import growing, set_window, windowed
 from .rewind import CacheRewind, bounded_layers
 from .sampling import gumbel, log_probs, multi_candidate_tokens, rejection_tokens, sampler
 from .target import LayerCapture, target_info
@@ -39,16 +39,19 @@ class TorchTarget:
         self.additive_mask = model.config._attn_implementation == "eager"
         self.capture = capture if capture is not None or layer_ids is None else LayerCapture(model, layer_ids)
         # cache_len: a preallocated StaticCache (fixed addresses, what torch.compile / CUDA graphs want); its crop
-        # only moves the write position, and stale entries past it are masked by causality until overwritten
+        # only moves the write position, and stale entries past it are masked by causality until overwritten. A
+        # forward attends over a window of it only (kv_cache.WindowedStaticLayer)
         self.cache_len = cache_len
         self.rewind: CacheRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
         self.cache = self._new_cache()
         self.length = 0  # positions in the cache (one row)
         self.layout: RowLayout | None = None  # once rows share the cache
-        # compile: the fixed-shape decode forwards (1 token, one block) go through torch.compile; prefill stays eager
+        # compile: the decode forwards (a plain step, a verify) go through torch.compile, prefill stays eager. The
+        # cache's attention window (kv_cache.attention_window) and the token count are specialised on their first
+        # value and compiled as symbols on their second (dynamic=None), so a run compiles a few graphs, not one a shape
         self._decode_model = model
         if compile:
-            self._decode_model = torch.compile(model, dynamic=False, fullgraph=False,
+            self._decode_model = torch.compile(model, dynamic=None, fullgraph=True,
                                                mode="reduce-overhead" if self.device.type == "cuda" else None)
 
     # ---- arrays ----------------------------------------------------------------------------------------------------
@@ -134,6 +137,8 @@ class TorchTarget:
             raise DFlashError(f"context: {self.length + t} tokens exceed the static cache ({self.cache_len}); "
                               "raise cache_len")
         model = self.model if last_only else self._decode_model
+        if self.cache_len is not None:
+            set_window(self.cache, self.length + t)
         if self.rewind is not None:
             self.rewind.before_forward()
         out = model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
@@ -331,7 +336,7 @@ class TorchTarget:
                 self.rewind.attach(cache)
                 return cache
             return growing(cache, self.max_context)
-        static = StaticCache(config=self.model.config, max_cache_len=self.cache_len)
+        static = windowed(StaticCache(config=self.model.config, max_cache_len=self.cache_len))
         if bounded_layers(static):
             raise DFlashError(f"{self.info.model_type}: a static cache (cache_len / --compile) cannot rewind this "
                               "target's sliding-window or linear-attention layers; use the dynamic cache")

@@ -43,6 +43,7 @@ class Method:
     ar_draft: bool = False  # hf assisted / mlx-lm speculative: needs the autoregressive draft model
     verify: str = "chain"  # dflash: chain | tree | auto (dflash/core/budget.py)
     copy_branch: bool = True  # dflash trees: the branch copied from the context
+    compile: bool = False  # dflash, torch: static cache + torch.compile (dflash.load(compile=True))
     label: str = ""
 
     @property
@@ -54,6 +55,10 @@ METHODS = {m.name: m for m in (
     Method("no_draft", "dflash", "torch", label="target only, autoregressive (PyTorch baseline)"),
     Method("dflash_b16", "dflash", "torch", block_size=16, label="DFlash, block 16 (PyTorch)"),
     Method("dflash_b8", "dflash", "torch", block_size=8, label="DFlash, block 8 (PyTorch)"),
+    Method("no_draft_compiled", "dflash", "torch", compile=True,
+           label="target only, autoregressive, static cache + torch.compile (PyTorch)"),
+    Method("dflash_b16_compiled", "dflash", "torch", block_size=16, compile=True,
+           label="DFlash, block 16, static cache + torch.compile (PyTorch)"),
     Method("dflash_tree", "dflash", "torch", block_size=16, verify="auto",
            label="DFlash, block 16, verify auto: tree / chain / budget per cycle (PyTorch)"),
     Method("dflash_tree_nocopy", "dflash", "torch", block_size=16, verify="auto", copy_branch=False,
@@ -110,7 +115,7 @@ class DFlashRunner:
         self.pipe = api.load(cfg["target"], draft, backend=method.backend, no_draft=draft is None,
                                 dtype=cfg["dtype"], device=cfg["device"], block_size=method.block_size,
                                 verify=method.verify, tree_budget=cfg.get("tree_budget"),
-                                copy_branch=method.copy_branch)
+                                copy_branch=method.copy_branch, compile=method.compile)
         self.pipe.eos_token_ids = set(cfg["eos_token_ids"])
         self.info = {"block_size": self.pipe.engine.block_size}
 
