@@ -118,15 +118,25 @@ def test_batched_rows_mode_cache_after_tree_commit(trained):
         torch.testing.assert_close(logits[i, -1], ref[0, -1], rtol=1e-4, atol=1e-4)
 
 
-def test_targets_that_cannot_verify_a_tree(trained):
-    model, drafter, _, _ = trained
-    static = torch_engine(model, drafter, cache_len=512)
-    with pytest.raises(DFlashError, match="--verify tree: the static cache"):
-        static.set_verify("tree", 8)
-    static.set_verify("auto", None, FLAT)
-    assert static.verify_mode == "chain" and "static cache" in static.verify_note
-    r = generate(static, [5, 6, 7], max_new_tokens=8)
-    assert r.verify_mode == "chain" and r.verified == [15] * len(r.verified)
+@pytest.mark.parametrize("mode", ["tree", "auto"])
+def test_static_cache_trees_are_lossless(trained, monkeypatch, mode):
+    """Trees on the static cache of --compile (run eagerly here: the same windowed code), across a window change:
+    the accepted path moves within the buffer and the output is target-only's."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    model, drafter, prompts, baseline = trained
+    static = torch_engine(model, drafter, cache_len=512, compile=True)
+    static.set_verify(mode, 20, FLAT)
+    if mode == "auto":
+        static.verification.planner.path = lambda: "tree"
+    assert static.verify_mode == mode
+    rec = Recorder(static)
+    for p, ref in zip(prompts[:4], baseline):
+        r = generate(static, p, max_new_tokens=128)
+        assert r.tokens == ref and r.verify_mode == mode
+    assert any(non_first_child(t, p) for t, p in rec.trees), "no walk ever left the first child"
+    long = (prompts[0] * 40)[:240]  # 240 + 64 positions: the windows 256 and 512
+    assert generate(static, long, max_new_tokens=64).tokens == generate(torch_engine(model), long,
+                                                                        max_new_tokens=64).tokens
 
 
 def test_bad_verify_flags(trained):

@@ -146,3 +146,8 @@ def set_window(cache: StaticCache, needed: int) -> None:
     for layer in cache.layers:
         if isinstance(layer, WindowedStaticLayer):
             layer.window = attention_window(needed, layer.max_cache_len)
+
+
+def window_of(cache: StaticCache) -> int:
+    """The window the cache's forwards attend over now (set_window's)."""
+    return next(layer.window for layer in cache.layers if isinstance(layer, WindowedStaticLayer))

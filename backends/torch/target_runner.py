@@ -22,7 +22,7 @@ from dflash.core.sampling import RowSampling
 from dflash.core.tree import TreeInputs
 
 from .attention import GROUPED_SDPA
-from .kv_cache import growing, set_window, windowed
+from .kv_cache import growing, set_window, window_of, windowed
 from .rewind import CacheRewind, bounded_layers
 from .sampling import gumbel, log_probs, multi_candidate_tokens, rejection_tokens, sampler
 from .target import LayerCapture, target_info
@@ -151,17 +151,17 @@ class TorchTarget:
         """What the costs of a forward depend on besides shapes (dflash/core/costs.py)."""
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
         return f"torch {torch.__version__} {name} {str(self.dtype).removeprefix('torch.')} " \
-               f"{torch.get_num_threads()} threads {self.model.config._attn_implementation}"
+               f"{torch.get_num_threads()} threads {self.model.config._attn_implementation}" + \
+               (" compiled" if self._decode_model is not self.model else "")
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(batch_refusal=self._batch_refusal(), tree_refusal=self._tree_refusal())
+        return Capabilities(batch_refusal=self._batch_refusal(), tree_refusal=self._tree_refusal(),
+                            compiles=self._decode_model is not self.model)
 
     def _tree_refusal(self) -> str | None:
         if self.rewind is not None:
             return SLIDING_TREE_REFUSAL.format(model_type=self.info.model_type)
-        if self.cache_len is not None:
-            return "the static cache (--compile / cache_len) keeps no tree; use the dynamic cache"
         if self.model.config._attn_implementation not in ("sdpa", GROUPED_SDPA, "eager"):
             return (f"attention {self.model.config._attn_implementation!r} takes no 4D ancestor mask; "
                     "load the target with sdpa or eager attention")
@@ -172,12 +172,18 @@ class TorchTarget:
         layout = self.layout if self.layout is not None else RowLayout(self.length)
         positions, mask = (torch.from_numpy(a).to(dev) for a in layout.append_tree(tree.depths, tree.allowed,
                                                                                     tree.real))
-        mask = mask[:, None]
+        mask, model = mask[:, None], self.model
+        if self.cache_len is not None:  # a static cache: the mask spans the forward's window of it
+            if self.length + t > self.cache_len:
+                raise DFlashError(f"context: {self.length + t} tokens exceed the static cache ({self.cache_len}); "
+                                  "raise cache_len")
+            set_window(self.cache, self.length + t)
+            mask, model = F.pad(mask, (0, window_of(self.cache) - mask.shape[-1])), self._decode_model
         if self.additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask,
                                                                                      torch.finfo(self.dtype).min)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                         use_cache=True, logits_to_keep=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                    use_cache=True, logits_to_keep=0)
         if self.layout is None:
             self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None

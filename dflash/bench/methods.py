@@ -59,6 +59,8 @@ METHODS = {m.name: m for m in (
            label="target only, autoregressive, static cache + torch.compile (PyTorch)"),
     Method("dflash_b16_compiled", "dflash", "torch", block_size=16, compile=True,
            label="DFlash, block 16, static cache + torch.compile (PyTorch)"),
+    Method("dflash_tree_compiled", "dflash", "torch", block_size=16, verify="auto", compile=True,
+           label="DFlash, block 16, verify auto, static cache + torch.compile (PyTorch)"),
     Method("dflash_tree", "dflash", "torch", block_size=16, verify="auto",
            label="DFlash, block 16, verify auto: tree / chain / budget per cycle (PyTorch)"),
     Method("dflash_tree_nocopy", "dflash", "torch", block_size=16, verify="auto", copy_branch=False,

@@ -87,6 +87,7 @@ class Capabilities:
 
     batch_refusal: str | None = None  # rows sharing its caches: batches, continuous batching, kept prefixes
     tree_refusal: str | None = None  # a tree of drafts verified in one forward (positions + ancestor mask)
+    compiles: bool = False  # its forwards compile at the first sight of a shape (time them after a warm-up)
 
     @property
     def batches(self) -> bool:

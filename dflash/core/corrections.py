@@ -17,7 +17,9 @@ import os
 from pathlib import Path
 
 SMOOTHING = 0.2  # weight of one cycle's ratio in its shape's factor
-LIMITS = (0.02, 50.0)  # one cycle's ratio is clamped to these (a cycle stalled by a page fault is not the device)
+# a cycle's ratio outside these is dropped: a cycle that compiled a graph (seconds, where a forward takes
+# milliseconds) or stalled on a page fault says nothing of the device
+LIMITS = (0.02, 50.0)
 SAVE_EVERY = 64  # observations between writes of the factors
 ALL = "all"  # the factor of every cycle, for shapes not run yet
 
@@ -47,7 +49,9 @@ class Corrections:
         """One cycle of this shape took `seconds` where the uncorrected profile predicted `predicted`."""
         if predicted <= 0 or seconds <= 0:
             return
-        ratio = min(max(seconds / predicted, LIMITS[0]), LIMITS[1])
+        ratio = seconds / predicted
+        if not LIMITS[0] <= ratio <= LIMITS[1]:
+            return
         for key in (self.key(tokens, rows, drafted), ALL):
             old = self.factors.get(key)
             self.factors[key] = ratio if old is None else old + self.smoothing * (ratio - old)
