@@ -194,12 +194,14 @@ class OracleDrafter:
 
 class Counting:
     """Stands in for a backend's Target or Drafter and counts the calls of each of its methods by name (every other
-    attribute read passes through), so a test can say which primitives a cycle used."""
+    attribute read passes through but those in `hidden`), so a test can say which primitives a cycle used."""
 
-    def __init__(self, inner):
-        self.inner, self.calls = inner, Counter()
+    def __init__(self, inner, hidden=()):
+        self.inner, self.calls, self.hidden = inner, Counter(), set(hidden)
 
     def __getattr__(self, name):
+        if name in self.hidden:
+            raise AttributeError(name)
         attr = getattr(self.inner, name)
         if not callable(attr):
             return attr
