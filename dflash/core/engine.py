@@ -269,6 +269,7 @@ class Engine:
         self.lookahead.drop(self)
         return self.verification.step(self, anchors)
 
+    @lands
     def draft(self, anchors: Sequence[int], top_k: int = 0, draws: list[RowDraw] | None = None,
               block: int | None = None) -> Draft:
         """Each row's block [anchor, proposals] of `block` positions (default: the block size; the anchor alone
@@ -278,6 +279,7 @@ class Engine:
             return Draft(anchor_ids)
         return self.drafter.propose(anchor_ids, self.take_pending(), block or self.block_size, top_k, draws)
 
+    @lands
     def verify(self, draft: Draft, draws: list[RowDraw] | None = None) -> Verified:
         """The target's token at every position of each row's block, in one forward, under the row's rule: its own
         draw (greedy, match), or, for a row verifying by rejection (any proposal shape), the draft token where
