@@ -1,6 +1,7 @@
 """A plain step run one step ahead of the host, as mlx-lm's generate_step runs: the next step's forward is built
 from this step's drawn tokens while they are still on the device, and started (contract.Pipelining) before the host
-reads them, so the device never waits for Python to build its next graph.
+reads them, so the device works while Python builds the next graph and does the loop's bookkeeping (on MLX's CPU
+backend async_eval returns with a few dozen ops still queued: that tail is what the overlap covers there).
 
 It runs where a cycle is one target forward of the anchors alone (no drafter, no log-probs) on a target whose arrays
 are lazy (MLX). The step ahead is exactly the one the next cycle would run: its input the tokens drawn now, its history
