@@ -96,7 +96,7 @@ class FakeTarget:
         return "numpy"
 
     def spawn(self):
-        return FakeTarget(self.bounded, self.rule, self.vocab)
+        return type(self)(self.bounded, self.rule, self.vocab)
 
     def merge(self, other):
         self.rows += other.rows
@@ -111,6 +111,22 @@ class FakeTarget:
 
     def select(self, rows):
         self.rows = [self.rows[i] for i in rows]
+
+
+class LazyFakeTarget(FakeTarget):
+    """A FakeTarget that declares Pipelining (dflash/core/contract.py), as a lazy one does: its plain steps run one
+    ahead. `log` records the order of its starts and host reads."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log: list[str] = []
+
+    def start(self, *arrays):
+        self.log.append("start")
+
+    def to_host(self, x):
+        self.log.append("read")
+        return x.tolist()
 
 
 class FakeDrafter:
@@ -194,12 +210,14 @@ class OracleDrafter:
 
 class Counting:
     """Stands in for a backend's Target or Drafter and counts the calls of each of its methods by name (every other
-    attribute read passes through), so a test can say which primitives a cycle used."""
+    attribute read passes through but those in `hidden`), so a test can say which primitives a cycle used."""
 
-    def __init__(self, inner):
-        self.inner, self.calls = inner, Counter()
+    def __init__(self, inner, hidden=()):
+        self.inner, self.calls, self.hidden = inner, Counter(), set(hidden)
 
     def __getattr__(self, name):
+        if name in self.hidden:
+            raise AttributeError(name)
         attr = getattr(self.inner, name)
         if not callable(attr):
             return attr

@@ -13,7 +13,8 @@ def check_paused_cycles(backend, ar, prompt, paused=6):
     """--verify auto pausing an untrained drafter, without the copied branch: each paused cycle calls the target's
     primitives exactly as a target-only step does (no feature join, no slicing), plans nothing and leaves the drafter
     alone; the probe that ends the pause reads every position the pause committed in one Pending, and the output is
-    the target's. `ar`: a target-only engine on the same target."""
+    the target's. `ar`: a target-only engine on the same target, its steps run in turn (a lazy target's run one
+    ahead: dflash/core/lookahead.py, which a paused cycle does not)."""
     backend.set_verify("auto", None, STEEP, copy_branch=False)
     want = generate(ar, prompt, max_new_tokens=32).tokens
     plans, read = [], []  # plan() calls; the pending positions each draft forward reads
@@ -22,7 +23,8 @@ def check_paused_cycles(backend, ar, prompt, paused=6):
     backend.drafter.propose = lambda ids, p, *a: read.append(p and p.counts[0]) or propose(ids, p, *a)
     anchor = backend.step(backend.prefill([prompt]))[0].tokens[-1]  # a drafted cycle: its features wait
     waiting, plain = backend.pending.counts[0], ar.prefill([prompt])
-    backend.target, ar.target, backend.drafter = Counting(backend.target), Counting(ar.target), Counting(backend.drafter)
+    backend.target, backend.drafter = Counting(backend.target), Counting(backend.drafter)
+    ar.target = Counting(ar.target, hidden=["start"])
     plans.clear()
     backend.verification.planner.skip = paused
     for _ in range(paused):

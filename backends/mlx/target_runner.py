@@ -56,6 +56,11 @@ class MLXTarget:
     def to_host(x: mx.array) -> list[list[int]]:
         return cast("list[list[int]]", x.tolist())  # (a 2-D integer array)
 
+    @staticmethod
+    def start(*arrays: mx.array) -> None:
+        """Compute them in the background (a plain step's next forward, while the host reads this one's tokens)."""
+        mx.async_eval(*arrays)
+
     def settle(self, drafter=None, *arrays) -> None:
         """Evaluate the lazy graph: the caches (and the given arrays) become concrete, which bounds its memory. The
         prefill's transient buffers then go back to the system, not to MLX's pool, as mlx-lm does after each

@@ -10,7 +10,7 @@ the core; a backend owns models, caches and arrays.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from typing import Self  # (3.11)
@@ -147,6 +147,15 @@ class Target(Protocol):
     def select(self, rows: list[int]) -> None: ...                         # keep only these rows
     def extract(self, row: int, /) -> Self: ...                            # row `row` alone, its cache copied out
     def cache_bytes(self) -> int: ...                                      # what its caches hold (prefix cache)
+
+
+@runtime_checkable
+class Pipelining(Protocol):
+    """What a target whose arrays are lazy (MLX) may add to Target: `start` computes them in the background, so that
+    a plain step's next forward runs while the host reads this one's tokens (dflash/core/lookahead.py). A target
+    without it runs each step in turn (torch: CUDA already queues its kernels ahead of the host)."""
+
+    def start(self, *arrays) -> None: ...
 
 
 class Drafter(Protocol):

@@ -27,6 +27,7 @@ from .budget import ITL_LIMIT, MAX_PAUSE
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
 from .cost_model import Costs
 from .errors import DFlashError
+from .lookahead import Lookahead, lands
 from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
 from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, row_draws
@@ -66,6 +67,7 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None  # finished rows' caches, for later prompts (enable_prefix_cache)
         self.last_reused = 0  # prompt tokens the last prefill found in the caches
         self.verification = Verification()  # how each cycle verifies (set_verify)
+        self.lookahead = Lookahead()  # a plain step issued ahead of the host (lazy targets)
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
     @property
@@ -126,6 +128,7 @@ class Engine:
         return Engine(self.target.spawn(), self.drafter.spawn() if self.drafter else None,
                       block_size=self.block_size, prefill_chunk=self.prefill_chunk)
 
+    @lands
     def keep_prefix(self, i: int) -> None:
         """Row i's caches, copied out, go to the prefix cache (if one is on) for later prompts."""
         if self.prefix_cache is not None:
@@ -152,6 +155,7 @@ class Engine:
         self.verification.reset()
 
     # ---- prefill ---------------------------------------------------------------------------------------------------
+    @lands
     def prefill(self, prompts: Sequence[Sequence[int]],
                 samplings: Sequence[SamplingParams | None] | None = None) -> list[int]:
         """Feed the prompts and return each row's first token. One prompt reuses the longest cached prefix (a chat's
@@ -164,6 +168,7 @@ class Engine:
         self.reset()
         return [self.admit(p, s) for p, s in zip(prompts, samplings)]
 
+    @lands
     def admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, generated: int = 0) -> int:
         """A new row joins the running batch between cycles: its prompt is prefilled alone, then its caches are
         appended to the batch's. It samples with `sampling` (default: the engine's). `generated`: the last that many
@@ -190,6 +195,7 @@ class Engine:
                                     chunk or self.prefill_chunk)
         return Admission(row, chunks, len(prompt_ids))
 
+    @lands
     def end_admit(self, admission: Admission[Engine], alone: bool = False) -> int:
         """Merge a prefilled row into the batch, target and drafter caches together or neither; `alone`: the batch
         emptied meanwhile (a finished lone sequence may still be cached), so the row's caches become the engine's.
@@ -257,9 +263,13 @@ class Engine:
     # ---- the cycle -------------------------------------------------------------------------------------------------
     def step(self, anchors: Sequence[int]) -> list[Step]:
         """One speculative cycle for every row (draft -> verify -> accept -> commit, or a tree's: set_verify); row
-        i's anchor is its last committed token."""
+        i's anchor is its last committed token. A lazy target's plain steps run one ahead (dflash/core/lookahead.py)."""
+        if self.lookahead.runs(self):
+            return self.lookahead.step(self, anchors)
+        self.lookahead.drop(self)
         return self.verification.step(self, anchors)
 
+    @lands
     def draft(self, anchors: Sequence[int], top_k: int = 0, draws: list[RowDraw] | None = None,
               block: int | None = None) -> Draft:
         """Each row's block [anchor, proposals] of `block` positions (default: the block size; the anchor alone
@@ -269,6 +279,7 @@ class Engine:
             return Draft(anchor_ids)
         return self.drafter.propose(anchor_ids, self.take_pending(), block or self.block_size, top_k, draws)
 
+    @lands
     def verify(self, draft: Draft, draws: list[RowDraw] | None = None) -> Verified:
         """The target's token at every position of each row's block, in one forward, under the row's rule: its own
         draw (greedy, match), or, for a row verifying by rejection (any proposal shape), the draft token where
@@ -313,6 +324,7 @@ class Engine:
             assert self.drafter is not None  # (features pend for a drafter only)
             self.absorb_pending()
 
+    @lands
     def retire(self, rows: Sequence[int]) -> None:
         """Drop finished rows (indices into the current rows) from every cache."""
         gone = set(rows)
@@ -335,6 +347,7 @@ class Engine:
         self.row_sampling = [self.row_sampling[i] for i in keep]
 
     # ---- single sequence: rewind and reset ---------------------------------------------------------------------------
+    @lands
     def crop(self, length: int) -> None:
         """Forget every cached position from `length` on (target and drafter)."""
         if len(self.rows) > 1:
@@ -358,6 +371,7 @@ class Engine:
             n = length - position
             self.pending = Pending(self.target.head(self.pending.features, n), [n])
 
+    @lands
     def reset(self) -> None:
         self.target.reset()
         if self.drafter is not None:

@@ -1,0 +1,128 @@
+"""A lazy target's plain steps run one ahead of the host (dflash/core/lookahead.py), on numpy fakes: the output is
+the steps' run in turn, token for token, and whatever ends a row (EOS, max_new_tokens, a stop string, a crop, the
+batch it leaves) finds the target cache holding exactly the committed tokens, never the step ahead's."""
+
+import pytest
+from fakes import FakeDrafter, FakeTarget, LazyFakeTarget, next_token
+
+from dflash.core.engine import Engine
+from dflash.core.lookahead import Lookahead
+from dflash.core.loop import Batch, Generation, generate, generate_batch
+
+PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8]]
+
+
+def reference(prompt, n):
+    history = list(prompt)
+    for _ in range(n):
+        history.append(next_token(history))
+    return history[len(prompt):]
+
+
+class Symbols:
+    """Token i decodes to one printable character (the fake's vocabulary of 64)."""
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return "".join(chr(48 + i) for i in ids)
+
+
+def cached(engine):
+    """What the target cache holds per row (the fake's cache is its ids); the engine's rows when nothing is ahead."""
+    return engine.target.rows
+
+
+def test_it_runs_where_a_cycle_is_one_plain_forward_of_a_lazy_target():
+    assert Lookahead.runs(Engine(LazyFakeTarget()))
+    assert not Lookahead.runs(Engine(FakeTarget()))  # (no start: torch steps in turn)
+    assert not Lookahead.runs(Engine(LazyFakeTarget(), FakeDrafter(), block_size=4))
+    with_logprobs = Engine(LazyFakeTarget())
+    with_logprobs.logprobs = 2
+    assert not Lookahead.runs(with_logprobs)
+
+
+@pytest.mark.parametrize("bounded", [False, True])  # bounded: the cache goes back within its last forward only
+@pytest.mark.parametrize("n", [1, 2, 3, 17])
+def test_output_is_the_steps_in_turn_and_the_cache_the_committed_tokens(n, bounded):
+    engine = Engine(LazyFakeTarget(bounded))
+    r = generate(engine, PROMPTS[0], max_new_tokens=n)
+    assert r.tokens == reference(PROMPTS[0], n) and r.finish_reason == "length"
+    assert r.tokens == generate(Engine(FakeTarget(bounded)), PROMPTS[0], max_new_tokens=n).tokens
+    assert cached(engine) == [PROMPTS[0] + r.tokens[:-1]] == [engine.tokens]  # (the last token is not fed yet)
+
+
+def test_every_step_starts_the_next_before_it_reads_its_own():
+    engine = Engine(LazyFakeTarget())
+    generate(engine, PROMPTS[0], max_new_tokens=6)
+    log = engine.target.log
+    assert log[0] == "read"  # (the prefill's first token)
+    assert log[1:] == ["start", "read"] * 5
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_a_request_after_an_early_eos_is_a_fresh_engines(bounded):
+    engine = Engine(LazyFakeTarget(bounded))
+    ref = reference(PROMPTS[0], 30)
+    r = generate(engine, PROMPTS[0], max_new_tokens=30, eos_token_ids=[ref[4]])
+    assert r.tokens == ref[: ref.index(ref[4]) + 1] and r.finish_reason == "stop"
+    assert cached(engine) == [engine.tokens]
+    follow = PROMPTS[0] + r.tokens + [9]  # a chat's next turn: it reuses the cached prefix
+    again = generate(engine, follow, max_new_tokens=12)
+    assert again.tokens == generate(Engine(LazyFakeTarget(bounded)), follow, max_new_tokens=12).tokens
+    assert again.tokens == reference(follow, 12) and cached(engine) == [engine.tokens]
+    assert engine.last_reused > len(PROMPTS[0]) or bounded  # (a bounded cache starts over)
+
+
+def test_a_stop_string_mid_stream_emits_nothing_past_it_and_leaves_the_cache_right():
+    tok = Symbols()
+    text = tok.decode(reference(PROMPTS[0], 40))
+    stop = text[9:11]
+    engine = Engine(LazyFakeTarget())
+    gen = Generation(engine, PROMPTS[0], tokenizer=tok, max_new_tokens=40, stop_strings=[stop])
+    streamed = "".join(inc.text for inc in gen)
+    r = gen.result
+    assert streamed == r.text == text[: text.index(stop)] and r.finish_reason == "stop"
+    assert tok.decode(r.tokens) == text[: text.index(stop) + len(stop)]
+    assert cached(engine) == [PROMPTS[0] + r.tokens[:-1]]
+    assert generate(engine, PROMPTS[1], max_new_tokens=9).tokens == reference(PROMPTS[1], 9)
+
+
+def test_batch_rows_are_batch_1s_and_a_row_that_leaves_takes_nothing_ahead_with_it():
+    eos = reference(PROMPTS[1], 30)[3]  # row 1 stops early, the others run on
+    alone = [generate(Engine(FakeTarget()), p, max_new_tokens=20, eos_token_ids=[eos]).tokens for p in PROMPTS]
+    batched = generate_batch(Engine(LazyFakeTarget()), PROMPTS, max_new_tokens=20, eos_token_ids=[eos])
+    assert [r.tokens for r in batched] == alone and batched[1].finish_reason == "stop"
+    engine = Engine(LazyFakeTarget())
+    batch = Batch(engine)
+    gens = [Generation(engine, p, max_new_tokens=20, eos_token_ids=[eos]) for p in PROMPTS]
+    for g in gens:
+        batch.join(g)
+    while len(batch) == len(PROMPTS):
+        batch.step()
+    assert gens[1].result is not None and cached(engine) == engine.rows  # the rows that stay: nothing ahead
+    late = Generation(engine, PROMPTS[1], max_new_tokens=20)
+    batch.join(late)  # a row joining the running batch
+    while batch:
+        batch.step()
+    assert [g.result.tokens for g in gens] == alone
+    assert late.result.tokens == reference(PROMPTS[1], 20)
+
+
+def test_a_step_that_does_not_continue_the_step_ahead_runs_its_own():
+    engine, serial = Engine(LazyFakeTarget()), Engine(FakeTarget())
+    for e in (engine, serial):
+        first = e.prefill([PROMPTS[2]])[0]
+        e.step([first])
+    other = 11  # not the token drawn: the step ahead read another
+    step = engine.step([other])[0]
+    assert step.tokens == serial.step([other])[0].tokens and engine.tokens == serial.tokens
+    assert cached(engine) == [engine.tokens + step.tokens]  # (the step ahead, from the token just drawn)
+
+
+def test_a_crop_after_a_step_forgets_the_step_ahead():
+    engine = Engine(LazyFakeTarget())
+    anchor = engine.prefill([PROMPTS[0]])[0]
+    for _ in range(4):
+        anchor = engine.step([anchor])[0].tokens[-1]
+    engine.crop(5)
+    assert cached(engine) == [engine.tokens] == [(PROMPTS[0] + reference(PROMPTS[0], 4))[:5]]
