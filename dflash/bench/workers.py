@@ -189,8 +189,9 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
                         break
                 finish(w)
         else:
-            workers = [start(m) for m in methods]  # load (and warm up) concurrently; nothing is timed yet
-            live = [w for w in workers if ready(w)]
+            # one worker loads (and warms up, and measures its cost profile) at a time: a profile measured while
+            # another worker loads on the same cores would be a busy machine's, and auto would plan with it
+            live = [w for w in map(start, methods) if ready(w)]
             for i in range(0, len(prompts), batch_size):
                 for w in list(live):
                     if not step(w, i, prompts[i]):
