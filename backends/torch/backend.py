@@ -33,4 +33,5 @@ def torch_engine(model, drafter: DFlashDrafter | None = None, block_size: int | 
         draft = TorchDraft(drafter, model.get_input_embeddings(), model.get_output_embeddings(),
                            window=draft_window, static_capacity=static,
                            logit_scaling=drafter.spec.logit_scaling(target.info))
+    target.warm_up()
     return Engine(target, draft, block_size=block_size or 1, prefill_chunk=prefill_chunk, name="torch")

@@ -22,7 +22,7 @@ from dflash.core.sampling import RowSampling
 from dflash.core.tree import TreeInputs
 
 from .attention import GROUPED_SDPA
-from .kv_cache import growing, set_window, window_of, windowed
+from .kv_cache import attention_window, growing, set_window, window_of, windowed
 from .rewind import CacheRewind, bounded_layers
 from .sampling import gumbel, log_probs, multi_candidate_tokens, rejection_tokens, sampler
 from .target import LayerCapture, target_info
@@ -50,7 +50,12 @@ class TorchTarget:
         # cache's attention window (kv_cache.attention_window) and the token count are specialised on their first
         # value and compiled as symbols on their second (dynamic=None), so a run compiles a few graphs, not one a shape
         self._decode_model = model
+        if compile and cache_len is None:
+            raise DFlashError("compile: the compiled forwards run on a static cache; give cache_len")
         if compile:
+            # dynamo skips guards on module hooks by default: a graph compiled for an engine without feature capture
+            # would then run for one with it (the same model) and capture nothing
+            torch._dynamo.config.skip_nnmodule_hook_guards = False
             self._decode_model = torch.compile(model, dynamic=None, fullgraph=True,
                                                mode="reduce-overhead" if self.device.type == "cuda" else None)
 
@@ -136,16 +141,34 @@ class TorchTarget:
         if self.cache_len is not None and self.length + t > self.cache_len:
             raise DFlashError(f"context: {self.length + t} tokens exceed the static cache ({self.cache_len}); "
                               "raise cache_len")
-        model = self.model if last_only else self._decode_model
+        if self.cache_len is not None and not last_only:  # a plain step or a chain, in the trees' compiled graphs
+            positions = self.length + torch.arange(t, device=self.device)
+            causal = torch.arange(self.length + t, device=self.device)[None] <= positions[:, None]
+            return self._forward_static(ids, positions[None], causal[None])
         if self.cache_len is not None:
             set_window(self.cache, self.length + t)
         if self.rewind is not None:
             self.rewind.before_forward()
-        out = model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
         if self.rewind is not None:
             self.rewind.after_forward(t)
         self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None
+
+    def warm_up(self) -> None:
+        """Compile now what decoding would compile in the middle of a request: the compiled forwards are specialised
+        on their first token count and window and become symbolic in each at its second value, so one and two tokens
+        at two windows leave graphs that fit every later forward (in a process whose torch compile cache is warm,
+        seconds; cold, a minute or two on a CPU)."""
+        if self._decode_model is self.model:
+            return
+        # (ids made outside inference mode, as Target.ids makes them: an inference tensor fails the graphs' guards)
+        zeros = lambda n: torch.zeros(1, n, dtype=torch.long, device=self.device)  # noqa: E731
+        for context in sorted({1, max(1, min(attention_window(1, self.cache_len) + 1, self.cache_len - 3))}):
+            self.forward(zeros(context), last_only=True)
+            for t in (1, 2):
+                self.forward(zeros(t), last_only=False)
+            self.reset()
 
     def device_key(self) -> str:
         """What the costs of a forward depend on besides shapes (dflash/core/costs.py)."""
@@ -172,20 +195,34 @@ class TorchTarget:
         layout = self.layout if self.layout is not None else RowLayout(self.length)
         positions, mask = (torch.from_numpy(a).to(dev) for a in layout.append_tree(tree.depths, tree.allowed,
                                                                                     tree.real))
-        mask, model = mask[:, None], self.model
-        if self.cache_len is not None:  # a static cache: the mask spans the forward's window of it
-            if self.length + t > self.cache_len:
-                raise DFlashError(f"context: {self.length + t} tokens exceed the static cache ({self.cache_len}); "
-                                  "raise cache_len")
-            set_window(self.cache, self.length + t)
-            mask, model = F.pad(mask, (0, window_of(self.cache) - mask.shape[-1])), self._decode_model
+        if self.cache_len is not None:
+            return self._forward_static(ids, positions, mask)
+        mask = mask[:, None]
         if self.additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask,
                                                                                      torch.finfo(self.dtype).min)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                    use_cache=True, logits_to_keep=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, logits_to_keep=0)
         if self.layout is None:
             self.length += t
+        return out.logits, self.capture.pop() if self.capture is not None else None
+
+    def _forward_static(self, ids, positions, mask):
+        """A forward on the static cache through the compiled model, at `positions` (1, T) under `mask` (1, T, length
+        + T), which is padded to the cache's window: plain steps, chains and trees call it with the same arguments,
+        so they share their compiled graphs (the token count and the window become symbols at their second value)."""
+        t = ids.shape[1]
+        if self.length + t > self.cache_len:
+            raise DFlashError(f"context: {self.length + t} tokens exceed the static cache ({self.cache_len}); "
+                              "raise cache_len")
+        set_window(self.cache, self.length + t)
+        mask = F.pad(mask, (0, window_of(self.cache) - mask.shape[-1]))[:, None]
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                ~mask, torch.finfo(self.dtype).min)
+        out = self._decode_model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                                 use_cache=True, logits_to_keep=0)
+        self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None
 
     @staticmethod
