@@ -160,11 +160,12 @@ class TorchTarget:
         on their first token count and window and become symbolic in each at its second value, so one and two tokens
         at two windows leave graphs that fit every later forward (in a process whose torch compile cache is warm,
         seconds; cold, a minute or two on a CPU)."""
-        if self._decode_model is self.model:
+        if self._decode_model is self.model or self.cache_len is None:
             return
         # (ids made outside inference mode, as Target.ids makes them: an inference tensor fails the graphs' guards)
         zeros = lambda n: torch.zeros(1, n, dtype=torch.long, device=self.device)  # noqa: E731
-        for context in sorted({1, max(1, min(attention_window(1, self.cache_len) + 1, self.cache_len - 3))}):
+        size = self.cache_len
+        for context in sorted({1, max(1, min(attention_window(1, size) + 1, size - 3))}):
             self.forward(zeros(context), last_only=True)
             for t in (1, 2):
                 self.forward(zeros(t), last_only=False)
