@@ -24,7 +24,7 @@ from .core.sampling import SamplingParams
 from .core.spec import DraftSpec
 from .core.model_files.tokenizer import chat_ids, eos_token_ids, load_tokenizer
 
-# --compile's default static cache: every decoding step attends over all of it, so it is not the full context of a
+# --compile's default static cache: preallocated whole (K/V of every layer), so not the full context of a
 # long-context model (SmolLM2: 8192) unless asked for with --cache-len
 COMPILED_CACHE_LEN = 2048
 

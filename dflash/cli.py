@@ -75,8 +75,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda[:N], mps")
     p.add_argument("--compile", action="store_true",
-                   help="torch, one stream: a preallocated static cache and torch.compile'd forwards (the first "
-                   "forward of each shape compiles; trees and batches need the dynamic cache: auto verifies chains)")
+                   help="torch, one stream: a preallocated static cache and torch.compile'd forwards, compiled "
+                   "at load (a minute or two the first time; batches need the dynamic cache)")
     p.add_argument("--cache-len", type=int, help="--compile: the static cache's positions, prompt and output "
                    "(default: the target's context, at most %d)" % COMPILED_CACHE_LEN)
     p.add_argument("--trust-remote-code", action="store_true", help="allow model code from the checkpoint")
