@@ -56,6 +56,9 @@ class TorchTarget:
             # dynamo skips guards on module hooks by default: a graph compiled for an engine without feature capture
             # would then run for one with it (the same model) and capture nothing
             torch._dynamo.config.skip_nnmodule_hook_guards = False
+            # up to four graphs per engine (two token counts x two windows), engines on one model share the cache
+            # of its forward, and with fullgraph=True going past the limit fails the forward
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._decode_model = torch.compile(model, dynamic=None, fullgraph=True,
                                                mode="reduce-overhead" if self.device.type == "cuda" else None)
 
