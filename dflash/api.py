@@ -95,7 +95,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
     per token any of its rows expects, so that in a batch a row whose drafts are rarely accepted is not slowed
     down by the others' trees (None or 0: no limit). compile (torch): the target's K/V in a preallocated static
     cache of `cache_len` positions (default: the target's context, at most COMPILED_CACHE_LEN) and the decoding
-    forwards through torch.compile; one stream (trees and batches need the dynamic cache, so auto verifies chains)."""
+    forwards through torch.compile, compiled at load; one stream (batches need the dynamic cache)."""
     name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load
     if verify not in VERIFY_MODES:
         raise DFlashError(f"--verify: got {verify!r}, expected one of {', '.join(VERIFY_MODES)}")
@@ -130,8 +130,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         text = target_config["text_config"] if isinstance(target_config.get("text_config"), dict) else target_config
         cache_len = cache_len or min(text.get("max_position_embeddings") or COMPILED_CACHE_LEN, COMPILED_CACHE_LEN)
         extra = {"compile": True, "cache_len": cache_len}
-        print(f"dflash: --compile: a static cache of {cache_len} positions; the first forward of each shape "
-              "compiles (tens of seconds on a CPU, less once torch's compile cache holds it)", file=sys.stderr)
+        print(f"dflash: --compile: a static cache of {cache_len} positions; compiling its forwards (a minute or two "
+              "on a CPU, less once torch's compile cache holds them)", file=sys.stderr)
     be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
                       draft_window=draft_window, trust_remote_code=trust_remote_code, spec=spec,
                       target_config=target_config, **extra)

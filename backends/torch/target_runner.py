@@ -141,15 +141,12 @@ class TorchTarget:
             return self._forward_tree(ids, tree)
         if self.layout is not None:
             return self._forward_rows(ids, last_only)
-        if self.cache_len is not None and self.length + t > self.cache_len:
-            raise DFlashError(f"context: {self.length + t} tokens exceed the static cache ({self.cache_len}); "
-                              "raise cache_len")
         if self.cache_len is not None and not last_only:  # a plain step or a chain, in the trees' compiled graphs
             positions = self.length + torch.arange(t, device=self.device)
             causal = torch.arange(self.length + t, device=self.device)[None] <= positions[:, None]
             return self._forward_static(ids, positions[None], causal[None])
         if self.cache_len is not None:
-            set_window(self.cache, self.length + t)
+            self._fit_static(t)
         if self.rewind is not None:
             self.rewind.before_forward()
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
@@ -201,12 +198,8 @@ class TorchTarget:
                                                                                     tree.real))
         if self.cache_len is not None:
             return self._forward_static(ids, positions, mask)
-        mask = mask[:, None]
-        if self.additive_mask:
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask,
-                                                                                     torch.finfo(self.dtype).min)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                         use_cache=True, logits_to_keep=0)
+        out = self.model(input_ids=ids, attention_mask=self._attention_mask(mask), position_ids=positions,
+                         cache=self.cache, use_cache=True, logits_to_keep=0)
         if self.layout is None:
             self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None
@@ -216,18 +209,29 @@ class TorchTarget:
         + T), which is padded to the cache's window: plain steps, chains and trees call it with the same arguments,
         so they share their compiled graphs (the token count and the window become symbols at their second value)."""
         t = ids.shape[1]
-        if self.length + t > self.cache_len:
-            raise DFlashError(f"context: {self.length + t} tokens exceed the static cache ({self.cache_len}); "
-                              "raise cache_len")
-        set_window(self.cache, self.length + t)
-        mask = F.pad(mask, (0, window_of(self.cache) - mask.shape[-1]))[:, None]
-        if self.additive_mask:
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
-                ~mask, torch.finfo(self.dtype).min)
+        self._fit_static(t)
+        mask = self._attention_mask(F.pad(mask, (0, window_of(self.cache) - mask.shape[-1])))
         out = self._decode_model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
                                  use_cache=True, logits_to_keep=0)
         self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None
+
+    def _fit_static(self, t: int) -> None:
+        """A forward of t tokens fits the static cache; its layers attend over the window that covers them."""
+        assert self.cache_len is not None  # (static cache)
+        if self.length + t > self.cache_len:
+            raise DFlashError(f"context: {self.length + t} tokens exceed the static cache ({self.cache_len}); "
+                              "raise cache_len")
+        set_window(self.cache, self.length + t)
+
+    def _attention_mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """A (rows, T, keys) visibility mask as the attention takes it: (rows, 1, T, keys), boolean for SDPA,
+        additive for eager attention."""
+        mask = visible[:, None]
+        if not self.additive_mask:
+            return mask
+        return torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask,
+                                                                                         torch.finfo(self.dtype).min)
 
     @staticmethod
     def gather(features: torch.Tensor, slots: list[list[int]]) -> torch.Tensor:
@@ -257,10 +261,7 @@ class TorchTarget:
         t = ids.shape[1]
         assert self.layout is not None  # (rows mode)
         positions, keys = (torch.from_numpy(a).to(self.device) for a in self.layout.append(t))
-        mask = visible(keys, t, lambda *a: torch.arange(*a, device=self.device))[:, None]
-        if self.additive_mask:
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
-                ~mask, torch.finfo(self.dtype).min)
+        mask = self._attention_mask(visible(keys, t, lambda *a: torch.arange(*a, device=self.device)))
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
                          use_cache=True, logits_to_keep=1 if last_only else 0)
         return out.logits, self.capture.pop() if self.capture is not None else None
