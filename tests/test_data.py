@@ -201,18 +201,28 @@ def test_regenerated_rows_train(tiny_target_dir, tmp_path, tok):
 
 
 # ---- offline features ------------------------------------------------------------------------------------------------------
+def tokenised_rows(path, n=6, seed=0):
+    """n tokenised training rows (ids and loss mask) of 12-30 tokens, written to `path`."""
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            ids = torch.randint(3, 500, (int(torch.randint(12, 30, (1,), generator=g)),), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 3 + [1] * (len(ids) - 3)}) + "\n")
+    return path
+
+
+def padded_ids(batch) -> torch.Tensor:
+    width = max(len(s["input_ids"]) for s in batch)
+    return torch.tensor([s["input_ids"] + [0] * (width - len(s["input_ids"])) for s in batch])
+
+
 def test_feature_cache_equals_online_features_and_trains_the_same(tiny_target_dir, tmp_path):
     from dflash.backends.torch.target import load_target
     from dflash.backends.torch.training import TrainConfig, train
     from dflash.backends.torch.training.features import FeatureCache, OnlineFeatures
     from dflash.data import main
 
-    g = torch.Generator().manual_seed(0)
-    data = tmp_path / "d.jsonl"
-    with open(data, "w") as f:
-        for i in range(6):
-            ids = torch.randint(3, 500, (int(torch.randint(12, 30, (1,), generator=g)),), generator=g).tolist()
-            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 3 + [1] * (len(ids) - 3)}) + "\n")
+    data = tokenised_rows(tmp_path / "d.jsonl")
     feats = tmp_path / "feats"
     assert main(["cache-features", "--model", str(tiny_target_dir), "--data", str(data), "--out", str(feats),
                  "--num-layers", "2", "--feature-dtype", "float32", "--shard-gb", "0.00001"]) == 0
@@ -221,8 +231,7 @@ def test_feature_cache_equals_online_features_and_trains_the_same(tiny_target_di
     samples = cache.samples()
     online = OnlineFeatures(load_target(tiny_target_dir, torch.float32, "cpu"), cache.target_layer_ids)
     batch = samples[:3]
-    width = max(len(s["input_ids"]) for s in batch)
-    ids = torch.tensor([s["input_ids"] + [0] * (width - len(s["input_ids"])) for s in batch])
+    ids = padded_ids(batch)
     a, b = cache(batch, ids), online(batch, ids)
     for i, s in enumerate(batch):  # equal on real positions (padding is never attended to from real ones)
         n = len(s["input_ids"])
@@ -233,3 +242,41 @@ def test_feature_cache_equals_online_features_and_trains_the_same(tiny_target_di
     on = train(TrainConfig(data=str(data), out=str(tmp_path / "on"), **common)).losses
     off = train(TrainConfig(features=str(feats), out=str(tmp_path / "off"), **common)).losses
     assert off == pytest.approx(on, rel=1e-4)
+
+
+def test_cached_top_k_is_the_online_soft_label_and_trains_the_same(tiny_target_dir, tmp_path):
+    """cache-features --top-k K keeps the target's K most likely next tokens at every position: the soft label of
+    --kl-weight read from disk equals the one a frozen target forward gives, and a run trains the same on either."""
+    from dflash.backends.torch.target import load_target
+    from dflash.backends.torch.training import TrainConfig, train
+    from dflash.backends.torch.training.features import FeatureCache, OnlineFeatures
+    from dflash.backends.torch.training.objective import target_top_k
+    from dflash.data import main
+
+    data = tokenised_rows(tmp_path / "d.jsonl", seed=1)
+    feats = tmp_path / "feats"
+    assert main(["cache-features", "--model", str(tiny_target_dir), "--data", str(data), "--out", str(feats),
+                 "--num-layers", "2", "--feature-dtype", "float32", "--top-k", "8"]) == 0
+    cache = FeatureCache(feats)
+    assert cache.top_k == 8
+    target = load_target(tiny_target_dir, torch.float32, "cpu")
+    online = OnlineFeatures(target, cache.target_layer_ids)
+    batch = cache.samples()[:3]
+    ids = padded_ids(batch)
+    _, (logp, top) = cache.with_top(batch, ids, 5)  # the first 5 of the 8 kept
+    _, final = online.with_final(batch, ids)
+    q, idx = target_top_k(target.get_output_embeddings(), final, 5)
+    for i, s in enumerate(batch):
+        n = len(s["input_ids"])
+        assert torch.equal(top[i, :n], idx[i, :n])
+        torch.testing.assert_close(torch.softmax(logp[i, :n], -1), q[i, :n], atol=2e-3, rtol=2e-3)  # float16 on disk
+        assert torch.isinf(logp[i, n:]).all()  # padding: no probability
+    online.close()
+
+    common = dict(target=str(tiny_target_dir), num_layers=2, block_size=4, num_anchors=6, max_steps=3, batch_size=2,
+                  save_every=0, progress=False, plot=False, quiet=True, device="cpu", kl_weight=0.5, kl_top_k=8)
+    on = train(TrainConfig(data=str(data), out=str(tmp_path / "on"), **common)).losses
+    off = train(TrainConfig(features=str(feats), out=str(tmp_path / "off"), **common)).losses
+    assert off == pytest.approx(on, rel=1e-3)
+    with pytest.raises(DFlashError, match="--kl-top-k: got 16, but .* holds the target's top 8"):
+        train(TrainConfig(features=str(feats), out=str(tmp_path / "wide"), **{**common, "kl_top_k": 16}))

@@ -87,3 +87,25 @@ def test_chunked_recomputed_logits_equal_the_one_piece_path(monkeypatch):
     for one, chunked in zip(results[:3], results[3:]):
         for a, b in zip(one, chunked):
             torch.testing.assert_close(b, a)
+
+
+def test_cached_soft_label_restricted_to_the_draft_vocabulary():
+    """A cached top-k over the target's ids becomes the soft label over the drafter's head: renormalised over the
+    top-k, tokens outside the draft vocabulary at 0, a position with none inside left without a soft label."""
+    from types import SimpleNamespace
+
+    from dflash.backends.torch.training.objective import cached_soft_label
+
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[1, 4, 7]] = True  # draft ids 0, 1, 2
+    drafter = SimpleNamespace(spec=SimpleNamespace(has_draft_vocab=True, draft_vocab=3), t2d=t2d,
+                              target_ids=lambda: t2d.nonzero().flatten())
+    logp = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]]))
+    ids = torch.tensor([[[4, 2, 7], [0, 3, 5]]])  # 2 is outside; nothing of the second row is inside
+    probs, head_ids = cached_soft_label(drafter, logp, ids)
+    torch.testing.assert_close(probs[0, 0], torch.tensor([0.5 / 0.7, 0.0, 0.2 / 0.7]))
+    assert head_ids[0, 0, 0] == 1 and head_ids[0, 0, 2] == 2
+    assert torch.equal(probs[0, 1], torch.zeros(3))
+    full, same = cached_soft_label(SimpleNamespace(spec=SimpleNamespace(has_draft_vocab=False)), logp, ids)
+    torch.testing.assert_close(full, torch.exp(logp) / torch.exp(logp).sum(-1, keepdim=True))
+    assert torch.equal(same, ids)

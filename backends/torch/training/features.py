@@ -3,9 +3,11 @@
   OnlineFeatures  runs the frozen target on the batch (no grad, hooks on the needed layers only). The default:
                   nothing to precompute, no disk, always consistent with the target.
   FeatureCache    reads features written once by `python -m dflash.data cache-features` (sharded safetensors). Saves
-                  the target forward in every epoch at the price of S * K * H values per sample on disk.
+                  the target forward in every epoch at the price of S * K * H values per sample on disk, and with
+                  --top-k the target's k most likely next tokens at every position (the soft label of --kl-weight).
 
-Both are called as `features(samples, input_ids) -> (b, S, K*H)` with the micro-batch's samples and padded ids.
+Both are called as `features(samples, input_ids) -> (b, S, K*H)` with the micro-batch's samples and padded ids, and
+give the soft label's source with the features in one call (`with_final` online, `with_top` cached).
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class FeatureCache:
     def target_layer_ids(self) -> list[int]:
         return self.index["target_layer_ids"]
 
+    @property
+    def top_k(self) -> int:
+        """How many of the target's most likely next tokens each position keeps (0: none were cached)."""
+        return int(self.index.get("top_k", 0))
+
     def samples(self) -> list[dict]:
         out = []
         for i, entry in enumerate(self.index["samples"]):
@@ -74,11 +81,25 @@ class FeatureCache:
         return out
 
     def __call__(self, samples, input_ids: torch.Tensor) -> torch.Tensor:
-        b, s = input_ids.shape
-        feats = [self._open(self.index["samples"][x["index"]]["shard"]).get_tensor(f"{x['index']}.features")
+        return self._padded(samples, input_ids.shape[1], "features", self.dtype)
+
+    def with_top(self, samples, input_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(features, (log-probabilities, token ids) of the target's k most likely next tokens, each (b, S, k), k at
+        most top_k). Padding positions carry log-probability -inf (they are never supervised)."""
+        if not self.top_k:
+            raise DFlashError(f"{self.directory}: this feature cache holds no target top-k; write it again with "
+                              "`python -m dflash.data cache-features --top-k K` to train with --kl-weight")
+        s = input_ids.shape[1]
+        logp = self._padded(samples, s, "top_logprobs", torch.float32, fill=float("-inf"))
+        top = (logp, self._padded(samples, s, "top_ids", torch.long))
+        return self(samples, input_ids), tuple(x[..., :k] for x in top)
+
+    def _padded(self, samples, s: int, name: str, dtype: torch.dtype | None, fill: float = 0.0) -> torch.Tensor:
+        """One cached tensor of every sample, right-padded to s positions: (b, s, ...)."""
+        parts = [self._open(self.index["samples"][x["index"]]["shard"]).get_tensor(f"{x['index']}.{name}")
                  for x in samples]
-        out = torch.zeros(b, s, feats[0].shape[-1], dtype=self.dtype or feats[0].dtype)
-        for i, f in enumerate(feats):
+        out = torch.full((len(parts), s, *parts[0].shape[1:]), fill, dtype=dtype or parts[0].dtype)
+        for i, f in enumerate(parts):
             n = min(f.shape[0], s)
             out[i, :n] = f[:n]
         return out.to(self.device)
@@ -89,9 +110,11 @@ class FeatureCache:
 
 def write_feature_cache(model, samples: list[dict], layer_ids: list[int], out: str | os.PathLike, *,
                         shard_bytes: int = 1 << 30, dtype: torch.dtype = torch.bfloat16, device="cpu",
-                        target: str = "", log=print) -> Path:
-    """Run the target once over every sample and write features + ids + loss mask as sharded safetensors. Each shard
-    and the index are written atomically; the index goes last, so a directory without it is an interrupted run."""
+                        target: str = "", top_k: int = 0, log=print) -> Path:
+    """Run the target once over every sample and write features + ids + loss mask as sharded safetensors; with
+    `top_k`, also the log-probabilities (float16) and ids (int32) of the target's top_k next tokens at every position.
+    Each shard and the index are written atomically; the index goes last, so a directory without it is an
+    interrupted run."""
     from safetensors.torch import save_file
 
     from dflash.core.io import atomic_path, atomic_write_text
@@ -100,8 +123,11 @@ def write_feature_cache(model, samples: list[dict], layer_ids: list[int], out: s
     hidden = model.get_input_embeddings().weight.shape[1]
     per_token = len(layer_ids) * hidden * torch.tensor([], dtype=dtype).element_size()
     tokens = sum(len(x["input_ids"]) for x in samples)
-    log(f"cache-features: {len(samples)} samples, {tokens} tokens x {len(layer_ids)} layers x {hidden} "
-        f"x {per_token // (len(layer_ids) * hidden)} bytes = about {tokens * per_token / 2**30:.2f} GiB on disk")
+    per_token += top_k * (2 + 4)
+    log(f"cache-features: {len(samples)} samples, {tokens} tokens x ({len(layer_ids)} layers x {hidden} "
+        f"x {torch.tensor([], dtype=dtype).element_size()} bytes + top {top_k}) = about "
+        f"{tokens * per_token / 2**30:.2f} GiB on disk")
+    lm_head = model.get_output_embeddings()
     capture = LayerCapture(model, layer_ids)
     entries, size, k = [], 0, 0
     shard: dict[str, torch.Tensor] = {}
@@ -117,19 +143,24 @@ def write_feature_cache(model, samples: list[dict], layer_ids: list[int], out: s
     try:
         for i, x in enumerate(samples):
             ids = torch.tensor([x["input_ids"]], device=device)
-            feats = target_features(model, capture, ids)[0].to(dtype).cpu().contiguous()
+            feats, final = target_features(model, capture, ids, final=True)
+            feats = feats[0].to(dtype).cpu().contiguous()
             shard[f"{i}.features"] = feats
+            if top_k:
+                logp, top = lm_head(final[0]).float().log_softmax(-1).topk(top_k, dim=-1)
+                shard[f"{i}.top_logprobs"] = logp.to(torch.float16).cpu().contiguous()
+                shard[f"{i}.top_ids"] = top.to(torch.int32).cpu().contiguous()
             shard[f"{i}.input_ids"] = torch.tensor(x["input_ids"], dtype=torch.int64)
             shard[f"{i}.loss_mask"] = torch.tensor(x["loss_mask"], dtype=torch.uint8)
             entries.append({"id": x.get("id", f"row-{i}"), "shard": f"features-{k:05d}.safetensors",
                             "length": len(x["input_ids"])})
-            size += feats.numel() * feats.element_size()
+            size += sum(t.numel() * t.element_size() for key, t in shard.items() if key.startswith(f"{i}."))
             if size >= shard_bytes:
                 flush()
         flush()
     finally:
         capture.remove()
     index = {"target": str(target), "target_layer_ids": list(layer_ids), "hidden_size": hidden,
-             "dtype": str(dtype).removeprefix("torch."), "samples": entries}
+             "dtype": str(dtype).removeprefix("torch."), "top_k": top_k, "samples": entries}
     atomic_write_text(out / INDEX_NAME, json.dumps(index) + "\n")
     return out

@@ -4,8 +4,8 @@
   2. anchors of every sample come from a generator seeded by (seed, epoch, sample index)
   3. the loss is sum(w * slot loss) over the WHOLE global batch / sum(w) over the whole global batch (one
      all_reduce of the weight sum before the forward): the curve does not depend on world size or accumulation
-  4. target features online (frozen target forward) or from a feature cache; one packed drafter forward per
-     micro-batch; AdamW, clip, cosine LR
+  4. target features (and the soft label's target distribution) online from a frozen target forward, or from a
+     feature cache; one packed drafter forward per micro-batch; AdamW, clip, cosine LR
 The parts: run.py (what a step needs), data.py (order, anchors), objective.py (the loss), checkpoint.py (save,
 resume, export), evaluate.py (tau with the real loop), log.py (console, bar, train_log.jsonl).
 """
@@ -25,7 +25,7 @@ from . import checkpoint as ckpt
 from .config import TrainConfig, TrainResult
 from .data import collate, sample_anchors_of, sample_weight, step_indices
 from .evaluate import evaluate_run
-from .features import OnlineFeatures
+from .features import FeatureCache, OnlineFeatures
 from .log import RunLog
 from .objective import block_loss_sum, cosine_lr
 from .run import Run, prepare
@@ -55,11 +55,13 @@ def train_step(run: Run, step: int) -> dict:
         part = slice(m * b, (m + 1) * b)
         batch = [run.samples[i] for i in mine[part]]
         ids, mask, a, v = collate(batch, anchors[part], run.device)
-        if cfg.kl_weight > 0:
-            assert isinstance(run.features, OnlineFeatures)  # (check_config refuses --kl-weight with cached features)
+        final = top = None
+        if cfg.kl_weight > 0 and isinstance(run.features, OnlineFeatures):
             feats, final = run.features.with_final(batch, ids)
+        elif cfg.kl_weight > 0 and isinstance(run.features, FeatureCache):
+            feats, top = run.features.with_top(batch, ids, cfg.kl_top_k)
         else:
-            feats, final = run.features(batch, ids), None
+            feats = run.features(batch, ids)
         sync = m == accum - 1
         if run.fsdp:
             run.module.set_requires_gradient_sync(sync)
@@ -67,7 +69,7 @@ def train_step(run: Run, step: int) -> dict:
             loss_sum, correct, w = block_loss_sum(
                 run.drafter, run.embed, run.lm_head, feats, ids, mask, a, v, block_size=spec.block_size,
                 mask_token_id=spec.mask_token_id, gamma=run.gamma, forward=run.module, rules=run.rules,
-                target_final=final, kl_weight=cfg.kl_weight, kl_top_k=cfg.kl_top_k,
+                target_final=final, kl_weight=cfg.kl_weight, kl_top_k=cfg.kl_top_k, cached_top=top,
                 selector_weight=cfg.selector_loss_weight)
             # DDP / FSDP average gradients over ranks: scale by world so the result is sum / global weight
             loss = loss_sum * (d.world / wsum)

@@ -76,12 +76,29 @@ def build_blocks(input_ids, loss_mask, anchors, valid, block_size: int, mask_tok
     return ids.flatten(1), pos.flatten(1), labels.flatten(1), weights.flatten(1)
 
 
+def draft_index(drafter: DFlashDrafter) -> torch.Tensor:
+    """Target id -> its index in the drafter's head (-1 outside the draft vocabulary)."""
+    index = torch.full_like(drafter.t2d, -1, dtype=torch.long)
+    index[drafter.target_ids()] = torch.arange(drafter.spec.draft_vocab, device=index.device)
+    return index
+
+
 def draft_labels(drafter: DFlashDrafter, labels: torch.Tensor, weights: torch.Tensor):
     """(labels as draft ids, weights with every slot whose label is outside the draft vocabulary at 0)."""
     inside = drafter.t2d[labels]
-    index = torch.full_like(drafter.t2d, -1, dtype=torch.long)
-    index[drafter.target_ids()] = torch.arange(drafter.spec.draft_vocab, device=index.device)
-    return torch.where(inside, index[labels], 0), torch.where(inside, weights, torch.zeros_like(weights))
+    return torch.where(inside, draft_index(drafter)[labels], 0), torch.where(inside, weights, torch.zeros_like(weights))
+
+
+def cached_soft_label(drafter: DFlashDrafter, logp: torch.Tensor, ids: torch.Tensor):
+    """A cached top-k of the target (log-probabilities, target ids), as the soft label over the drafter's head:
+    (probabilities renormalised over the top-k, head ids). With a draft vocabulary the tokens outside it get
+    probability 0 before renormalising (the target's distribution restricted to the vocabulary); a slot with none
+    of its top-k inside gets no soft label (all zeros)."""
+    if drafter.spec.has_draft_vocab:
+        index = draft_index(drafter)[ids]
+        logp = torch.where(index >= 0, logp, torch.full_like(logp, float("-inf")))
+        ids = index.clamp(min=0)
+    return torch.softmax(logp.float(), -1).nan_to_num(0.0), ids
 
 
 def context_length(drafter: DFlashDrafter, seq_len: int) -> int:
@@ -188,13 +205,14 @@ def target_top_k(lm_head, target_final: torch.Tensor, k: int) -> tuple[torch.Ten
 def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, loss_mask, anchors, valid, *,
                    block_size: int, mask_token_id: int, gamma: float | None = None, use_flex: bool | None = None,
                    forward=None, rules=None, target_final=None, kl_weight: float = 0.0, kl_top_k: int = 0,
-                   selector_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   cached_top=None, selector_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unnormalised pieces of the loss for given anchors: (sum w*loss, sum w*correct, sum w). The trainer divides by
     the weight sum of the whole global batch, so the loss does not depend on how the batch is split across ranks
     and micro-batches. `forward(x, features, positions, mask)` replaces packed_forward (a DDP/FSDP wrapper).
     `rules`: one LayerRule per draft layer (default: full attention, the whole context). `target_final` (b, S, H):
     the target's final-normed hidden states, needed when kl_weight > 0 (soft label: its top `kl_top_k` tokens, or
-    the whole distribution with kl_top_k 0). A DFlash2 drafter's selector is trained alongside, with weight
+    the whole distribution with kl_top_k 0), or `cached_top` = (log-probabilities, target ids), each (b, S, k): the
+    target's top-k at every position from a feature cache (then target_final is not needed). A DFlash2 drafter's selector is trained alongside, with weight
     `selector_weight` (0: not at all). A drafter with a draft vocabulary uses its own head in place of `lm_head`
     (for the soft label too: the target's rows of those tokens)."""
     gamma = gamma or default_gamma(block_size)
@@ -215,7 +233,9 @@ def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, 
         # the label at position p is predicted by the target's state at p - 1 (slot k >= 1, so p - 1 >= anchor)
         prev = (pos - 1).clamp(min=0, max=s - 1)
         at = lambda x: x.gather(1, prev[..., None].expand(-1, -1, x.shape[-1]))
-        if kl_top_k:
+        if cached_top is not None:
+            target_top = cached_soft_label(drafter, *(at(x) for x in cached_top))
+        elif kl_top_k:
             target_top = tuple(at(x) for x in target_top_k(lm_head, target_final, kl_top_k))
         else:
             target_hidden = at(target_final)

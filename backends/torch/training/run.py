@@ -87,9 +87,6 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.draft_vocab is not None and cfg.arch == "dflash2":
         raise DFlashError("--draft-vocab: a draft vocabulary is supported for DFlash drafters only (the DFlash2 "
                           "selector scores the whole vocabulary); drop one of --draft-vocab / --arch dflash2")
-    if cfg.kl_weight > 0 and cfg.features:
-        raise DFlashError("--kl-weight: needs online target features (a feature cache holds no target logits); "
-                          "drop --features or pass --kl-weight 0")
 
 
 def too_few_samples(loaded: int, held: int, global_batch: int) -> str:
@@ -142,6 +139,10 @@ def prepare(cfg: TrainConfig, target_dir: Path) -> Run:
     if cache is not None and cache.target_layer_ids != spec.target_layer_ids:
         raise DFlashError(f"--features: cached layers {cache.target_layer_ids} differ from the drafter's "
                           f"target_layer_ids {spec.target_layer_ids}")
+    if cache is not None and cfg.kl_weight > 0 and not 0 < cfg.kl_top_k <= cache.top_k:
+        raise DFlashError(f"--kl-top-k: got {cfg.kl_top_k}, but {cfg.features} holds the target's top "
+                          f"{cache.top_k} tokens; pass --kl-top-k {cache.top_k} or write the cache again with "
+                          f"`python -m dflash.data cache-features --top-k {max(cfg.kl_top_k, 1)}`")
     drafter.to(device).float().requires_grad_(True)
     if spec.has_draft_vocab:  # the target's LM-head rows: frozen, as the target's head is
         drafter.lm_head.requires_grad_(False)
