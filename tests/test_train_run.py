@@ -144,6 +144,9 @@ def test_sigkill_mid_run_then_resume_gives_identical_weights(tiny_target_dir, da
     rows = [json.loads(line) for line in open(out / "train_log.jsonl")]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, steps + 1))  # replayed, not duplicated
     assert losses(out) == losses(ref)
+    # the answer tokens trained on (the learning curve's x) carry across the restart
+    tokens = lambda d: [r["answer_tokens"] for r in map(json.loads, open(d / "train_log.jsonl")) if "loss" in r]
+    assert tokens(out) == tokens(ref) and all(b > a for a, b in zip(tokens(ref), tokens(ref)[1:]))
     # the resume state is loadable with weights_only=True (RNG states stored as tensors / lists)
     last = sorted((out / "checkpoints").iterdir())[-1]
     for f in ("model.pt", "optimizer.pt", "trainer.pt", "rng_rank0.pt"):

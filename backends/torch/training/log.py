@@ -1,5 +1,6 @@
 """What a run tells: console lines, a progress bar, and train_log.jsonl (one row per logged step, one per
-evaluation), on the main rank only. Rows a resumed run starts from are the ones its checkpoint covers."""
+evaluation, each with the answer tokens trained on so far), on the main rank only. Rows a resumed run starts from are
+the ones its checkpoint covers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ class RunLog:
         self.cfg, self.main, self.total, self.started = cfg, d.main, total, started
         self.losses = [r["loss"] for r in rows if "loss" in r]
         self.evals = [r for r in rows if "tau" in r]
+        # answer tokens trained on so far (the learning curve's x): a resumed run's from its checkpoint's step,
+        # which is always logged
+        self.tokens = next((r["answer_tokens"] for r in reversed(rows) if "answer_tokens" in r), 0)
         self.path = out / "train_log.jsonl"
         self.file = open(self.path, "a") if d.main else None
         self.show_bar = d.main and cfg.progress and not cfg.quiet
@@ -36,8 +40,10 @@ class RunLog:
         if not self.main:
             return
         self.losses.append(row["loss"])
-        if row["step"] % self.cfg.log_every == 0 or row["step"] == self.total:
-            self.write(dict(row, elapsed=time.perf_counter() - self.started))
+        self.tokens += row["answer_tokens"]
+        at = row["step"]
+        if at % self.cfg.log_every == 0 or at == self.total or (self.cfg.save_every and at % self.cfg.save_every == 0):
+            self.write(dict(row, answer_tokens=self.tokens, elapsed=time.perf_counter() - self.started))
         if self.show_bar:
             if self.bar is None:
                 from tqdm import tqdm
@@ -47,6 +53,7 @@ class RunLog:
             self.bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.2f}", lr=f"{row['lr']:.1e}")
 
     def evaluation(self, row: dict) -> None:
+        row = dict(row, answer_tokens=self.tokens)
         self.evals.append(row)
         self.write(row)
         self.say(f"eval step {row['step']}: tau {row['tau']:.2f} over {row['cycles']} cycles")

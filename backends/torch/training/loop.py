@@ -32,7 +32,8 @@ from .run import Run, prepare
 
 
 def train_step(run: Run, step: int) -> dict:
-    """One optimiser step on the global batch of `step`; returns its log row (loss, accuracy, lr, grad norm)."""
+    """One optimiser step on the global batch of `step`; returns its log row (the batch's answer tokens, loss,
+    accuracy, lr, grad norm)."""
     cfg, d = run.cfg, run.d
     b, accum = cfg.batch_size, cfg.grad_accum
     spec = run.drafter.spec
@@ -45,6 +46,7 @@ def train_step(run: Run, step: int) -> dict:
     mine_wsum = torch.tensor(sum(sample_weight(run.samples[i], a, v, spec.block_size, run.gamma, vocab)
                                  for i, (a, v) in zip(mine, anchors)), dtype=torch.float64)
     wsum = float(d.sum(mine_wsum).clamp(min=1e-6))
+    answer_tokens = int(d.sum(torch.tensor(sum(sum(run.samples[i]["loss_mask"]) for i in mine), dtype=torch.float64)))
     lr = cosine_lr(step, run.total, cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
@@ -82,7 +84,8 @@ def train_step(run: Run, step: int) -> dict:
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     stats = d.sum(stats)
-    return {"step": step + 1, "epoch": epoch, "loss": float(stats[0] / wsum), "accuracy": float(stats[1] / wsum),
+    return {"step": step + 1, "epoch": epoch, "answer_tokens": answer_tokens,
+            "loss": float(stats[0] / wsum), "accuracy": float(stats[1] / wsum),
             "lr": lr, "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
 
 
