@@ -256,7 +256,7 @@ def test_cached_top_k_is_the_online_soft_label_and_trains_the_same(tiny_target_d
     data = tokenised_rows(tmp_path / "d.jsonl", seed=1)
     feats = tmp_path / "feats"
     assert main(["cache-features", "--model", str(tiny_target_dir), "--data", str(data), "--out", str(feats),
-                 "--num-layers", "2", "--feature-dtype", "float32", "--top-k", "8"]) == 0
+                 "--num-layers", "2", "--top-k", "8"]) == 0  # features in bfloat16, the default
     cache = FeatureCache(feats)
     assert cache.top_k == 8
     target = load_target(tiny_target_dir, torch.float32, "cpu")
@@ -277,6 +277,6 @@ def test_cached_top_k_is_the_online_soft_label_and_trains_the_same(tiny_target_d
                   save_every=0, progress=False, plot=False, quiet=True, device="cpu", kl_weight=0.5, kl_top_k=8)
     on = train(TrainConfig(data=str(data), out=str(tmp_path / "on"), **common)).losses
     off = train(TrainConfig(features=str(feats), out=str(tmp_path / "off"), **common)).losses
-    assert off == pytest.approx(on, rel=1e-3)
+    assert off == pytest.approx(on, rel=2e-2)  # bfloat16 features against float32 ones
     with pytest.raises(DFlashError, match="--kl-top-k: got 16, but .* holds the target's top 8"):
         train(TrainConfig(features=str(feats), out=str(tmp_path / "wide"), **{**common, "kl_top_k": 16}))

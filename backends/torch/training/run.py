@@ -123,7 +123,9 @@ def prepare(cfg: TrainConfig, target_dir: Path) -> Run:
     tokenizer = None
     with contextlib.suppress(DFlashError):
         tokenizer = load_tokenizer(target_dir, cfg.trust_remote_code)
-    cache = FeatureCache(cfg.features, device=device) if cfg.samples is None and cfg.features else None
+    # features stored in bfloat16 reach the float32 drafter as float32 (autocast, where on, casts them back down)
+    cache = FeatureCache(cfg.features, device=device, dtype=torch.float32) if cfg.samples is None and cfg.features \
+        else None
     loaded = load_samples(cfg, tokenizer, cache)
     samples, eval_prompts = split_eval_prompts(cfg, loaded, tokenizer)
     global_batch = cfg.batch_size * cfg.grad_accum * d.world
