@@ -62,7 +62,8 @@ HELP = {
     "num_anchors": "random anchors (blocks) per sequence per epoch",
     "gamma": "loss position decay w_k = exp(-(k-1)/gamma) (default 7/5/4 for block 16/10/8)",
     "kl_weight": "blend each slot's CE on the data token with CE against the target's full next-token distribution "
-                 "(0: the paper's loss; needs online features)",
+                 "(0: the paper's loss; with --features, the cache must hold the target's top-k: cache-features "
+                 "--top-k)",
     "kl_top_k": "the soft label keeps the target's K most likely tokens, renormalised (0: the whole vocabulary)",
     "lr": "peak learning rate (AdamW)",
     "min_lr_ratio": "cosine floor as a fraction of --lr",
