@@ -230,6 +230,8 @@ CASES = [
     Case("features-layer-range", "data", "cache-features --target-layer-ids 1,99",
          [*FEATS, "--target-layer-ids", "1,99"],
          ("--target-layer-ids", "[99] out of range")),
+    Case("features-top-k-negative", "data", "cache-features --top-k -1", [*FEATS, "--top-k", "-1"],
+         ("--top-k", "got -1", "expected 0")),
     # ---- convert -----------------------------------------------------------------------------------------------------
     Case("convert-out-under-file", "convert", "convert dtype --out below a regular file",
          ["dtype", "--draft", "{D}", "--out", "{F}/out", "--dtype", "float16"], ("--out", "{F}", "is a file"),
