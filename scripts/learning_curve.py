@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                                                                         lambda r: r["per_position"][0], args.p1)):
             at = projection(rows, key, goal)
             print(f"{label}: {name} {goal} projected at "
-                  f"{'(not rising)' if at is None else f'{at / 1e6:,.1f}M answer tokens'} (log-linear fit)")
+                  f"{'(not rising)' if at is None else f'{at:.2g} answer tokens'} (log-linear fit)")
     if args.out:
         plot(runs, args.out)
     return 0
