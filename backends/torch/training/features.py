@@ -85,10 +85,8 @@ class FeatureCache:
 
     def with_top(self, samples, input_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """(features, (log-probabilities, token ids) of the target's k most likely next tokens, each (b, S, k), k at
-        most top_k). Padding positions carry log-probability -inf (they are never supervised)."""
-        if not self.top_k:
-            raise DFlashError(f"{self.directory}: this feature cache holds no target top-k; write it again with "
-                              "`python -m dflash.data cache-features --top-k K` to train with --kl-weight")
+        most top_k: the trainer checks it at start-up). Padding positions carry log-probability -inf (they are never
+        supervised)."""
         s = input_ids.shape[1]
         logp = self._padded(samples, s, "top_logprobs", torch.float32, fill=float("-inf"))
         top = (logp, self._padded(samples, s, "top_ids", torch.long))
@@ -121,12 +119,11 @@ def write_feature_cache(model, samples: list[dict], layer_ids: list[int], out: s
 
     out = Path(out)
     hidden = model.get_input_embeddings().weight.shape[1]
-    per_token = len(layer_ids) * hidden * torch.tensor([], dtype=dtype).element_size()
+    feature_bytes = torch.tensor([], dtype=dtype).element_size()
+    per_token = len(layer_ids) * hidden * feature_bytes + top_k * (2 + 4)  # + float16 log-probability, int32 id
     tokens = sum(len(x["input_ids"]) for x in samples)
-    per_token += top_k * (2 + 4)
     log(f"cache-features: {len(samples)} samples, {tokens} tokens x ({len(layer_ids)} layers x {hidden} "
-        f"x {torch.tensor([], dtype=dtype).element_size()} bytes + top {top_k}) = about "
-        f"{tokens * per_token / 2**30:.2f} GiB on disk")
+        f"x {feature_bytes} bytes + top {top_k}) = about {tokens * per_token / 2**30:.2f} GiB on disk")
     lm_head = model.get_output_embeddings()
     capture = LayerCapture(model, layer_ids)
     entries, size, k = [], 0, 0
@@ -144,17 +141,17 @@ def write_feature_cache(model, samples: list[dict], layer_ids: list[int], out: s
         for i, x in enumerate(samples):
             ids = torch.tensor([x["input_ids"]], device=device)
             feats, final = target_features(model, capture, ids, final=True)
-            feats = feats[0].to(dtype).cpu().contiguous()
-            shard[f"{i}.features"] = feats
+            row = {"features": feats[0].to(dtype).cpu().contiguous(),
+                   "input_ids": torch.tensor(x["input_ids"], dtype=torch.int64),
+                   "loss_mask": torch.tensor(x["loss_mask"], dtype=torch.uint8)}
             if top_k:
                 logp, top = lm_head(final[0]).float().log_softmax(-1).topk(top_k, dim=-1)
-                shard[f"{i}.top_logprobs"] = logp.to(torch.float16).cpu().contiguous()
-                shard[f"{i}.top_ids"] = top.to(torch.int32).cpu().contiguous()
-            shard[f"{i}.input_ids"] = torch.tensor(x["input_ids"], dtype=torch.int64)
-            shard[f"{i}.loss_mask"] = torch.tensor(x["loss_mask"], dtype=torch.uint8)
+                row["top_logprobs"] = logp.to(torch.float16).cpu().contiguous()
+                row["top_ids"] = top.to(torch.int32).cpu().contiguous()
+            shard.update({f"{i}.{name}": t for name, t in row.items()})
             entries.append({"id": x.get("id", f"row-{i}"), "shard": f"features-{k:05d}.safetensors",
                             "length": len(x["input_ids"])})
-            size += sum(t.numel() * t.element_size() for key, t in shard.items() if key.startswith(f"{i}."))
+            size += sum(t.numel() * t.element_size() for t in row.values())
             if size >= shard_bytes:
                 flush()
         flush()

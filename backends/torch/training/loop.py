@@ -43,10 +43,12 @@ def train_step(run: Run, step: int) -> dict:
     anchors = [sample_anchors_of(run.samples[i], cfg.num_anchors, cfg.seed, epoch, i) for i in mine]
     # 2. the global normaliser: sum of loss weights over the whole global batch
     vocab = run.drafter.t2d.cpu() if spec.has_draft_vocab else None
-    mine_wsum = torch.tensor(sum(sample_weight(run.samples[i], a, v, spec.block_size, run.gamma, vocab)
-                                 for i, (a, v) in zip(mine, anchors)), dtype=torch.float64)
-    wsum = float(d.sum(mine_wsum).clamp(min=1e-6))
-    answer_tokens = int(d.sum(torch.tensor(sum(sum(run.samples[i]["loss_mask"]) for i in mine), dtype=torch.float64)))
+    # (and the global batch's answer tokens, for the log, in the same all_reduce)
+    mine_sums = torch.tensor([sum(sample_weight(run.samples[i], a, v, spec.block_size, run.gamma, vocab)
+                                  for i, (a, v) in zip(mine, anchors)),
+                              sum(sum(run.samples[i]["loss_mask"]) for i in mine)], dtype=torch.float64)
+    global_sums = d.sum(mine_sums)
+    wsum, answer_tokens = float(global_sums[0].clamp(min=1e-6)), int(global_sums[1])
     lr = cosine_lr(step, run.total, cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
