@@ -86,3 +86,48 @@ def test_windowed_static_layer_attends_over_its_window_only():
     assert torch.equal(keys[:, :, :300], k) and torch.equal(keys[:, :, 300:301], k1)
     assert torch.equal(values[:, :, 300:301], v1)
     assert int(layer.get_seq_length()) == 301
+
+
+def filled(rows, t, seed):
+    layer = GrowingLayer()
+    layer.update(*kv(t, seed, rows=rows))
+    return layer
+
+
+def test_a_join_pads_with_zeros_and_keeps_both_sides_entries():
+    batch, row = filled(2, 5, 0), filled(1, 8, 1)
+    mine_k, theirs_k = batch.keys.clone(), row.keys.clone()
+    batch.join(row, 3, 0)  # the joining row is longer: the batch's rows move right by 3
+    assert batch.keys.shape == (3, 2, 8, 4) and batch.values.shape == (3, 2, 8, 4)
+    assert (batch.keys[:2, :, :3] == 0).all() and (batch.values[:2, :, :3] == 0).all()
+    assert torch.equal(batch.keys[:2, :, 3:], mine_k) and torch.equal(batch.keys[2:], theirs_k)
+    short = filled(1, 2, 2)
+    batch.join(short, 0, 6)
+    assert (batch.keys[3, :, :6] == 0).all() and torch.equal(batch.keys[3, :, 6:], short.keys[0])
+
+
+def test_rows_join_into_spare_rows_and_leave_from_the_end_without_copies():
+    batch = filled(1, 6, 0)
+    for seed in range(1, 4):
+        batch.join(filled(1, 6, seed), 0, 0)
+    assert batch.row_capacity == 4 and batch.growths == 3  # 1 -> 2 -> 4 rows: reallocated twice after the prefill
+    batch.update(*kv(1, 5, rows=4))  # (room for more positions: 6 -> 12)
+    address, growths = batch._k.data_ptr(), batch.growths
+    third = batch.keys[2].clone()
+    batch.take_rows([0, 1, 2])  # the last row leaves: nothing moves
+    assert batch.rows == 3 and batch._k.data_ptr() == address and batch.growths == growths
+    batch.take_rows([0, 2])  # a middle row leaves: the rows after it move up, in place
+    assert torch.equal(batch.keys[1], third) and batch._k.data_ptr() == address
+    batch.join(filled(1, 7, 9), 0, 0)  # a joining row fills a spare row of the same buffers
+    batch.update(*kv(1, 10, rows=3))  # and the next forward writes all rows in place
+    assert batch._k.data_ptr() == address and batch.growths == growths and batch.keys.shape == (3, 2, 8, 4)
+
+
+def test_a_gather_keeps_each_rows_slots_in_order():
+    layer = filled(2, 6, 0)
+    before = layer.keys.clone()
+    index = torch.tensor([[0, 2, 5], [1, 3, 4]])
+    layer.gather_slots(index)
+    assert layer.length == 3
+    for i in range(2):
+        assert torch.equal(layer.keys[i], before[i][:, index[i]])

@@ -1,6 +1,7 @@
 """dflash.core.rows: the shared cache's bookkeeping, and when a compaction pays."""
 
 import numpy as np
+import pytest
 
 from dflash.core import rows
 from dflash.core.rows import RowLayout
@@ -44,3 +45,155 @@ def test_small_shrinks_wait(monkeypatch):
     assert lay.compaction() is None
     monkeypatch.setattr(rows, "COMPACT_SHRINK", 0.1)
     assert lay.compaction() is not None
+
+
+# ---- SharedRows over every backend's buffers: each row's valid slots hold its own entries, in order ----------------
+
+class NumpySlots:
+    """SlotBuffers over one (rows, 1, slots, 1) array: the policy's reference."""
+
+    def __init__(self, entries=None):
+        self.entries = np.zeros((0, 1, 0, 1)) if entries is None else entries
+
+    def drop_last(self, n):
+        self.entries = self.entries[:, :, :self.entries.shape[2] - n]
+
+    def gather_slots(self, index):
+        self.entries = np.take_along_axis(self.entries, index[:, None, :, None], axis=2)
+
+    def take_rows(self, rows):
+        self.entries = self.entries[rows]
+
+    def join(self, other, pad_mine, pad_theirs):
+        pad = lambda x, n: np.pad(x, ((0, 0), (0, 0), (n, 0), (0, 0)))  # noqa: E731
+        self.entries = np.concatenate([pad(self.entries, pad_mine), pad(other.entries, pad_theirs)])
+
+    def copy_row(self, row, slots, into):
+        into.entries = self.entries[row:row + 1, :, slots].copy()
+
+
+class NumpyBackend:
+    make = NumpySlots
+
+    @staticmethod
+    def write(buffers, values):
+        buffers.entries = np.concatenate([buffers.entries, values[:, None, :, None]], axis=2) \
+            if buffers.entries.size else values[:, None, :, None].astype(float)
+
+    @staticmethod
+    def read(buffers):
+        return buffers.entries[:, 0, :, 0]
+
+
+class TorchBackend:
+    @staticmethod
+    def make():
+        torch = pytest.importorskip("torch")
+        from transformers import DynamicCache
+
+        from dflash.backends.torch.kv_cache import RowSlots, growing
+        del torch
+        return RowSlots(growing(DynamicCache(), None))
+
+    @staticmethod
+    def write(buffers, values):
+        import torch
+        kv = torch.tensor(values, dtype=torch.float32)[:, None, :, None]
+        buffers.cache.update(kv, -kv, 0)
+
+    @staticmethod
+    def read(buffers):
+        layer = buffers.cache.layers[0]
+        assert (layer.values == -layer.keys).all()  # keys and values moved together
+        return layer.keys[:, 0, :, 0].numpy()
+
+
+class MLXBackend:
+    @staticmethod
+    def make():
+        pytest.importorskip("mlx.core")
+        from mlx_lm.models.cache import KVCache
+
+        from dflash.backends.mlx.row_slots import RowSlots
+        return RowSlots([KVCache()])
+
+    @staticmethod
+    def write(buffers, values):
+        import mlx.core as mx
+        kv = mx.array(values.astype(np.float32))[:, None, :, None]
+        buffers.cache[0].update_and_fetch(kv, -kv)
+
+    @staticmethod
+    def read(buffers):
+        c = buffers.cache[0]
+        keys, values = (np.array(x[..., :c.offset, :]) for x in (c.keys, c.values))
+        assert (values == -keys).all()
+        return keys[:, 0, :, 0]
+
+
+@pytest.mark.parametrize("backend", [NumpyBackend, TorchBackend, MLXBackend], ids=["numpy", "torch", "mlx"])
+def test_shared_rows_keep_every_rows_entries_through_joins_leaves_keeps_and_compactions(backend):
+    """A random run of every row operation; after each, row i's valid slots hold exactly the entries it kept, in
+    order, whatever the backend's buffers did (pads, shifts, spare rows, gathers)."""
+    rng = np.random.default_rng(0)
+    counter = iter(range(1, 10 ** 6))
+    fresh = lambda n: np.array([next(counter) for _ in range(n)], dtype=float)  # noqa: E731
+
+    def prefilled(n):
+        buffers, entries = backend.make(), fresh(n)
+        backend.write(buffers, entries[None])
+        return buffers, list(entries)
+
+    first, kept = prefilled(30)
+    shared, want = rows.SharedRows(first, 30), [kept]
+    compactions = 0
+    for step in range(120):
+        op = rng.choice(["join", "leave", "chain", "tree", "extract"], p=[0.12, 0.08, 0.45, 0.3, 0.05])
+        if op == "join" and shared.rows < 6:
+            buffers, kept = prefilled(int(rng.integers(1, 90)))
+            shared.join(buffers, len(kept))
+            want.append(kept)
+        elif op == "leave" and shared.rows > 1:
+            stay = sorted(rng.choice(shared.rows, size=shared.rows - 1, replace=False).tolist())
+            shared.select(stay)
+            want = [want[i] for i in stay]
+        elif op in ("chain", "tree"):
+            t = int(rng.integers(1, 9))
+            new = np.stack([fresh(t) for _ in range(shared.rows)])
+            width = shared.layout.width
+            shared.append(t)
+            backend.write(shared.buffers, new)
+            if op == "chain":
+                keeps = rng.integers(1, t + 1, size=shared.rows).tolist()
+                shared.keep(keeps, t)
+                want = [w + list(n[:k]) for w, n, k in zip(want, new, keeps)]
+            else:
+                paths = [[0] + sorted(rng.choice(np.arange(1, t), size=int(rng.integers(0, t)), replace=False)
+                                      .tolist()) if t > 1 else [0] for _ in range(shared.rows)]
+                shared.keep_slots(paths, t)
+                want = [w + list(n[p]) for w, n, p in zip(want, new, paths)]
+            compactions += shared.layout.width < width
+        elif op == "extract":
+            i = int(rng.integers(shared.rows))
+            alone = backend.make()
+            assert shared.copy_row(i, alone) == len(want[i])
+            assert backend.read(alone).tolist() == [want[i]]
+        entries = backend.read(shared.buffers)
+        assert entries.shape[0] == shared.rows == len(want)
+        for i in range(shared.rows):
+            assert entries[i, shared.layout.slots_of(i)].tolist() == want[i], (step, op, i)
+            assert shared.layout.positions[i] == len(want[i])
+    assert compactions > 0
+
+
+def test_a_join_the_buffers_refuse_leaves_the_layout_as_it_was():
+    shared = rows.SharedRows(NumpySlots(np.ones((1, 1, 5, 1))), 5)
+
+    class Refusing(NumpySlots):
+        def join(self, other, pad_mine, pad_theirs):
+            raise MemoryError("no room")
+
+    shared.buffers = Refusing(shared.buffers.entries)
+    with pytest.raises(MemoryError):
+        shared.join(NumpySlots(np.ones((1, 1, 9, 1))), 9)
+    assert shared.rows == 1 and shared.layout.width == 5

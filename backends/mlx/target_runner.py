@@ -2,8 +2,9 @@
 
 Everything stays lazy inside a cycle: the draft's proposals feed the verify forward as an array, and the only
 device -> host read is the `tolist()` of the B drafted + B target ids at the end of verify(). Rows share mlx-lm's
-KVCache (one offset for the batch) laid out by dflash.core.rows.RowLayout: each forward gives every row's tokens their
-own positions and a mask over the row's valid slots (backends/mlx/tree.py), as the torch backend does.
+KVCache (one offset for the batch), owned by dflash.core.rows.SharedRows (row_slots.RowSlots moves the entries):
+each forward gives every row's tokens their own positions and a mask over the row's valid slots
+(backends/mlx/tree.py), as the torch backend does.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from dflash.core.extras.blas import openblas_preloaded
 from dflash.core.contract import Capabilities
 from dflash.core.errors import DFlashError
-from dflash.core.rows import RowLayout, visible
+from dflash.core.rows import RowLayout, SharedRows
 from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
 from dflash.core.sampling import RowSampling
 from dflash.core.tree import TreeInputs
 
 from .rewind import MLXRewind, needs_rewind
+from .row_slots import RowSlots
 from .sampling import gumbel, multi_candidate_tokens, rejection_tokens, sampler
 from .target import TappedForward, embedding, target_info
 from .tree import explicit_positions, keep_path, positions_refusal
@@ -37,7 +39,7 @@ class MLXTarget:
         self.runner = TappedForward(model, config, layer_ids)
         self.rewind: MLXRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
         self.cache = self._new_cache()
-        self.layout: RowLayout | None = None  # once rows share the cache
+        self.shared: SharedRows[RowSlots] | None = None  # once rows share the cache
 
     # ---- arrays ----------------------------------------------------------------------------------------------------
     @staticmethod
@@ -112,14 +114,12 @@ class MLXTarget:
     # ---- forward, keep, trim -----------------------------------------------------------------------------------------
     def forward(self, ids: mx.array, last_only: bool, tree: TreeInputs | None = None):
         if tree is not None:
-            layout = self.layout if self.layout is not None else RowLayout(self.cache[0].offset)
-            positions, mask = layout.append_tree(tree.depths, tree.allowed, tree.real)
+            positions, mask = self.shared.append_tree(tree) if self.shared is not None else \
+                RowLayout(self.cache[0].offset).append_tree(tree.depths, tree.allowed, tree.real)
             with explicit_positions(self.runner.layers, self.cache, positions, mask):
                 return self.runner(ids, self.cache, last_only=False)
-        if self.layout is not None:
-            t = ids.shape[1]
-            positions, keys = self.layout.append(t)
-            with explicit_positions(self.runner.layers, self.cache, positions, visible(keys, t, np.arange)):
+        if self.shared is not None:
+            with explicit_positions(self.runner.layers, self.cache, *self.shared.append(ids.shape[1])):
                 return self.runner(ids, self.cache, last_only)
         if self.rewind is None:
             return self.runner(ids, self.cache, last_only)
@@ -130,14 +130,14 @@ class MLXTarget:
         return out
 
     def keep(self, keeps: list[int], width: int) -> bool:
-        if self.layout is not None:
-            self._drop(self.layout.keep(keeps, width))
+        if self.shared is not None:
+            self.shared.keep(keeps, width)
             return True
         return keeps[0] == width or self.trim(width - keeps[0])
 
     def trim(self, n: int) -> bool:
         """Forget the last n target positions; False if the cache cannot go back that far (see rewind.py)."""
-        if self.layout is not None:
+        if self.shared is not None:
             raise DFlashError("trim: rows sharing a cache are not rewound; retire rows instead")
         if self.rewind is not None:
             return self.rewind.rewind(n)
@@ -148,7 +148,7 @@ class MLXTarget:
         return True
 
     def reset(self) -> None:
-        self.cache, self.layout = self._new_cache(), None
+        self.cache, self.shared = self._new_cache(), None
 
     # ---- trees -------------------------------------------------------------------------------------------------------
     def device_key(self) -> str:
@@ -182,10 +182,10 @@ class MLXTarget:
     def keep_slots(self, slots: list[list[int]], width: int) -> None:
         if all(s == list(range(len(s))) for s in slots):
             self.keep([len(s) for s in slots], width)
-        elif self.layout is None:
+        elif self.shared is None:
             keep_path(self.cache, slots[0], width)
         else:  # rows: the kept slots stay where they are, the rest become holes
-            self._drop(self.layout.keep_slots(slots, width))
+            self.shared.keep_slots(slots, width)
 
     @staticmethod
     def gather(features: mx.array, slots: list[list[int]]) -> mx.array:
@@ -203,60 +203,31 @@ class MLXTarget:
         self._check_batchable()
         row = MLXTarget.__new__(MLXTarget)
         row.__dict__.update(self.__dict__)
-        row.cache, row.layout = self._new_cache(), None
+        row.cache, row.shared = self._new_cache(), None
         return row
 
     def merge(self, other: "MLXTarget") -> None:
-        """Append other's row to this batch, the shorter side left-padded with masked slots."""
-        if self.layout is None:
+        """Append other's row to this batch (SharedRows.join: the shorter side left-padded with masked slots)."""
+        if self.shared is None:
             self._check_batchable()
-            self.layout = RowLayout(self.cache[0].offset)
-        a, b = self.layout.merge(other.cache[0].offset)
-        for mine, theirs in zip(self.cache, other.cache):
-            mine.keys, mine.values = (mx.concatenate([_left_pad(x, a), _left_pad(y, b)])
-                                      for x, y in zip(_filled(mine), _filled(theirs)))
-            mine.offset = self.layout.width
+            self.shared = SharedRows(RowSlots(self.cache), self.cache[0].offset)
+        self.shared.join(RowSlots(other.cache), other.cache[0].offset)
 
     def select(self, rows: list[int]) -> None:
-        if self.layout is None:
-            return  # one row, kept
-        idx = mx.array(rows, dtype=mx.int32)
-        for c in self.cache:
-            c.keys, c.values = c.keys[idx], c.values[idx]
-        self.layout.select(rows)
-        mx.clear_cache()  # (the rows that left: see settle)
+        if self.shared is not None:  # (one row: kept)
+            self.shared.select(rows)
 
     def extract(self, i: int) -> "MLXTarget":
         """Row i alone on a cache of its own (its valid slots, in order): a prefix kept after it leaves the batch."""
         row = self.spawn()
-        if self.layout is None:
-            pick = lambda x: mx.array(x[:, :, :self.cache[0].offset])  # noqa: E731
+        if self.shared is None:
+            RowSlots(self.cache).copy_row(0, np.arange(self.cache[0].offset), RowSlots(row.cache))
         else:
-            idx = mx.array(self.layout.slots_of(i), dtype=mx.int32)
-            pick = lambda x: mx.take(x[i:i + 1], idx, axis=2)  # noqa: E731
-        for mine, theirs in zip(row.cache, self.cache):
-            mine.keys, mine.values = pick(theirs.keys), pick(theirs.values)
-            mine.offset = mine.keys.shape[2]
-        mx.eval([c.state for c in row.cache])  # its own buffers now: unevaluated, it would pin the whole batch's
+            self.shared.copy_row(i, RowSlots(row.cache))
         return row
 
     def cache_bytes(self) -> int:
         return sum(c.nbytes for c in self.cache)
-
-    def _drop(self, n: int) -> None:
-        """Forget the last n slots of every row (the layout already did), then compact if holes fill the cache."""
-        if n:
-            trim_prompt_cache(self.cache, n)
-        assert self.layout is not None  # (rows mode)
-        index = self.layout.compaction()
-        if index is None:
-            return
-        idx = mx.array(index, dtype=mx.int32)[:, None, :, None]
-        for c in self.cache:
-            keys, values = _filled(c)
-            c.keys, c.values = mx.take_along_axis(keys, idx, axis=2), mx.take_along_axis(values, idx, axis=2)
-            c.offset = index.shape[1]
-        self.layout.compacted(index)
 
     def _new_cache(self) -> list:
         cache = make_prompt_cache(self.model)
@@ -269,12 +240,3 @@ class MLXTarget:
             raise DFlashError(f"{self.info.model_type}: this target's mlx-lm cache cannot be rewound (recurrent or "
                               "rotating layers), which speculative decoding needs")
         return cache
-
-
-def _filled(cache) -> tuple[mx.array, mx.array]:
-    """A KVCache's keys and values up to its offset (its buffers are allocated in steps of 256 slots)."""
-    return cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :]
-
-
-def _left_pad(x: mx.array, n: int) -> mx.array:
-    return mx.pad(x, [(0, 0), (0, 0), (n, 0), (0, 0)]) if n else x

@@ -2,27 +2,29 @@
 
 One row runs on a plain transformers cache (DynamicCache, or a preallocated StaticCache for compiled decoding;
 sliding-window and linear-attention layers rewind through CacheRewind), with positions implied by the cache length.
-Several rows share one DynamicCache and advance at different rates, laid out by dflash.core.rows.RowLayout (valid
-slots, holes, positions, compaction); their tokens go in with explicit position_ids and a 4D mask.
+Several rows share one cache and advance at different rates: dflash.core.rows.SharedRows owns them (valid slots,
+holes, positions, compaction, joins and leaves) and moves their K/V through kv_cache.RowSlots; their tokens go in
+with explicit position_ids and a 4D mask.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
 from dflash.core.contract import Capabilities, Drafter
 from dflash.core.errors import DFlashError
-from dflash.core.rows import RowLayout, visible
+from dflash.core.rows import RowLayout, SharedRows
 from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
 from dflash.core.sampling import RowSampling
 from dflash.core.tree import TreeInputs
 
 from .attention import GROUPED_SDPA
-from .kv_cache import attention_window, growing, set_window, window_of, windowed
+from .kv_cache import RowSlots, attention_window, growing, set_window, window_of, windowed
 from .rewind import CacheRewind, bounded_layers
 from .sampling import gumbel, log_probs, multi_candidate_tokens, rejection_tokens, sampler
 from .target import LayerCapture, target_info
@@ -45,7 +47,7 @@ class TorchTarget:
         self.rewind: CacheRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
         self.cache = self._new_cache()
         self.length = 0  # positions in the cache (one row)
-        self.layout: RowLayout | None = None  # once rows share the cache
+        self.shared: SharedRows[RowSlots] | None = None  # once rows share the cache
         # compile: the decode forwards (a plain step, a verify) go through torch.compile, prefill stays eager. The
         # cache's attention window (kv_cache.attention_window) and the token count are specialised on their first
         # value and compiled as symbols on their second (dynamic=None), so a run compiles a few graphs, not one a shape
@@ -139,7 +141,7 @@ class TorchTarget:
         t = ids.shape[1]
         if tree is not None:
             return self._forward_tree(ids, tree)
-        if self.layout is not None:
+        if self.shared is not None:
             return self._forward_rows(ids, last_only)
         if self.cache_len is not None and not last_only:  # a plain step or a chain, in the trees' compiled graphs
             positions = self.length + torch.arange(t, device=self.device)
@@ -193,14 +195,14 @@ class TorchTarget:
 
     def _forward_tree(self, ids, tree: TreeInputs):
         t, dev = ids.shape[1], self.device
-        layout = self.layout if self.layout is not None else RowLayout(self.length)
-        positions, mask = (torch.from_numpy(a).to(dev) for a in layout.append_tree(tree.depths, tree.allowed,
-                                                                                    tree.real))
+        appended = self.shared.append_tree(tree) if self.shared is not None else \
+            RowLayout(self.length).append_tree(tree.depths, tree.allowed, tree.real)
+        positions, mask = (torch.from_numpy(a).to(dev) for a in appended)
         if self.cache_len is not None:
             return self._forward_static(ids, positions, mask)
         out = self.model(input_ids=ids, attention_mask=self._attention_mask(mask), position_ids=positions,
                          cache=self.cache, use_cache=True, logits_to_keep=0)
-        if self.layout is None:
+        if self.shared is None:
             self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None
 
@@ -246,7 +248,7 @@ class TorchTarget:
         if all(s == list(range(len(s))) for s in slots):
             self.keep([len(s) for s in slots], width)
             return
-        if self.layout is None:  # the path's entries move to the front of the forward's slots (copying only them)
+        if self.shared is None:  # the path's entries move to the front of the forward's slots (copying only them)
             start, n = self.length - width, len(slots[0])
             idx = start + torch.tensor(slots[0], device=self.device)
             for layer in self.cache.layers:
@@ -255,13 +257,12 @@ class TorchTarget:
             self.cache.crop(n - width)
             self.length = start + n
             return
-        self._drop(self.layout.keep_slots(slots, width))
+        self.shared.keep_slots(slots, width)
 
     def _forward_rows(self, ids, last_only: bool):
-        t = ids.shape[1]
-        assert self.layout is not None  # (rows mode)
-        positions, keys = (torch.from_numpy(a).to(self.device) for a in self.layout.append(t))
-        mask = self._attention_mask(visible(keys, t, lambda *a: torch.arange(*a, device=self.device)))
+        assert self.shared is not None  # (rows mode)
+        positions, visible = (torch.from_numpy(a).to(self.device) for a in self.shared.append(ids.shape[1]))
+        mask = self._attention_mask(visible)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
                          use_cache=True, logits_to_keep=1 if last_only else 0)
         return out.logits, self.capture.pop() if self.capture is not None else None
@@ -270,16 +271,16 @@ class TorchTarget:
     @torch.inference_mode()
     def keep(self, keeps: list[int], width: int) -> bool:
         """After a forward of `width` positions, row i keeps its first keeps[i]; False if the cache cannot."""
-        if self.layout is None:
+        if self.shared is None:
             most = max(keeps)
             return most == width or self.trim(width - most)
-        self._drop(self.layout.keep(keeps, width))
+        self.shared.keep(keeps, width)
         return True
 
     @torch.inference_mode()
     def trim(self, n: int) -> bool:
         """Forget the last n positions of one row; False if its layers cannot go back that far."""
-        if self.layout is not None:
+        if self.shared is not None:
             raise DFlashError("trim: rows sharing a cache are not rewound; retire rows instead")
         if self.rewind is None:
             self.cache.crop(-n)
@@ -294,7 +295,7 @@ class TorchTarget:
             self.cache.crop(-self.length)  # keep the static buffers (and any captured graphs) alive
         else:
             self.cache = self._new_cache()
-        self.length, self.layout = 0, None
+        self.length, self.shared = 0, None
 
     def close(self) -> None:
         if self.capture is not None:
@@ -308,45 +309,36 @@ class TorchTarget:
         self.check_batchable()
         row = TorchTarget.__new__(TorchTarget)
         row.__dict__.update(self.__dict__)
-        row.cache, row.length, row.layout = self._new_cache(), 0, None
+        row.cache, row.length, row.shared = self._new_cache(), 0, None
         return row
 
     @torch.inference_mode()
     def merge(self, other: "TorchTarget") -> None:
-        """Append other's row to this batch, the shorter side left-padded with masked slots."""
-        if self.layout is None:
+        """Append other's row to this batch (SharedRows.join: the shorter side left-padded with masked slots)."""
+        if self.shared is None:
             self.check_batchable()
-            self.layout = RowLayout(self.length)
-        a, b = self.layout.merge(other.length)
-        pad = lambda t, n: F.pad(t, (0, 0, n, 0)) if n else t  # noqa: E731  (left, along the slot axis)
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([pad(mine.keys, a), pad(theirs.keys, b)])
-            mine.values = torch.cat([pad(mine.values, a), pad(theirs.values, b)])
+            self.shared = SharedRows(RowSlots(self.cache), self.length)
+        self.shared.join(RowSlots(other.cache), other.length)
 
     @torch.inference_mode()
     def extract(self, i: int) -> "TorchTarget":
         """Row i alone on a cache of its own (its valid slots, in order): a prefix kept after it leaves the batch."""
         row = self.spawn()
-        if self.layout is None:
-            n, pick = self.length, (lambda t: t[:, :, :self.length].clone())  # noqa: E731
+        into = RowSlots(row.cache)
+        if self.shared is None:
+            RowSlots(self.cache).copy_row(0, np.arange(self.length), into)
+            row.length = self.length
         else:
-            idx = torch.from_numpy(self.layout.slots_of(i)).to(self.device)
-            n, pick = idx.numel(), (lambda t: t[i:i + 1, :, idx])  # noqa: E731  (advanced indexing copies)
-        for layer_idx, layer in enumerate(self.cache.layers):
-            row.cache.update(pick(layer.keys), pick(layer.values), layer_idx)
-        row.length = n
+            row.length = self.shared.copy_row(i, into)
         return row
 
     def cache_bytes(self) -> int:
-        return sum(t.nbytes for layer in self.cache.layers for t in (layer.keys, layer.values)
-                   if isinstance(t, torch.Tensor))
+        return RowSlots(self.cache).nbytes()
 
     @torch.inference_mode()
     def select(self, rows: list[int]) -> None:
-        if self.layout is None:
-            return  # one row, kept
-        self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
-        self.layout.select(rows)
+        if self.shared is not None:  # (one row: kept)
+            self.shared.select(rows)
 
     # ---- internals ---------------------------------------------------------------------------------------------------
     def _batch_refusal(self) -> str | None:
@@ -360,20 +352,6 @@ class TorchTarget:
         refusal = self._batch_refusal()
         if refusal:
             raise DFlashError(refusal)
-
-    def _drop(self, n: int) -> None:
-        """Forget the last n slots of every row (the layout already did), then compact if holes fill the cache."""
-        if n:
-            self.cache.crop(-n)
-        assert self.layout is not None  # (rows mode)
-        index = self.layout.compaction()
-        if index is None:
-            return
-        idx = torch.from_numpy(index).to(self.device)
-        for layer in self.cache.layers:
-            gather = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
-        self.layout.compacted(index)
 
     def _new_cache(self):
         if self.cache_len is None:

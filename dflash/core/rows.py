@@ -1,6 +1,7 @@
 """Rows sharing one target KV cache, framework-neutral: which slots of the shared cache each row may attend to, and the
-position its next token takes. Backends own the K/V buffers and do what the layout says (append, drop the last n
-slots, left-pad, gather); every backend's batched target runs on this one bookkeeping.
+position its next token takes. `SharedRows` owns the rows: the layout and a backend's K/V buffers (`SlotBuffers`),
+changed together, so every row operation (join, leave, keep, compaction, extraction) is written once, here, and a
+backend only moves K/V entries where it is told.
 
 Every forward appends the same number of slots to every row. A cycle keeps its block's first max(keep) slots for
 every row and marks the slots a row did not accept as holes, like the left padding of a row that joined with a
@@ -12,7 +13,14 @@ a gather that keeps the width costs a copy of the whole cache and saves nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing import Self  # (3.11)
+
+    from .tree import TreeInputs
 
 COMPACT_MIN_SLOTS = 64  # below this a compaction costs more than the holes it removes
 COMPACT_SHRINK = 0.25  # compact once that removes this fraction of the cache's slots
@@ -117,3 +125,68 @@ class RowLayout:
     def slots_of(self, row: int) -> np.ndarray:
         """Row's valid slots, in order (its cache alone, when it leaves the batch with its prefix kept)."""
         return np.flatnonzero(self.valid[row])
+
+
+class SlotBuffers(Protocol):
+    """A backend's K/V for rows sharing slots: every layer's (rows, heads, slots, head_dim) entries, which the target's
+    forwards append to. The buffers hold no layout: SharedRows tells them what to move."""
+
+    def drop_last(self, n: int) -> None: ...                   # forget the last n slots of every row
+    def gather_slots(self, index: np.ndarray) -> None: ...     # row i keeps its slots index[i] (rows, W), in order
+    def take_rows(self, rows: list[int]) -> None: ...          # keep these rows, in this order
+    def join(self, other: Self, pad_mine: int, pad_theirs: int) -> None: ...  # append other's rows, both left-padded
+    def copy_row(self, row: int, slots: np.ndarray, into: Self) -> None: ...  # row's slots into empty buffers
+
+
+B = TypeVar("B", bound=SlotBuffers)
+
+
+class SharedRows(Generic[B]):
+    """Rows sharing one target cache: its layout and its buffers (those of one row of `length` positions at first)."""
+
+    def __init__(self, buffers: B, length: int):
+        self.buffers, self.layout = buffers, RowLayout(length)
+
+    @property
+    def rows(self) -> int:
+        return self.layout.rows
+
+    def append(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """A forward of t slots per row: their positions (rows, t) and the attention mask (rows, t, S + t)."""
+        positions, keys = self.layout.append(t)
+        return positions, visible(keys, t, np.arange)
+
+    def append_tree(self, tree: TreeInputs) -> tuple[np.ndarray, np.ndarray]:
+        return self.layout.append_tree(tree.depths, tree.allowed, tree.real)
+
+    def keep(self, keeps: list[int], width: int) -> None:
+        self._drop(self.layout.keep(keeps, width))
+
+    def keep_slots(self, slots: list[list[int]], width: int) -> None:
+        self._drop(self.layout.keep_slots(slots, width))
+
+    def join(self, buffers: B, length: int) -> None:
+        """Append a row of `length` positions (its buffers'), the shorter side left-padded; the layout changes only
+        once the buffers took the row."""
+        width = max(self.layout.width, length)
+        self.buffers.join(buffers, width - self.layout.width, width - length)
+        self.layout.merge(length)
+
+    def select(self, rows: list[int]) -> None:
+        self.buffers.take_rows(rows)
+        self.layout.select(rows)
+
+    def copy_row(self, row: int, into: B) -> int:
+        """Row's valid slots, in order, into empty buffers (a prefix kept after the row leaves); returns how many."""
+        slots = self.layout.slots_of(row)
+        self.buffers.copy_row(row, slots, into)
+        return len(slots)
+
+    def _drop(self, n: int) -> None:
+        """Forget the last n slots of every row (the layout already did), then compact if holes fill the cache."""
+        if n:
+            self.buffers.drop_last(n)
+        index = self.layout.compaction()
+        if index is not None:
+            self.buffers.gather_slots(index)
+            self.layout.compacted(index)
