@@ -133,6 +133,7 @@ class FakeDrafter:
     """Context = the features (token ids) it was given; proposes the target's continuation for `good` slots."""
 
     distribution = False
+    drafts_some_rows = False
     spec = None  # (no checkpoint: nothing measures a fake's costs)
 
     def __init__(self, good=3, rule=next_token, vocab=V):
@@ -202,10 +203,11 @@ class OracleDrafter:
     def __getattr__(self, name):
         return getattr(self.drafter, name)
 
-    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None):
-        self.drafter.propose(anchor_ids, pending, block_size, top_k, draws)
+    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None, rows=None):
+        self.drafter.propose(anchor_ids, pending, block_size, top_k, draws, rows=rows)
         anchors = [row[0] for row in self.target.to_host(anchor_ids)]
-        return Draft(self.target.ids([[a] + list(self.proposals(r, a)) for r, a in enumerate(anchors)]))
+        rows = rows if rows is not None else range(len(anchors))
+        return Draft(self.target.ids([[a] + list(self.proposals(r, a)) for r, a in zip(rows, anchors)]))
 
 
 class Counting:

@@ -10,6 +10,7 @@ from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core import engine as engine_module
 from dflash.core import rows
+from dflash.core.budget import RowPauses
 from dflash.core.cost_model import Costs
 from dflash.core.rows import RowLayout
 from dflash.core.errors import DFlashError
@@ -391,3 +392,40 @@ def test_cycles_of_copied_nodes_alone_leave_features_pending_for_the_next_draft(
 
     (deferred, rows_deferred, copied), (eager, rows_eager, _) = run(eager=False), run(eager=True)
     assert copied and deferred == eager and rows_deferred == rows_eager
+
+
+def test_a_draft_of_some_rows_proposes_what_the_whole_batchs_draft_does(pair, mixed_prompts):
+    """draft(rows=...): those rows' blocks and candidates are the whole batch's draft's for them, and the batch's
+    drafter cache is left as the whole draft leaves it (every row's pending context absorbed, no block kept)."""
+    target, drafter = pair
+    engines = [batched(target, drafter) for _ in range(2)]
+    anchors = [e.prefill(mixed_prompts[:4]) for e in engines][0]
+    whole = engines[0].draft(anchors, top_k=4)
+    some = engines[1].draft(anchors, top_k=4, rows=[1, 3])
+    assert some.ids.tolist() == whole.ids[[1, 3]].tolist()
+    torch.testing.assert_close(some.top_probs, whole.top_probs[[1, 3]])
+    assert engines[1].drafter.cache.lengths == engines[0].drafter.cache.lengths
+    again = [e.draft(anchors, top_k=4) for e in engines]
+    assert again[0].ids.tolist() == again[1].ids.tolist()
+
+
+def test_rows_out_of_the_draft_forward_keep_their_batch1_output(pair, mixed_prompts, monkeypatch):
+    """--verify auto with a different third of the rows out of every draft forward (their trees: the copied branch
+    or the root alone): every row's greedy output is its batch-1 output."""
+    target, drafter = pair
+    cycles = []
+
+    def drafting(self, rows):
+        cycles.append(rows)
+        return [r for r in range(rows) if (r + len(cycles)) % 3]
+
+    monkeypatch.setattr(RowPauses, "drafting", drafting)
+    want = [generate(single(target, drafter), p, max_new_tokens=48).tokens for p in mixed_prompts[:6]]
+    be = batched(target, drafter)
+    be.set_verify("auto", costs=Costs(draft=0.3, verify=[(1, 1.0), (512, 1.3)]))
+    be.verification.planner.path = lambda: "tree"
+    drafted_rows, propose = [], be.drafter.propose
+    be.drafter.propose = lambda *a, rows=None, **k: drafted_rows.append(rows) or propose(*a, rows=rows, **k)
+    got = generate_batch(be, mixed_prompts[:6], max_new_tokens=48)
+    assert [g.tokens for g in got] == want
+    assert sum(rows is not None for rows in drafted_rows) >= 4, drafted_rows

@@ -2,6 +2,7 @@
 drafter's (the plan's node counts are tests/test_tree.py's; the chain-or-tree path tests/test_path_choice.py's)."""
 
 from dflash.core.budget import TreePlanner
+from dflash.core.cost_model import Costs
 from test_cost_model import CPU, HEAVY
 
 
@@ -49,3 +50,44 @@ def test_a_plan_that_reaches_the_short_blocks_end_tries_the_next_one_up():
     planner.draft_block = planner.drafted_block = 4
     planner.plan([0] * 16, *_confident_chain(16, 3))  # every row's chain uses all 3 positions
     assert planner.draft_block == 8
+
+def test_a_row_given_no_drafted_node_leaves_the_draft_forward_for_longer_each_time():
+    from dflash.core.budget import RowPauses
+
+    pauses = RowPauses()
+    assert pauses.drafting(3) == [0, 1, 2]
+    seen = []
+    for _ in range(12):  # row 1's plans never give it a drafted node; rows 0 and 2 always get one
+        drafting = pauses.drafting(3)
+        seen.append(1 in drafting)
+        for r in drafting:
+            pauses.observe(r, drafted_nodes=r != 1)
+    # pauses of 1, 2, 4 drafted cycles, each ended by a probe
+    assert seen == [True, False, True, False, False, True, False, False, False, False, True, False]
+    pauses.observe(1, drafted_nodes=True)  # a probe that pays ends the pause
+    assert pauses.backoff[1] == 0
+    pauses.observe(2, drafted_nodes=False)
+    pauses.retire([2, 0])  # row 1 leaves, the others move up: each keeps its own pause
+    assert pauses.skip == [1, 0] and pauses.drafting(3) == [1, 2]  # (a row that joins starts unpaused)
+
+
+def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
+    """Rows 0 and 1 draft, rows 2 and 3 sit out: their trees are roots only, the draft forward is priced at two rows
+    (on the batch-heavy CPU a draft of 16 rows costs 4 plain steps, of 2 rows under half a step), and the chain's own
+    path, which drafts every row, is not taken."""
+    confident, weak = ([[5, 6]] * 15, [[0.9, 0.05]] * 15), ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
+    planner = TreePlanner("auto", 16, 64, Costs(draft=0.3, verify=[(1, 1.0), (512, 1.3)]), itl_limit=None)
+    assert planner.drafting_rows(1) is None  # (one row: the batch's own pause)
+    planner.row_pauses.skip = [0, 0, 3, 3]
+    assert planner.drafting_rows(4) == [0, 1]
+    plan = planner.plan([1, 2, 3, 4], [confident[0]] * 2, [confident[1]] * 2, drafting=[0, 1])
+    assert plan.draft_rows == 2 and [len(t.tokens) > 1 for t in plan.trees] == [True, True, False, False]
+    assert planner.path() == "tree"
+
+    def drafted_rate(drafting):
+        planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
+        ids, probs = zip(*([confident] * 2 + [weak] * (14 if drafting is None else 0)))
+        planner.plan([0] * 16, list(ids), list(probs), drafting=drafting)
+        return planner.rates[0]
+
+    assert drafted_rate([0, 1]) > 1.5 * drafted_rate(None)  # (13.8 against 8.0 tokens per unit of time)

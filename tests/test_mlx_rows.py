@@ -97,3 +97,28 @@ def test_a_kept_row_holds_only_its_own_buffers(trained_pair, mixed_prompts):
     del target, drafter
     gc.collect()
     assert held - mx.get_active_memory() <= 2 * kept  # (without copies: 80 times more)
+
+
+def test_rows_out_of_the_draft_forward_keep_their_batch1_output(trained_pair, mixed_prompts, alone, monkeypatch):
+    """MLX's draft of some rows (a different third of the rows out of every draft forward, under --verify auto):
+    every row's greedy output is its batch-1 output, and a draft of some rows proposes what the whole batch's does."""
+    from dflash.core.budget import RowPauses
+    from dflash.core.cost_model import Costs
+
+    engines = [load(trained_pair) for _ in range(2)]
+    anchors = [e.prefill(mixed_prompts[:4]) for e in engines][0]
+    whole, some = engines[0].draft(anchors, top_k=4), engines[1].draft(anchors, top_k=4, rows=[1, 3])
+    assert some.ids.tolist() == [whole.ids.tolist()[r] for r in (1, 3)]
+    assert engines[1].drafter.cache.lengths == engines[0].drafter.cache.lengths
+    cycles = []
+
+    def drafting(self, rows):
+        cycles.append(rows)
+        return [r for r in range(rows) if (r + len(cycles)) % 3]
+
+    monkeypatch.setattr(RowPauses, "drafting", drafting)
+    engine = load(trained_pair)
+    engine.set_verify("auto", costs=Costs(draft=0.3, verify=[(1, 1.0), (512, 1.3)]))
+    engine.verification.planner.path = lambda: "tree"
+    got = generate_batch(engine, mixed_prompts, max_new_tokens=64)
+    assert [g.tokens for g in got] == alone and len(cycles) >= 4

@@ -31,6 +31,7 @@ class GreedyOracle:
     never accepted)."""
 
     distribution = False
+    drafts_some_rows = False
 
     def __init__(self, model):
         self.model, self.engine, self.memo, self.position = model, None, {}, 0

@@ -178,6 +178,7 @@ class OracleTopK:
     where the target's samples go, so the walk takes first and other children often)."""
 
     distribution = False
+    drafts_some_rows = False
 
     def __init__(self, model, engine, k=3):
         self.model, self.engine, self.k = model, engine, k

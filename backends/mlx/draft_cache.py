@@ -82,13 +82,20 @@ class DraftContextCache(ContextCache):
         """Row's context alone, in a cache of its own."""
         if self.window is not None:
             raise DFlashError("prefix cache: a windowed draft context is not kept across requests")
-        out = DraftContextCache(self.spec, self.dtype, capacity=1)
-        used = max(self.layout.slot(self.layout.lengths[row]), 1)
-        out.k = [mx.array(a[row:row + 1, :, :used]) for a in self.k]
-        out.v = [mx.array(a[row:row + 1, :, :used]) for a in self.v]
+        out = self.subset([row])
         mx.eval(out.k, out.v)  # copies now: unevaluated, they would pin the whole batch's buffers
-        out.layout.capacity, out.layout.offset = used, self.layout.offset
-        out.layout.lengths = [self.layout.lengths[row]]
+        return out
+
+    def subset(self, rows: list[int], room: int = 0) -> "DraftContextCache":
+        """These rows, in a cache of their own sized to what they hold and `room` more entries (a draft forward of
+        some rows writes its blocks there; the batch's buffers stay as they are)."""
+        out = DraftContextCache(self.spec, self.dtype, capacity=1, window=self.window)
+        used = max(self.layout.slot(max(self.layout.lengths[r] for r in rows)), 1)
+        idx = mx.array(rows, dtype=mx.int32)
+        out.k, out.v = ([_fit(mx.take(a[:, :, :used], idx, axis=0), used + room) for a in buf]
+                        for buf in (self.k, self.v))
+        out.layout.capacity, out.layout.offset = used + room, self.layout.offset
+        out.layout.lengths = [self.layout.lengths[r] for r in rows]
         return out
 
     def nbytes(self) -> int:

@@ -7,6 +7,7 @@ import mlx.core as mx
 
 from dflash.core import proposals
 from dflash.core.contract import Draft, Pending
+from dflash.core.errors import DFlashError
 from dflash.core.sampling import RowDraw
 
 from .draft_cache import DraftContextCache
@@ -58,18 +59,26 @@ class MLXDraft:
             cache.write(i, k, v, pending.counts, 0)
         cache.advance(pending.counts)
 
+    @property
+    def drafts_some_rows(self) -> bool:
+        return True
+
     def propose(self, anchor_ids: mx.array, pending: Pending | None, block_size: int, top_k: int = 0,
-                draws: list[RowDraw] | None = None) -> Draft:
+                draws: list[RowDraw] | None = None, rows: list[int] | None = None) -> Draft:
+        """(rows: greedy blocks of these rows only, their context copied out of the batch's and their blocks written
+        there and forgotten; extend absorbed the pending features first)."""
+        if rows is not None and (pending is not None or draws is not None):
+            raise DFlashError("propose(rows=...): greedy rows, their pending features absorbed (extend) first")
         spec = self.drafter.spec
-        rows = anchor_ids.shape[0]
+        batch = anchor_ids.shape[0]
         anchor_embeds = self.embed(anchor_ids)
         if spec.input_embedding_scale is not None:
             anchor_embeds = anchor_embeds * spec.input_embedding_scale
-        masks = mx.broadcast_to(self._mask_embeds[:, : block_size - 1], (rows, block_size - 1, anchor_embeds.shape[2]))
+        masks = mx.broadcast_to(self._mask_embeds[:, : block_size - 1], (batch, block_size - 1, anchor_embeds.shape[2]))
         block = mx.concatenate([anchor_embeds, masks], axis=1)
-        features = pending.features if pending is not None else mx.zeros((rows, 0, self.width), dtype=self.dtype)
-        counts = pending.counts if pending is not None else [0] * rows
-        n, cache = features.shape[1], self.cache
+        features = pending.features if pending is not None else mx.zeros((batch, 0, self.width), dtype=self.dtype)
+        counts = pending.counts if pending is not None else [0] * batch
+        n, cache = features.shape[1], self.cache if rows is None else self.cache.subset(rows, block_size)
         lengths = cache.lengths
         if len(set(lengths)) == 1 and all(c == n for c in counts):
             at: tuple = (lengths[0], lengths[0] + n)
@@ -77,7 +86,7 @@ class MLXDraft:
             at = (mx.array(lengths), mx.array([length + c for length, c in zip(lengths, counts)]))
         cache.reserve(n + block_size)
         # (quantized matmuls must not see an empty input: no new context, no projection)
-        ctx = self.drafter.project_context(features) if n else mx.zeros((rows, 0, block.shape[2]), block.dtype)
+        ctx = self.drafter.project_context(features) if n else mx.zeros((batch, 0, block.shape[2]), block.dtype)
         x = block
         for i, layer in enumerate(self.drafter.layers):
             x = layer(x, ctx, self.drafter.rope, at, cache, i, counts)

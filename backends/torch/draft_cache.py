@@ -123,9 +123,17 @@ class DraftContextCache(ContextCache):
 
     def extract(self, i: int) -> DraftContextCache:
         """Row i alone, in buffers of its own sized to what it holds."""
-        used = max(self.layout.slot(self.layout.lengths[i]), 1)
-        return DraftContextCache.holding(self.spec, self._k[:, i:i + 1, :, :used].clone(),
-                                         self._v[:, i:i + 1, :, :used].clone(), [self.layout.lengths[i]],
+        return self.subset([i])
+
+    def subset(self, rows: list[int], room: int = 0) -> DraftContextCache:
+        """These rows, in buffers of their own sized to what they hold and `room` more entries (a draft forward of
+        some rows writes its blocks there; the batch's buffers stay as they are)."""
+        used = max(self.layout.slot(max(self.layout.lengths[r] for r in rows)), 1)
+        shape = (self._k.shape[0], len(rows), self._k.shape[2], used + room, self._k.shape[4])
+        k, v = self._k.new_zeros(shape), self._v.new_zeros(shape)
+        idx = torch.tensor(rows, device=self._k.device)
+        k[:, :, :, :used], v[:, :, :, :used] = self._k[:, idx, :, :used], self._v[:, idx, :, :used]
+        return DraftContextCache.holding(self.spec, k, v, [self.layout.lengths[r] for r in rows],
                                          self.layout.offset, self.window)
 
     @property

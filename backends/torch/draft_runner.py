@@ -186,14 +186,21 @@ class TorchDraft:
         else:
             extend_context(self.drafter, pending.features, self.cache, pending.counts)
 
+    @property
+    def drafts_some_rows(self) -> bool:
+        """propose(rows=...): on the growing context cache (the static one drafts one row)."""
+        return type(self.cache) is DraftContextCache
+
     @torch.inference_mode()
     def propose(self, anchor_ids: torch.Tensor, pending: Pending | None, block_size: int, top_k: int = 0,
-                draws: list[RowDraw] | None = None) -> Draft:
-        rows = anchor_ids.shape[0]
+                draws: list[RowDraw] | None = None, rows: list[int] | None = None) -> Draft:
+        batch = anchor_ids.shape[0]
         mask_id = self.drafter.spec.mask_token_id
-        block = torch.cat([anchor_ids, anchor_ids.new_full((rows, block_size - 1), mask_id)], dim=1)
+        block = torch.cat([anchor_ids, anchor_ids.new_full((batch, block_size - 1), mask_id)], dim=1)
         if pending is None:
-            pending = Pending(torch.zeros(rows, 0, self.width, dtype=self.dtype, device=self.device), [0] * rows)
+            pending = Pending(torch.zeros(batch, 0, self.width, dtype=self.dtype, device=self.device), [0] * batch)
+        if rows is not None and (pending.features.shape[1] or draws is not None or not self.drafts_some_rows):
+            raise DFlashError("propose(rows=...): greedy rows of a growing context cache, absorbed (extend) first")
         if self._compiled is not None:
             features = pending.features
             n = features.shape[1]
@@ -204,9 +211,13 @@ class TorchDraft:
             logits, hidden = self._compiled(block, features, as_tensor(self.cache.position), as_tensor(n), window)
             self.cache.advance([n])
         else:
+            cache = self.cache
+            if rows is not None:  # some rows: their context copied out, their blocks written there and forgotten
+                assert isinstance(cache, DraftContextCache)  # (drafts_some_rows)
+                cache = cache.subset(rows, block_size)
             args = (self.drafter, self.embed_block(block), pending.features, pending.counts)
-            hidden = (block_step(*args, self.cache) if isinstance(self.cache, BlockOnlyContext)
-                      else draft_step(*args, self.cache))[:, 1:]
+            hidden = (block_step(*args, cache) if isinstance(cache, BlockOnlyContext)
+                      else draft_step(*args, cache))[:, 1:]
             logits = self.logits(hidden)
         spec = self.drafter.spec
         if spec.is_dflash2:

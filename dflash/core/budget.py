@@ -10,7 +10,9 @@ drafting for a while (1, 2, 4 .. 64 cycles, then a drafted cycle probes again), 
 costs little more than not drafting; the copied branch still runs in those cycles, since it costs no draft forward. For
 a batch the rule is the same over all rows at once: costs of r rows of n tokens each after the batch's context (measured
 at load at two context lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes),
-and a pause skips the whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. The
+and a pause skips the whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. A row
+that a drafted cycle's plan gives no drafted node pauses on its own (RowPauses): it leaves the draft forward, which
+then drafts the other rows only, until it probes again. The
 draft forward itself fills 2, 4, 8 or all B positions: the drafter's work grows with them, and where deep nodes do not
 pay (a CPU at high load) the block whose best plan is fastest, its own draft forward counted, is drafted. Every
 prediction goes through a CycleClock fitted online on the cycles' own wall times. Rows that verify by rejection (chains
@@ -55,6 +57,44 @@ class Plan:
     qs: list[list[float]]  # per row and node: the surrogate probability (0 for copied-only nodes)
     drafted: bool
     block: int  # positions of the cycle's draft forward
+    draft_rows: int | None = None  # rows the draft forward ran for, when not all
+
+
+class RowPauses:
+    """auto, batches: each row's own pause from the draft forward. A drafted cycle whose plan gives a row no drafted
+    node pauses that row for 1, 2, 4 .. MAX_PAUSE drafted cycles (its next draft is a probe), and one that gives it a
+    node ends its pause; a paused row's cycle still verifies its copied branch."""
+
+    def __init__(self):
+        self.skip: list[int] = []  # per row: drafted cycles left without it
+        self.backoff: list[int] = []  # per row: its next pause's length
+
+    def drafting(self, rows: int) -> list[int]:
+        """The rows this drafted cycle drafts for (a paused row's wait counts down)."""
+        self._fit(rows)
+        out = [r for r in range(rows) if self.skip[r] == 0]
+        self.skip = [max(n - 1, 0) for n in self.skip]
+        return out
+
+    def _fit(self, rows: int) -> None:
+        self.skip += [0] * (rows - len(self.skip))  # (rows that joined since: unpaused)
+        self.backoff += [0] * (rows - len(self.backoff))
+
+    def observe(self, row: int, drafted_nodes: bool) -> None:
+        self._fit(row + 1)
+        if drafted_nodes:
+            self.backoff[row] = 0
+        else:
+            self.backoff[row] = min(max(1, 2 * self.backoff[row]), MAX_PAUSE)
+            self.skip[row] = self.backoff[row]
+
+    def retire(self, keep: list[int]) -> None:
+        """Of the rows only `keep` stay, in that order (rows unknown here yet start unpaused)."""
+        self.skip = [self.skip[i] if i < len(self.skip) else 0 for i in keep]
+        self.backoff = [self.backoff[i] if i < len(self.backoff) else 0 for i in keep]
+
+    def reset(self) -> None:
+        self.skip, self.backoff = [], []
 
 
 class TreePlanner:
@@ -83,13 +123,17 @@ class TreePlanner:
         self.block_rates: dict[int, float] = {}  # auto: smoothed predicted tokens/s of each block's best plan
         # drafted cycles before a block is tried again from the one below, and that wait's next length
         self.deepen_wait, self.deepen_after = {b: 0 for b in self.blocks}, {b: 1 for b in self.blocks}
+        self.row_pauses = RowPauses()  # auto: rows out of the draft forward
+        self.pausing_rows = False  # whether this cycle's draft asked drafting_rows (the drafter drafts some rows)
+        self.draft_rows: int | None = None  # auto: rows of this cycle's draft forward, when not all
 
     def path(self) -> str:
         """auto: "chain" or "tree" for this cycle (tree: always). While cycles without a draft forward win (a pause,
         and its probes), and while a shorter draft block wins, the tree path runs: only it can pause or draft fewer
         positions, and only its plans tell when drafting pays again."""
-        if self.mode != "auto" or self.skip > 0 or self.backoff > 0 or not self.chain_within:
-            return "tree"
+        if self.mode != "auto" or self.skip > 0 or self.backoff > 0 or not self.chain_within or any(
+                self.row_pauses.skip):
+            return "tree"  # (the chain drafts every row)
         if self.draft_block < self.block_size:
             return "tree"  # (the chain drafts the whole block)
         return self.choice.choose()
@@ -98,9 +142,10 @@ class TreePlanner:
         """One cycle on the chain's path or a tree's took `seconds`; row r accepted accepted[r] draft tokens."""
         if self.costs is not None and kind == "chain":  # (a tree cycle's shape is learnt in observe)
             self.costs.observe(self.block_size, len(accepted), True, seconds, self.context)
-        if self.costs is None or (kind == "tree" and (not self.last_drafted or self.drafted_block < self.block_size)):
-            return  # (a cycle without a draft forward, or a shorter one, says nothing about either path's chain-sized
-            # drafted cycles)
+        if self.costs is None or (kind == "tree" and (not self.last_drafted or self.drafted_block < self.block_size
+                                                      or self.draft_rows is not None)):
+            return  # (a cycle without a draft forward, a shorter one or one of some rows, says nothing about either
+            # path's chain-sized drafted cycles)
         rows = len(accepted)
         model = self.costs.cycle_seconds(self.block_size, rows, True, self.context)
         self.choice.observe(kind, seconds, model)
@@ -111,18 +156,41 @@ class TreePlanner:
             return False
         return True
 
+    def drafting_rows(self, rows: int) -> list[int] | None:
+        """auto: the rows a drafted cycle of `rows` rows drafts for (None: all of them; [] : none, a plain cycle)."""
+        if self.mode != "auto" or rows == 1:
+            return None
+        self.pausing_rows = True
+        drafting = self.row_pauses.drafting(rows)
+        return None if len(drafting) == rows else drafting
+
+    def retire(self, keep: list[int]) -> None:
+        """Of the engine's rows only `keep` stay, in that order."""
+        self.row_pauses.retire(keep)
+
+    def reset(self) -> None:
+        self.row_pauses.reset()
+
     def plan(self, anchors: Sequence[int], top_ids=None, top_probs=None,
-             copies: Sequence[Sequence[int]] = ()) -> Plan:
-        """Trees for this cycle. top_ids / top_probs (rows, B-1, k) host lists when the cycle drafted, else None."""
+             copies: Sequence[Sequence[int]] = (), drafting: Sequence[int] | None = None) -> Plan:
+        """Trees for this cycle. top_ids / top_probs (rows, B-1, k) host lists when the cycle drafted, else None;
+        `drafting`: the rows they are of, when the draft forward ran for some rows only (drafting_rows)."""
         self._age()
         rows = len(anchors)
         copies = list(copies) if self.copy_branch and copies else [[] for _ in range(rows)]
         drafted = top_ids is not None
         block = len(top_ids[0]) + 1 if drafted else self.block_size  # positions of this cycle's draft
+        if drafted and drafting is not None:  # (a row without a draft has none of its own: its copied branch only)
+            ids, probs = [None] * rows, [None] * rows
+            for j, r in enumerate(drafting):
+                ids[r], probs[r] = top_ids[j], top_probs[j]
+            top_ids, top_probs = ids, probs
+        self.draft_rows = len(drafting) if drafted and drafting is not None else None
         n = self.budget if self.mode == "tree" else self.reach
         candidates = []
         for r in range(rows):
-            draft = best_first(top_ids[r], top_probs[r], n, self.block_size - 1) if drafted else []
+            draft = best_first(top_ids[r], top_probs[r], n, self.block_size - 1) \
+                if drafted and top_ids[r] is not None else []
             candidates.append(merge_candidates(draft, copies[r][: self.block_size - 1], self.calibration))
         if self.mode == "tree":
             counts = [min(self.budget, len(c)) for c in candidates]
@@ -130,17 +198,22 @@ class TreePlanner:
             limit = self._limit(rows)
             counts, rate = self._counts(candidates, drafted, limit, block)
             if drafted:
-                chains = [_chain_tokens(p[: self.block_size - 1], self.calibration) for p in top_probs]
+                chains = [_chain_tokens(p[: self.block_size - 1], self.calibration) if p is not None else 1.0
+                          for p in top_probs]
                 self.draft_block, rate = self._next_block(candidates, counts, rate, limit, block)
                 self._update_pause(copies, rate, limit)
                 self.chain_within = self._chain_within(chains, limit)
+                if self.pausing_rows:
+                    for r in (drafting if drafting is not None else range(rows)):
+                        self.row_pauses.observe(r, any(not c.copied for c in candidates[r][:counts[r]]))
                 # what this cycle's trees and the chain are each expected to commit
                 self.choice.observe_plan([1.0 + sum(x.value for x in c[:k]) for c, k in zip(candidates, counts)],
                                          chains)
                 self.reach = min(self.budget, max(2 * max(counts), 2 * (self.block_size - 1)))
+        self.pausing_rows = False
         trees = [to_tree(a, c[:k]) for a, c, k in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]
-        return Plan(trees, qs, drafted, block)
+        return Plan(trees, qs, drafted, block, self.draft_rows)
 
     def observe_plain(self, rows: int, seconds: float) -> None:
         """Learn from a plain cycle run without a plan (a pause with nothing to copy): what observing its root-only
@@ -157,14 +230,15 @@ class TreePlanner:
         self.last_drafted = plan.drafted
         if seconds is not None:
             width = max(len(t.tokens) for t in plan.trees)
-            self._timed(width, len(plan.trees), plan.drafted, seconds, plan.block)
+            self._timed(width, len(plan.trees), plan.drafted, seconds, plan.block, plan.draft_rows)
 
-    def _timed(self, width: int, rows: int, drafted: bool, seconds: float, block: int | None = None) -> None:
+    def _timed(self, width: int, rows: int, drafted: bool, seconds: float, block: int | None = None,
+               draft_rows: int | None = None) -> None:
         """(auto) A cycle of `rows` rows verifying `width` tokens took `seconds`: the clock and the costs learn it."""
         if self.costs is not None:
-            forwards = self.costs.cycle_seconds(width, rows, drafted, self.context, block)
+            forwards = self.costs.cycle_seconds(width, rows, drafted, self.context, block, draft_rows)
             self.clock[drafted].observe(forwards, seconds)
-            self.costs.observe(width, rows, drafted, seconds, self.context, block)
+            self.costs.observe(width, rows, drafted, seconds, self.context, block, draft_rows)
 
     def _age(self) -> None:
         if self.idle_trees:
@@ -181,8 +255,8 @@ class TreePlanner:
     def _counts(self, candidates, drafted: bool, limit: float | None,
                 block: int | None = None) -> tuple[list[int], float]:
         values = [[c.value for c in cs] for cs in candidates]
-        clock, costs = self.clock[drafted], self.auto_costs
-        seconds = lambda n, r: clock(costs.cycle_seconds(n, r, drafted, self.context, block))  # noqa: E731
+        clock, costs, some = self.clock[drafted], self.auto_costs, self.draft_rows
+        seconds = lambda n, r: clock(costs.cycle_seconds(n, r, drafted, self.context, block, some))  # noqa: E731
         return choose_counts(values, seconds, 0.0, self.budget, limit)
 
     def _next_block(self, candidates, counts, rate: float, limit: float | None, block: int) -> tuple[int, float]:

@@ -165,13 +165,16 @@ class Drafter(Protocol):
     def distribution(self) -> bool: ...  # True: its selector has a proper draft distribution of its own (DFlash2)
     @property
     def spec(self) -> DraftSpec: ...  # its checkpoint's shape (its forwards' cost: costs.py keys profiles by it)
+    @property
+    def drafts_some_rows(self) -> bool: ...  # propose(rows=...) runs the draft forward for those rows only
 
     def extend(self, pending: Pending | None) -> None: ...                 # absorb context without drafting (prefill)
     # proposals per row by its draw: greedy rows the argmax; match rows argmax(warped logits + the target's own
     # Gumbel noise); rejection rows a sample of q in the cycle's shape (returned as Draft.q_ids / q_probs); with
-    # top_k the per-position candidates (greedy and multi: by probability; matched: by the noise-perturbed score)
+    # top_k the per-position candidates (greedy and multi: by probability; matched: by the noise-perturbed score).
+    # rows: greedy blocks of these rows of its cache only (anchor_ids theirs, no pending: extend took it)
     def propose(self, anchor_ids, pending: Pending | None, block_size: int, top_k: int = 0,
-                draws: list[RowDraw] | None = None) -> Draft: ...
+                draws: list[RowDraw] | None = None, rows: list[int] | None = None) -> Draft: ...
     def crop(self, position: int) -> bool: ...
     def reset(self) -> None: ...
     def state(self) -> list: ...  # its cache's arrays, for Target.settle to evaluate (lazy backends; eager: [])

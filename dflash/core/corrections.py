@@ -7,7 +7,9 @@ factor and later ones move it by an exponential moving average; the factor multi
 that shape from then on, so a shape the engine runs is repaired within a few dozen cycles even when its cycles are
 noisy. A shape not run yet takes the average over all cycles: a profile that is off everywhere (measured under
 load) keeps its shapes' proportions instead of making the shapes run so far look cheap beside the others. The
-factors are written next to the profile every SAVE_EVERY observations and read back with it.
+factors are written next to the profile every SAVE_EVERY observations and read back with it, as a starting guess
+only: a shape's first cycle in this process replaces what an earlier process learnt (which may have been a busy
+hour's), so one run's drift never outlives the next run's first cycle of that shape.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Corrections:
         self.factors = dict(factors or {})
         self.path, self.smoothing = path, smoothing
         self.observed = 0  # cycles seen (since load)
+        self.learnt: set[str] = set()  # keys observed in this process (the others' factors are an earlier run's)
 
     @staticmethod
     def key(tokens: int, rows: int, drafted: bool) -> str:
@@ -53,8 +56,9 @@ class Corrections:
         if not LIMITS[0] <= ratio <= LIMITS[1]:
             return
         for key in (self.key(tokens, rows, drafted), ALL):
-            old = self.factors.get(key)
+            old = self.factors.get(key) if key in self.learnt else None
             self.factors[key] = ratio if old is None else old + self.smoothing * (ratio - old)
+            self.learnt.add(key)
         self.observed += 1
         if self.observed % SAVE_EVERY == 0:
             self.save()

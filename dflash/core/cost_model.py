@@ -69,23 +69,23 @@ class Costs:
         return answer
 
     def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
-                      block: int | None = None) -> float:
-        """A cycle's forwards: the draft forward (of `block` positions) when `drafted`, then a target forward of
-        `tokens` per row."""
+                      block: int | None = None, draft_rows: int | None = None) -> float:
+        """A cycle's forwards: the draft forward (of `block` positions, for `draft_rows` of the rows: default all)
+        when `drafted`, then a target forward of `tokens` per row."""
         return self.corrections.factor(tokens, rows, drafted) * self.measured_cycle(tokens, rows, drafted, context,
-                                                                                   block)
+                                                                                   block, draft_rows)
 
     def measured_cycle(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
-                       block: int | None = None) -> float:
+                       block: int | None = None, draft_rows: int | None = None) -> float:
         """cycle_seconds as the profile measured it, before the online corrections."""
-        draft = self.draft_seconds(rows, context, block) if drafted else 0.0
+        draft = self.draft_seconds(draft_rows or rows, context, block) if drafted else 0.0
         return self.verify_seconds(tokens, rows, context) + draft
 
     def observe(self, tokens: int, rows: int, drafted: bool, seconds: float, context: float | None = None,
-                block: int | None = None) -> None:
+                block: int | None = None, draft_rows: int | None = None) -> None:
         """A cycle of this shape took `seconds` on the wall clock: its shape's correction learns from it."""
-        self.corrections.observe(tokens, rows, drafted, self.measured_cycle(tokens, rows, drafted, context, block),
-                                 seconds)
+        self.corrections.observe(tokens, rows, drafted,
+                                 self.measured_cycle(tokens, rows, drafted, context, block, draft_rows), seconds)
 
     def _block_share(self, block: int | None, rows: int) -> float:
         """A draft of `block` positions over one of the whole block, at `rows` rows (measured at a few blocks)."""

@@ -29,10 +29,12 @@ class TreeCycle:
     def retire(self, keep: list[int], rows: int) -> None:
         """Of the engine's `rows` rows only `keep` stay, in that order."""
         self.copies = [self.copies[i] for i in keep] if len(self.copies) == rows else []
+        self.planner.retire(keep)
 
     def reset(self) -> None:
         """The engine's rows start over."""
         self.copies = []
+        self.planner.reset()
 
     def run(self, engine: CycleEngine, anchors: list[int]) -> list[Step]:
         """One tree cycle for every row of `engine`; row i's anchor is its last committed token."""
@@ -46,10 +48,16 @@ class TreeCycle:
             self.last_trees, self.last_paths = [], [[] for _ in steps]
             return steps
         draws = engine.row_draws(b)
+        # greedy rows of a drafter that drafts some rows: the rows a drafted plan gave no drafted node sit out
+        drafting = planner.drafting_rows(len(anchors)) if drafts and draws is None and engine.drafts_some_rows \
+            else None
+        if drafting == []:
+            drafts = False
         if drafts:
             assert engine.drafter is not None  # (the planner drafts only with a drafter)
-            draft = engine.draft(anchors, planner.top_k, draws, block=planner.draft_block)
-            plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies)
+            draft = engine.draft(anchors, planner.top_k, draws, block=planner.draft_block, rows=drafting)
+            plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies,
+                                drafting)
         else:
             plan = planner.plan(anchors, copies=copies)
         if all(len(t.tokens) == 1 for t in plan.trees):  # no node (drafted or copied) worth its verify cost: plain
