@@ -153,7 +153,7 @@ class FakeDrafter:
     def extend(self, pending):
         self._absorb(pending)
 
-    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None):
+    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None, rows=None):
         self._absorb(pending)
         rows = []
         for r, (anchor,) in enumerate(anchor_ids.tolist()):

@@ -150,8 +150,8 @@ def test_a_short_chain_drafts_only_the_positions_it_verifies():
     e = engine(good=7, block_size=8)
     blocks = []
     propose = e.drafter.propose
-    e.drafter.propose = lambda ids, pending, block_size, *a: blocks.append(block_size) or propose(ids, pending,
-                                                                                                  block_size, *a)
+    e.drafter.propose = lambda ids, pending, block_size, *a, **k: blocks.append(block_size) or propose(
+        ids, pending, block_size, *a, **k)
     first = e.prefill([[1, 2, 3]])[0]
     steps = chain_step(e, [first], length=3)
     assert blocks == [4] and len(steps[0].tokens) == 4 and steps[0].verified == 3

@@ -40,7 +40,7 @@ class GreedyOracle:
         self.position += pending.counts[0] if pending is not None else 0
 
     @torch.no_grad()
-    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None):
+    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None, rows=None):
         self.extend(pending)
         ((anchor,),) = anchor_ids.tolist()
         key = tuple(self.engine.tokens + [anchor])

@@ -185,7 +185,7 @@ class OracleTopK:
         self.position = 0
 
     @torch.no_grad()
-    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None):
+    def propose(self, anchor_ids, pending, block_size, top_k=0, draws=None, rows=None):
         temperature = draws[0].params.temperature if draws else 1.0
         seq = self.engine.tokens + anchor_ids[0].tolist()
         ids, probs = [], []

@@ -62,8 +62,9 @@ class Plan:
 
 class RowPauses:
     """auto, batches: each row's own pause from the draft forward. A drafted cycle whose plan gives a row no drafted
-    node pauses that row for 1, 2, 4 .. MAX_PAUSE drafted cycles (its next draft is a probe), and one that gives it a
-    node ends its pause; a paused row's cycle still verifies its copied branch."""
+    node while it gives another row one pauses that row for 1, 2, 4 .. MAX_PAUSE drafted cycles (its next draft is a
+    probe), and one that gives it a node ends its pause; a paused row's cycle still verifies its copied branch. (A plan
+    that gives no row a drafted node is the batch's pause, TreePlanner.skip, not every row's.)"""
 
     def __init__(self):
         self.skip: list[int] = []  # per row: drafted cycles left without it
@@ -203,9 +204,11 @@ class TreePlanner:
                 self.draft_block, rate = self._next_block(candidates, counts, rate, limit, block)
                 self._update_pause(copies, rate, limit)
                 self.chain_within = self._chain_within(chains, limit)
-                if self.pausing_rows:
-                    for r in (drafting if drafting is not None else range(rows)):
-                        self.row_pauses.observe(r, any(not c.copied for c in candidates[r][:counts[r]]))
+                given = {r: any(not c.copied for c in candidates[r][:counts[r]])
+                         for r in (drafting if drafting is not None else range(rows))}
+                if self.pausing_rows and any(given.values()):  # (no row given one: the whole batch's pause)
+                    for r, drafted_nodes in given.items():
+                        self.row_pauses.observe(r, drafted_nodes)
                 # what this cycle's trees and the chain are each expected to commit
                 self.choice.observe_plan([1.0 + sum(x.value for x in c[:k]) for c, k in zip(candidates, counts)],
                                          chains)

@@ -270,8 +270,7 @@ class Engine:
         return self.verification.step(self, anchors)
 
     @property
-    def drafts_some_rows(self) -> bool:
-        """Whether a draft forward may run for some rows only (draft(rows=...))."""
+    def drafts_some_rows(self) -> bool:  # (draft(rows=...))
         return self.drafter is not None and self.drafter.drafts_some_rows
 
     @lands
@@ -280,15 +279,14 @@ class Engine:
         """Each row's block [anchor, proposals] of `block` positions (default: the block size; the anchor alone
         without a drafter), from the features pending. `rows` (greedy rows, drafts_some_rows): those rows' blocks
         only, in that order; every row's pending features go into the drafter's context all the same."""
-        if rows is not None:
-            anchors = [anchors[r] for r in rows]
-        anchor_ids = self.target.ids([[a] for a in anchors])
         if self.drafter is None:
-            return Draft(anchor_ids)
-        if rows is None:
-            return self.drafter.propose(anchor_ids, self.take_pending(), block or self.block_size, top_k, draws)
-        self.drafter.extend(self.take_pending())
-        return self.drafter.propose(anchor_ids, None, block or self.block_size, top_k, rows=rows)
+            return Draft(self.target.ids([[a] for a in anchors]))
+        pending = self.take_pending()
+        if rows is not None:
+            self.drafter.extend(pending)
+            pending, anchors = None, [anchors[r] for r in rows]
+        anchor_ids = self.target.ids([[a] for a in anchors])
+        return self.drafter.propose(anchor_ids, pending, block or self.block_size, top_k, draws, rows=rows)
 
     @lands
     def verify(self, draft: Draft, draws: list[RowDraw] | None = None) -> Verified:
