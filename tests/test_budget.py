@@ -100,3 +100,17 @@ def test_a_plan_that_gives_no_row_a_drafted_node_pauses_the_batch_not_every_row(
     plan = planner.plan([0] * 4, [weak[0]] * 4, [weak[1]] * 4)
     assert all(len(t.tokens) == 1 for t in plan.trees) and planner.skip > 0
     assert planner.row_pauses.skip == [0, 0, 0, 0]  # (else a row would sit out the probe that ends the pause)
+
+
+def test_a_new_request_probes_at_once_and_keeps_the_pauses_length():
+    weak = ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
+    planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
+    for _ in range(4):  # drafting loses, again and again: pauses of 1, 2, 4, 8 cycles
+        planner.plan([0], [weak[0]], [weak[1]])
+        planner.skip = 0
+    backoff = planner.backoff
+    planner.skip = backoff
+    planner.reset()
+    assert planner.drafts_this_cycle() and planner.backoff == backoff
+    planner.plan([0], [weak[0]], [weak[1]])  # the probe loses: the next pause is longer still, not 1
+    assert planner.skip == 2 * backoff

@@ -170,6 +170,10 @@ class TreePlanner:
         self.row_pauses.retire(keep)
 
     def reset(self) -> None:
+        """A new request (or batch): its first cycle drafts. A pause learnt on one text would otherwise run on
+        into the next (a prompt whose drafts are rarely accepted pausing the next one's first 64 cycles); its
+        length is kept, so a probe that loses again pauses as long as before."""
+        self.skip = 0
         self.row_pauses.reset()
 
     def plan(self, anchors: Sequence[int], top_ids=None, top_probs=None,
