@@ -170,10 +170,11 @@ class TreePlanner:
         self.row_pauses.retire(keep)
 
     def reset(self) -> None:
-        """A new request (or batch): its first cycle drafts. A pause learnt on one text would otherwise run on
-        into the next (a prompt whose drafts are rarely accepted pausing the next one's first 64 cycles); its
-        length is kept, so a probe that loses again pauses as long as before."""
-        self.skip = 0
+        """A new request (or batch): its first cycle drafts, and its drafts are judged on their own text. A pause
+        learnt on one text would otherwise run on into the next (a prompt whose drafts are rarely accepted pausing
+        the next one's first 64 cycles, and its smoothed rates outvoting every later probe); the pause's length is
+        kept, so a probe that loses again pauses as long as before."""
+        self.skip, self.rates = 0, None
         self.row_pauses.reset()
 
     def plan(self, anchors: Sequence[int], top_ids=None, top_probs=None,
@@ -234,8 +235,11 @@ class TreePlanner:
         self._age()
         for tree, qs, path in zip(plan.trees, plan.qs, paths):
             self.calibration.observe(tree, qs, list(path))
+        probe = plan.drafted and not self.last_drafted
         self.last_drafted = plan.drafted
-        if seconds is not None:
+        # (a probe's draft forward also reads every position its pause committed, up to MAX_PAUSE: learnt as a drafted
+        # cycle's cost, it made drafting look dearer after each pause, and the pauses longer)
+        if seconds is not None and not probe:
             width = max(len(t.tokens) for t in plan.trees)
             self._timed(width, len(plan.trees), plan.drafted, seconds, plan.block, plan.draft_rows)
 
