@@ -105,14 +105,17 @@ def test_a_plan_that_gives_no_row_a_drafted_node_pauses_the_batch_not_every_row(
 def test_a_new_request_probes_at_once_and_keeps_the_pauses_length():
     weak = ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
     planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
-    for _ in range(4):  # drafting loses, again and again: pauses of 1, 2, 4, 8 cycles
+    for _ in range(5):  # drafting loses, again and again: a look, then pauses of 1, 2, 4, 8 cycles
         planner.plan([0], [weak[0]], [weak[1]])
         planner.skip = 0
     backoff = planner.backoff
     planner.skip = backoff
     planner.reset()
     assert planner.drafts_this_cycle() and planner.backoff == backoff
-    planner.plan([0], [weak[0]], [weak[1]])  # the probe loses: the next pause is longer still, not 1
+    planner.plan([0], [weak[0]], [weak[1]])  # the request's first look loses: one cycle, then another look
+    assert planner.skip == 1 and planner.backoff == backoff
+    planner.skip = 0
+    planner.plan([0], [weak[0]], [weak[1]])  # that one loses too: the next pause is longer still, not 1
     assert planner.skip == 2 * backoff
 
 

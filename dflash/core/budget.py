@@ -324,12 +324,16 @@ class TreePlanner:
         a good drafter: pause drafting, for longer each time, while not drafting wins."""
         undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
         _, undrafted_rate = self._counts(undrafted, False, limit)
+        first = self.rates is None  # (a request's first drafted cycle: one unsmoothed look)
         if self.rates is None:
             self.rates = [drafted_rate, undrafted_rate]
         else:
             self.rates = [r + 0.3 * (x - r) for r, x in zip(self.rates, (drafted_rate, undrafted_rate))]
         if self.rates[1] > self.rates[0]:
-            self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
-            self.skip = self.backoff
+            if first:  # one more look before a pause as long as the last request's
+                self.skip = 1
+            else:
+                self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
+                self.skip = self.backoff
         else:
             self.backoff = 0
