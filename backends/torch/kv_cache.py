@@ -199,9 +199,6 @@ class RowSlots:
             assert keys is not None and values is not None  # (a live row)
             into.cache.update(keys[row:row + 1, :, idx], values[row:row + 1, :, idx], i)  # (indexing copies)
 
-    def nbytes(self) -> int:
-        return sum(t.nbytes for layer in self.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
-
 
 def growing(cache, limit: int | None):
     """A fresh transformers cache with its plain DynamicLayers made GrowingLayers (layers of other kinds keep

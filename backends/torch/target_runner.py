@@ -333,7 +333,8 @@ class TorchTarget:
         return row
 
     def cache_bytes(self) -> int:
-        return RowSlots(self.cache).nbytes()
+        return sum(t.nbytes for layer in self.cache.layers for t in (layer.keys, layer.values)
+                   if isinstance(t, torch.Tensor))
 
     @torch.inference_mode()
     def select(self, rows: list[int]) -> None:

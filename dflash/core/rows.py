@@ -110,10 +110,14 @@ class RowLayout:
         self.valid = np.take_along_axis(self.valid, index, axis=1)
 
     # ---- rows --------------------------------------------------------------------------------------------------------
+    def padding(self, length: int) -> tuple[int, int]:
+        """The left padding (mine, its) that aligns a row of `length` slots and this layout to one width."""
+        width = max(self.width, length)
+        return width - self.width, width - length
+
     def merge(self, length: int) -> tuple[int, int]:
         """Append a row of `length` valid slots; returns the left padding (mine, its) that aligns both to one width."""
-        width = max(self.width, length)
-        mine, theirs = width - self.width, width - length
+        mine, theirs = self.padding(length)
         self.valid = np.concatenate([np.pad(self.valid, ((0, 0), (mine, 0))),
                                      np.pad(np.ones((1, length), dtype=bool), ((0, 0), (theirs, 0)))])
         self.positions = np.append(self.positions, length)
@@ -168,8 +172,7 @@ class SharedRows(Generic[B]):
     def join(self, buffers: B, length: int) -> None:
         """Append a row of `length` positions (its buffers'), the shorter side left-padded; the layout changes only
         once the buffers took the row."""
-        width = max(self.layout.width, length)
-        self.buffers.join(buffers, width - self.layout.width, width - length)
+        self.buffers.join(buffers, *self.layout.padding(length))
         self.layout.merge(length)
 
     def select(self, rows: list[int]) -> None:

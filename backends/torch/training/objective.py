@@ -213,8 +213,8 @@ def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, 
     the target's final-normed hidden states, needed when kl_weight > 0 (soft label: its top `kl_top_k` tokens, or
     the whole distribution with kl_top_k 0), or `cached_top` = (log-probabilities, target ids), each (b, S, k): the
     target's top-k at every position from a feature cache (then target_final is not needed). A DFlash2 drafter's
-    selector is trained alongside, with weight `selector_weight` (0: not at all). A drafter with a draft vocabulary uses its own head in place of `lm_head`
-    (for the soft label too: the target's rows of those tokens)."""
+    selector is trained alongside, with weight `selector_weight` (0: not at all). A drafter with a draft vocabulary
+    uses its own head in place of `lm_head` (for the soft label too: the target's rows of those tokens)."""
     gamma = gamma or default_gamma(block_size)
     ids, pos, labels, weights = build_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id, gamma)
     if drafter.spec.has_draft_vocab:
