@@ -96,8 +96,8 @@ def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
 def test_a_plan_that_gives_no_row_a_drafted_node_pauses_the_batch_not_every_row():
     weak = ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
     planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
-    assert planner.drafting_rows(4) is None
-    plan = planner.plan([0] * 4, [weak[0]] * 4, [weak[1]] * 4)
+    assert planner.drafting_rows(4) == [0, 1, 2, 3]
+    plan = planner.plan([0] * 4, [weak[0]] * 4, [weak[1]] * 4, drafting=[0, 1, 2, 3])
     assert all(len(t.tokens) == 1 for t in plan.trees) and planner.skip > 0
     assert planner.row_pauses.skip == [0, 0, 0, 0]  # (else a row would sit out the probe that ends the pause)
 

@@ -125,7 +125,6 @@ class TreePlanner:
         # drafted cycles before a block is tried again from the one below, and that wait's next length
         self.deepen_wait, self.deepen_after = {b: 0 for b in self.blocks}, {b: 1 for b in self.blocks}
         self.row_pauses = RowPauses()  # auto: rows out of the draft forward
-        self.pausing_rows = False  # whether this cycle's draft asked drafting_rows (the drafter drafts some rows)
         self.draft_rows: int | None = None  # auto: rows of this cycle's draft forward, when not all
 
     def path(self) -> str:
@@ -158,12 +157,11 @@ class TreePlanner:
         return True
 
     def drafting_rows(self, rows: int) -> list[int] | None:
-        """auto: the rows a drafted cycle of `rows` rows drafts for (None: all of them; [] : none, a plain cycle)."""
+        """auto: the rows a drafted cycle of `rows` rows drafts for ([]: none, a plain cycle); None: every row, with
+        no row pausing on its own (tree mode, one row). Plan with it."""
         if self.mode != "auto" or rows == 1:
             return None
-        self.pausing_rows = True
-        drafting = self.row_pauses.drafting(rows)
-        return None if len(drafting) == rows else drafting
+        return self.row_pauses.drafting(rows)
 
     def retire(self, keep: list[int]) -> None:
         """Of the engine's rows only `keep` stay, in that order."""
@@ -180,7 +178,7 @@ class TreePlanner:
     def plan(self, anchors: Sequence[int], top_ids=None, top_probs=None,
              copies: Sequence[Sequence[int]] = (), drafting: Sequence[int] | None = None) -> Plan:
         """Trees for this cycle. top_ids / top_probs (rows, B-1, k) host lists when the cycle drafted, else None;
-        `drafting`: the rows they are of, when the draft forward ran for some rows only (drafting_rows)."""
+        `drafting`: drafting_rows' answer, the rows they are of (their pauses learn from the plan)."""
         self._age()
         rows = len(anchors)
         copies = list(copies) if self.copy_branch and copies else [[] for _ in range(rows)]
@@ -191,7 +189,7 @@ class TreePlanner:
             for j, r in enumerate(drafting):
                 ids[r], probs[r] = top_ids[j], top_probs[j]
             top_ids, top_probs = ids, probs
-        self.draft_rows = len(drafting) if drafted and drafting is not None else None
+        self.draft_rows = len(drafting) if drafted and drafting is not None and len(drafting) < rows else None
         n = self.budget if self.mode == "tree" else self.reach
         candidates = []
         for r in range(rows):
@@ -209,16 +207,14 @@ class TreePlanner:
                 self.draft_block, rate = self._next_block(candidates, counts, rate, limit, block)
                 self._update_pause(copies, rate, limit)
                 self.chain_within = self._chain_within(chains, limit)
-                given = {r: any(not c.copied for c in candidates[r][:counts[r]])
-                         for r in (drafting if drafting is not None else range(rows))}
-                if self.pausing_rows and any(given.values()):  # (no row given one: the whole batch's pause)
+                given = {r: any(not c.copied for c in candidates[r][:counts[r]]) for r in drafting or ()}
+                if any(given.values()):  # (no row given one: the whole batch's pause)
                     for r, drafted_nodes in given.items():
                         self.row_pauses.observe(r, drafted_nodes)
                 # what this cycle's trees and the chain are each expected to commit
                 self.choice.observe_plan([1.0 + sum(x.value for x in c[:k]) for c, k in zip(candidates, counts)],
                                          chains)
                 self.reach = min(self.budget, max(2 * max(counts), 2 * (self.block_size - 1)))
-        self.pausing_rows = False
         trees = [to_tree(a, c[:k]) for a, c, k in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]
         return Plan(trees, qs, drafted, block, self.draft_rows)

@@ -55,7 +55,8 @@ class TreeCycle:
             drafts = False
         if drafts:
             assert engine.drafter is not None  # (the planner drafts only with a drafter)
-            draft = engine.draft(anchors, planner.top_k, draws, block=planner.draft_block, rows=drafting)
+            some = drafting if drafting is not None and len(drafting) < len(anchors) else None
+            draft = engine.draft(anchors, planner.top_k, draws, block=planner.draft_block, rows=some)
             plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies,
                                 drafting)
         else:
