@@ -55,9 +55,23 @@ def test_auto_enumerates_twice_the_nodes_it_last_verified():
     assert len(TreePlanner("tree", 4, 100).plan([0], top_ids, top_probs).trees[0].tokens) == 1 + 100
 
 
-def test_the_gain_is_the_ratio_of_expected_tokens():
+def test_the_gain_is_the_ratio_of_expected_tokens_per_predicted_second():
     choice = PathChoice(decay=1.0)
-    choice.observe_plan([8.0], [8.0])  # an easy stretch: both commit 8
-    choice.observe_plan([3.0], [1.0])  # a hard one: the tree 3, the chain 1
+    choice.observe_plan([8.0], [8.0], (2.0, 2.0))  # an easy stretch: both commit 8, the tree is the chain's shape
+    choice.observe_plan([3.0], [1.0], (1.0, 2.0))  # a hard one: the tree 3 in a cycle half the chain's
     choice.factor = {"chain": 1.0, "tree": 1.1}
-    assert abs(choice.ratio() - 11 / 9 / 1.1) < 1e-12
+    assert abs(choice.ratio() - (11 / 3) / (9 / 4) / 1.1) < 1e-12
+
+
+def test_a_tree_cycle_is_timed_against_its_own_width():
+    """The tree path's factor is its overhead over the cost model at the tree's width: a small tree's cycle is not
+    counted as a cheap chain cycle, and a tree that is the chain is not costed as the chain's path is."""
+    costs = Costs(draft=1.0, verify=[(1, 1.0), (16, 2.0)])
+    planner = TreePlanner("auto", 4, 8, costs, copy_branch=False)
+    planner.plan([0], [[[5], [6], [7]]], [[[0.9], [0.01], [0.01]]])  # deep nodes not worth their verify tokens
+    width = planner.planned_width
+    assert width < 4  # (a chain verifies 4)
+    model = costs.cycle_seconds(width, 1, True)
+    for _ in range(2):  # (the first cycle of a path only warms up)
+        planner.observe_speed("tree", [1], 1.2 * model)
+    assert abs(planner.choice.factor["tree"] - 1.2) < 1e-9

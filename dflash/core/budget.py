@@ -126,6 +126,7 @@ class TreePlanner:
         self.deepen_wait, self.deepen_after = {b: 0 for b in self.blocks}, {b: 1 for b in self.blocks}
         self.row_pauses = RowPauses()  # auto: rows out of the draft forward
         self.draft_rows: int | None = None  # auto: rows of this cycle's draft forward, when not all
+        self.planned_width = block_size  # auto: verify tokens per row of the last drafted plan's trees
 
     def path(self) -> str:
         """auto: "chain" or "tree" for this cycle (tree: always). While cycles without a draft forward win (a pause,
@@ -146,9 +147,9 @@ class TreePlanner:
                                                       or self.draft_rows is not None)):
             return  # (a cycle without a draft forward, a shorter one or one of some rows, says nothing about either
             # path's chain-sized drafted cycles)
-        rows = len(accepted)
-        model = self.costs.cycle_seconds(self.block_size, rows, True, self.context)
-        self.choice.observe(kind, seconds, model)
+        rows = len(accepted)  # (a tree cycle against its own tree's width: the factor is the path's overhead)
+        width = self.planned_width if kind == "tree" else self.block_size
+        self.choice.observe(kind, seconds, self.costs.cycle_seconds(width, rows, True, self.context))
 
     def drafts_this_cycle(self) -> bool:
         if self.skip > 0:
@@ -211,9 +212,13 @@ class TreePlanner:
                 if any(given.values()):  # (no row given one: the whole batch's pause)
                     for r, drafted_nodes in given.items():
                         self.row_pauses.observe(r, drafted_nodes)
-                # what this cycle's trees and the chain are each expected to commit
-                self.choice.observe_plan([1.0 + sum(x.value for x in c[:k]) for c, k in zip(candidates, counts)],
-                                         chains)
+                # what this cycle's trees and the chain are each expected to commit, and the seconds of each cycle
+                self.planned_width = 1 + max(counts)
+                costs = self.auto_costs
+                self.choice.observe_plan(
+                    [1.0 + sum(x.value for x in c[:k]) for c, k in zip(candidates, counts)], chains,
+                    (costs.cycle_seconds(self.planned_width, rows, True, self.context, block, self.draft_rows),
+                     costs.cycle_seconds(self.block_size, rows, True, self.context)))
                 self.reach = min(self.budget, max(2 * max(counts), 2 * (self.block_size - 1)))
         trees = [to_tree(a, c[:k]) for a, c, k in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]

@@ -5,12 +5,16 @@ verify's graph building); a tree cycle reads the draft's top-k, builds the tree 
 is faster depends on the device and the drafter, so it is estimated, not raced: measured speeds swing with the text
 far more than between the two paths, and re-trying the slower path to keep its speed current costs what it loses.
 
-- Seconds: each path's cycles are smoothed as a multiple of the cost model's chain cycle at that many rows, so the
-  estimates carry over as the batch grows and shrinks.
+- Seconds: each path's cycles are smoothed as a multiple of the cost model's prediction for their own shape (a tree
+  cycle: its tree's width; a chain cycle: the chain's), so that the factor is the path's own overhead (the tree's
+  host read, tree building and mask) and not its size. Measured against the chain's shape for both, a tree of a few
+  nodes looked as cheap as a chain, and in stretches where the tree is the chain (every rank-1 node kept) the tree
+  path ran on although its cycles took 7% longer than the chain's (the reference pair, AMD EPYC: 17.2 ms and 16.1).
 - Tokens: each drafted tree cycle's plan gives the tokens the chosen tree is expected to commit (1 + the calibrated
   values of its nodes) and what the chain would (1 + those of the drafter's rank-1 nodes at every depth), from the
-  same calibration. The gain is the ratio of their decaying sums. Counting what the chain would really have accepted
-  in tree cycles (the accepted path's leading rank-1 nodes) measures it at the tree's cycle starts, not the chain's:
+  same calibration. The estimate is the ratio of their decaying sums, each over the decaying sum of the cost model's
+  seconds for the same cycles (the tree's width; the chain's), each times its path's factor. Counting what the chain
+  would really have accepted in tree cycles (the accepted path's leading rank-1 nodes) measures it at the tree's cycle starts, not the chain's:
   on 32 held-out prompts of the reference pair that gave 0.98 (the mean of per-cycle ratios 1.42) where the chain
   took 1.30x the fixed tree's cycles; the same trees' plans expected 1.29.
 - Probes: the path not in use runs one cycle after 16 cycles, then after 32, 64 .. 1024 while it loses by more than
@@ -31,15 +35,18 @@ class PathChoice:
         self.factor: dict[str, float | None] = {"chain": None, "tree": None}  # seconds / the model's chain cycle
         self.cycles = {"chain": 0, "tree": 0}
         self.tokens = [0.0, 0.0]  # decaying sums over drafted tree cycles' rows: expected tree and chain tokens
+        self.seconds = [0.0, 0.0]  # ... and over those cycles: the cost model's seconds of the tree's and the chain's
         self.best, self.since, self.wait = "tree", 0, PROBE_FIRST
 
     def ratio(self) -> float:
         """Estimated tree speed over chain speed."""
         tree, chain = self.tokens
         gain = tree / chain if chain > 0 else 1.0
+        tree_seconds, chain_seconds = self.seconds
+        shapes = chain_seconds / tree_seconds if tree_seconds > 0 and chain_seconds > 0 else 1.0
         chain_factor, tree_factor = self.factor["chain"], self.factor["tree"]
         assert chain_factor is not None and tree_factor is not None, "choose() asks only once both are measured"
-        return gain * chain_factor / tree_factor
+        return gain * shapes * chain_factor / tree_factor
 
     def choose(self) -> str:
         for kind in ("tree", "chain"):
@@ -57,13 +64,16 @@ class PathChoice:
         return "chain" if best == "tree" else "tree"
 
     def observe(self, kind: str, seconds: float, model_seconds: float) -> None:
-        """One cycle of `kind` took `seconds`; the cost model predicts `model_seconds` for a chain cycle."""
+        """One cycle of `kind` took `seconds`; the cost model predicts `model_seconds` for a cycle of its shape."""
         self.cycles[kind] += 1
         if self.cycles[kind] == 1:
             return  # (allocation, kernel selection)
         x, old = seconds / max(model_seconds, 1e-9), self.factor[kind]
         self.factor[kind] = x if old is None else old + self.smoothing * (x - old)
 
-    def observe_plan(self, tree: Sequence[float], chain: Sequence[float]) -> None:
-        """A drafted tree cycle's plan: per row, the tokens its tree is expected to commit, and the chain's."""
-        self.tokens = [self.decay * self.tokens[0] + sum(tree), self.decay * self.tokens[1] + sum(chain)]
+    def observe_plan(self, tree: Sequence[float], chain: Sequence[float], seconds: tuple[float, float]) -> None:
+        """A drafted tree cycle's plan: per row, the tokens its tree is expected to commit, and the chain's; the cost
+        model's seconds of the cycle that verifies the trees and of a chain cycle."""
+        d = self.decay
+        self.tokens = [d * self.tokens[0] + sum(tree), d * self.tokens[1] + sum(chain)]
+        self.seconds = [d * self.seconds[0] + seconds[0], d * self.seconds[1] + seconds[1]]
