@@ -14,9 +14,9 @@ far more than between the two paths, and re-trying the slower path to keep its s
   values of its nodes) and what the chain would (1 + those of the drafter's rank-1 nodes at every depth), from the
   same calibration. The estimate is the ratio of their decaying sums, each over the decaying sum of the cost model's
   seconds for the same cycles (the tree's width; the chain's), each times its path's factor. Counting what the chain
-  would really have accepted in tree cycles (the accepted path's leading rank-1 nodes) measures it at the tree's cycle starts, not the chain's:
-  on 32 held-out prompts of the reference pair that gave 0.98 (the mean of per-cycle ratios 1.42) where the chain
-  took 1.30x the fixed tree's cycles; the same trees' plans expected 1.29.
+  would really have accepted in tree cycles (the accepted path's leading rank-1 nodes) measures it at the tree's
+  cycle starts, not the chain's: on 32 held-out prompts of the reference pair that gave 0.98 (the mean of per-cycle
+  ratios 1.42) where the chain took 1.30x the fixed tree's cycles; the same trees' plans expected 1.29.
 - Probes: the path not in use runs one cycle after 16 cycles, then after 32, 64 .. 1024 while it loses by more than
   10% (back to 16 when the two are close or the choice flips). The first cycle of each path only warms up.
 """
