@@ -147,8 +147,8 @@ class TreePlanner:
                                                       or self.draft_rows is not None)):
             return  # (a cycle without a draft forward, a shorter one or one of some rows, says nothing about either
             # path's chain-sized drafted cycles)
-        rows = len(accepted)  # (a tree cycle against its own tree's width: the factor is the path's overhead)
-        width = self.planned_width if kind == "tree" else self.block_size
+        rows = len(accepted)
+        width = self.planned_width if kind == "tree" else self.block_size  # (the factor: the path's overhead alone)
         self.choice.observe(kind, seconds, self.costs.cycle_seconds(width, rows, True, self.context))
 
     def drafts_this_cycle(self) -> bool:

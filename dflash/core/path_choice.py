@@ -32,7 +32,7 @@ CLOSE = 0.1  # paths whose estimates are this close are probed again soon
 class PathChoice:
     def __init__(self, warmup: int = 3, smoothing: float = 0.2, decay: float = 0.9):
         self.warmup, self.smoothing, self.decay = warmup, smoothing, decay
-        self.factor: dict[str, float | None] = {"chain": None, "tree": None}  # seconds / the model's chain cycle
+        self.factor: dict[str, float | None] = {"chain": None, "tree": None}  # seconds / the model's, own shape
         self.cycles = {"chain": 0, "tree": 0}
         self.tokens = [0.0, 0.0]  # decaying sums over drafted tree cycles' rows: expected tree and chain tokens
         self.seconds = [0.0, 0.0]  # ... and over those cycles: the cost model's seconds of the tree's and the chain's
