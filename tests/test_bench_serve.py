@@ -37,7 +37,8 @@ def test_defaults_sweep_to_32():
 
 def test_a_level_over_rounds_takes_the_median_round_and_pools_latencies():
     def response(tokens, itl, error=False):
-        return {"error": "x"} if error else {"tokens": tokens, "ttft": 0.1, "itl": itl, "gap": 0.2, "tau": 2.0}
+        return {"error": "x"} if error else {"tokens": tokens, "ttft": 0.1, "itl": itl, "gap": 0.2, "tau": 2.0,
+                                             "chunks": tokens, "chunk_gaps": [itl] * (tokens - 1)}
 
     rounds = [{"responses": [response(100, 0.01), response(100, 0.01)], "wall_seconds": 1.0},  # 200 tok/s
               {"responses": [response(100, 0.02), response(100, 0.02)], "wall_seconds": 4.0},  # a disturbed round: 50
@@ -47,6 +48,17 @@ def test_a_level_over_rounds_takes_the_median_round_and_pools_latencies():
     assert level["requests"] == 6 and level["failed"] == 1 and level["output_tokens"] == 500
     assert level["itl_p99"] == 0.02 and level["wall_seconds"] == 5.5
     assert "3 rounds with the modes alternating" in serve_load.markdown(report() | {"rounds": 3})
+    assert "chunk_gaps" not in level["responses"][0]  # pooled into the token gaps, not written per response
+
+
+def test_token_gaps_give_each_token_of_a_burst_a_zero_wait():
+    """A request whose 9 tokens came in 3 chunks (1 + 4 + 4: a speculative server's bursts) waited twice; its 8
+    token gaps are those two waits and six zeros, so its p99 over tokens is its longest wait and its p50 is 0."""
+    burst = {"tokens": 9, "chunks": 3, "chunk_gaps": [0.05, 0.04], "ttft": 0.1, "itl": 0.01, "gap": 0.05, "tau": 4.0}
+    assert sorted(serve_load.token_gaps(burst)) == [0.0] * 6 + [0.04, 0.05]
+    steady = {"tokens": 9, "chunks": 9, "chunk_gaps": [0.01] * 8, "ttft": 0.1, "itl": 0.01, "gap": 0.01, "tau": 1.0}
+    level = serve_load.summarise(2, [{"responses": [burst, steady], "wall_seconds": 1.0}])
+    assert level["token_gap_p50"] == 0.01 and level["token_gap_p99"] == 0.05 and level["token_gap_p90"] == 0.04
 
 
 def _sse_client(*events: dict):
@@ -66,3 +78,4 @@ def test_a_stream_that_ends_in_an_error_event_counts_as_failed():
     with _sse_client(text, text, usage) as client:
         r = serve_load.one_request(client, "http://s", "p", 8)
     assert r["tokens"] == 2 and r["tau"] == 1.5 and r["itl"] is not None
+    assert r["chunks"] == 2 and len(r["chunk_gaps"]) == 1 and serve_load.token_gaps(r) == r["chunk_gaps"]

@@ -6,10 +6,12 @@ threads send --requests streamed completions in total (greedy, --max-tokens each
 Per request:
 time to first token (request sent -> first text chunk), inter-token latency ((last chunk - first chunk) /
 (tokens - 1)), the longest gap between two of its chunks (a stall: a joining request's prefill shows here) and the
-server's tau; per level: output tokens per second over the level's wall time, and the speedup of each mode over
-no-draft at the same concurrency. Writes serve.json (also every response: prompt, tokens, tau, TTFT, ITL, gap),
-serve.md (one row per concurrency, the modes side by side) and serve.png (speedup against concurrency, then
-throughput, TTFT and ITL) into --out.
+server's tau; per level: output tokens per second over the level's wall time, the speedup of each mode over
+no-draft at the same concurrency, and percentiles of the gap before each token over every token of every request (a
+chunk that carries k tokens gives its first token the gap since the previous chunk and the other k - 1 a gap of 0:
+they reached the client together). Writes serve.json (also every response: prompt, tokens, chunks, tau, TTFT, ITL,
+gap), serve.md (one row per concurrency, the modes side by side) and serve.png (speedup against concurrency, then
+throughput, TTFT and the p99 token gap) into --out.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
-    gap = 0.0
+    gaps: list[float] = []  # between consecutive text chunks
     usage: dict = {}
     stats: dict = {}
     with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -106,14 +108,22 @@ def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
                 return {"error": chunk["error"].get("message", "stream error")}
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 now = time.perf_counter()
-                gap = max(gap, now - last) if last is not None else gap
+                if last is not None:
+                    gaps.append(now - last)
                 last, first = now, first or now
             usage, stats = chunk.get("usage") or usage, chunk.get("dflash") or stats
     if "completion_tokens" not in usage:
         return {"error": "stream ended without usage"}
     tokens = usage["completion_tokens"]
-    return {"ttft": (first or time.perf_counter()) - t0, "tokens": tokens, "tau": stats.get("tau"), "gap": gap,
+    return {"ttft": (first or time.perf_counter()) - t0, "tokens": tokens, "tau": stats.get("tau"),
+            "gap": max(gaps, default=0.0), "chunks": len(gaps) + (first is not None), "chunk_gaps": gaps,
             "itl": (last - first) / (tokens - 1) if first and last and tokens > 1 else None}
+
+
+def token_gaps(response: dict) -> list[float]:
+    """The gap before each token after the first: one per chunk after the first, and 0 for every token that arrived
+    in a chunk beside another (tokens - chunks of them)."""
+    return response["chunk_gaps"] + [0.0] * max(0, response["tokens"] - response["chunks"])
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -145,13 +155,17 @@ def summarise(concurrency: int, rounds: list[dict]) -> dict:
     rates = sorted(sum(r["tokens"] for r in rnd["responses"] if "error" not in r) / rnd["wall_seconds"]
                    for rnd in rounds if rnd["wall_seconds"] > 0)
     taus = [r["tau"] for r in ok if r["tau"]]
+    gaps = [g for r in ok for g in token_gaps(r)]
     return {"concurrency": concurrency, "requests": len(out), "failed": len(out) - len(ok),
             "wall_seconds": sum(rnd["wall_seconds"] for rnd in rounds), "output_tokens": sum(r["tokens"] for r in ok),
             "tokens_per_second": rates[len(rates) // 2] if rates else 0.0, "round_tokens_per_second": rates,
             "ttft_p50": _pct([r["ttft"] for r in ok], 0.5), "ttft_p99": _pct([r["ttft"] for r in ok], 0.99),
             "itl_p50": _pct([r["itl"] for r in ok], 0.5), "itl_p99": _pct([r["itl"] for r in ok], 0.99),
-            "gap_p99": _pct([r["gap"] for r in ok], 0.99), "tau": sum(taus) / len(taus) if taus else None,
-            "responses": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in out]}
+            "gap_p99": _pct([r["gap"] for r in ok], 0.99),
+            "token_gap_p50": _pct(gaps, 0.5), "token_gap_p90": _pct(gaps, 0.9), "token_gap_p99": _pct(gaps, 0.99),
+            "tau": sum(taus) / len(taus) if taus else None,
+            "responses": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items() if k != "chunk_gaps"}
+                          for r in out]}
 
 
 def speedups(report: dict, base: str = "no-draft") -> dict[str, dict[int, float]]:
@@ -178,7 +192,9 @@ def markdown(report: dict) -> str:
              f"{report['threads']}; {report['requests']} greedy requests of {report['max_tokens']} tokens per level"
              f"{rounds_note(report.get('rounds', 1))}. "
              "Speedup: output tokens per second over no-draft's at the same concurrency. ITL: per request, (last "
-             "chunk - first chunk) / (tokens - 1); stall: the longest gap between two chunks of one request.", ""]
+             "chunk - first chunk) / (tokens - 1); token gap: the wait before each token, over every token (tokens that "
+             "arrive in one chunk after the first wait 0); stall: the longest gap between two chunks of one request.",
+             ""]
 
     def ms(x):
         return "—" if x is None else f"{1000 * x:.1f}"
@@ -187,7 +203,7 @@ def markdown(report: dict) -> str:
         return " / ".join(fmt(lv.get(key)) if lv else "—" for lv in levels)
 
     header = ["concurrency", *(f"{m} speedup" for m in ratio), *(f"{m} tok/s" for m in modes), "tau",
-              "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "stall p99 (ms)", "failed"]
+              "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "token gap p99 (ms)", "stall p99 (ms)", "failed"]
     lines += [f"Cells with several values list the modes in the order {' / '.join(modes)}.", "",
               "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     by_level = {m: {lv["concurrency"]: lv for lv in report["modes"][m]} for m in modes}
@@ -197,7 +213,8 @@ def markdown(report: dict) -> str:
                  *("—" if lv is None else f"{lv['tokens_per_second']:.1f}" for lv in levels),
                  pair(levels, "tau", lambda x: "—" if x is None else f"{x:.2f}"),
                  pair(levels, "ttft_p50", ms), pair(levels, "ttft_p99", ms), pair(levels, "itl_p50", ms),
-                 pair(levels, "itl_p99", ms), pair(levels, "gap_p99", ms), pair(levels, "failed", str)]
+                 pair(levels, "itl_p99", ms), pair(levels, "token_gap_p99", ms), pair(levels, "gap_p99", ms),
+                 pair(levels, "failed", str)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -212,9 +229,9 @@ def plot(report: dict, path: Path) -> None:
         c = [lv["concurrency"] for lv in levels]
         axes[1].plot(c, [lv["tokens_per_second"] for lv in levels], "o-", label=mode)
         axes[2].plot(c, [1000 * (lv["ttft_p50"] or 0) for lv in levels], "o-", label=mode)
-        axes[3].plot(c, [1000 * (lv["itl_p99"] or 0) for lv in levels], "o-", label=mode)
+        axes[3].plot(c, [1000 * (lv.get("token_gap_p99") or 0) for lv in levels], "o-", label=mode)
     titles = ["speedup over no-draft (tok/s ratio)", "output tokens / s", "time to first token p50 (ms)",
-              "inter-token latency p99 (ms)"]
+              "gap before a token, p99 over tokens (ms)"]
     levels = sorted({lv["concurrency"] for lvs in report["modes"].values() for lv in lvs})
     for ax, title in zip(axes, titles):
         ax.set_title(title)
