@@ -50,12 +50,13 @@ def prompt_file(tmp_path_factory):
 
 
 def test_tiny_run_writes_reports_and_checks_greedy_equality(sharp_models, prompt_file, tmp_path):
-    """The real path: one worker process per method (2 here: worker start-up is the cost), interleaved prompts."""
+    """The real path: one worker process per method (2 here: worker start-up is the cost), interleaved prompts, each
+    run twice."""
     target, draft, ar = sharp_models
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "dflash.bench", "--model", str(target), "--draft", str(draft), "--ar-draft", str(ar),
            "--prompts", str(prompt_file), "--max-new-tokens", "16", "--threads", "1", "--out", str(out),
-           "--methods", "dflash_b16", "--no-progress"]
+           "--methods", "dflash_b16", "--no-progress", "--repeats", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     for name in ("results.json", "results.md", "speedup.png", "acceptance_histogram.png",
@@ -64,7 +65,8 @@ def test_tiny_run_writes_reports_and_checks_greedy_equality(sharp_models, prompt
     report = json.loads((out / "results.json").read_text())
     s = report["summary"]
     assert list(s) == ["no_draft", "dflash_b16"]  # the baseline is added
-    assert report["config"]["num_prompts"] == 2
+    assert report["config"]["num_prompts"] == 2 and report["config"]["repeats"] == 2
+    assert all(len(r["run_seconds"]) == 2 for rs in report["per_prompt"].values() for r in rs)
     for name in ("dflash_b16",):
         assert s[name]["greedy_compared"] == 2 and s[name]["greedy_identical"] == 2, (name, s[name])
         assert s[name]["speedup"]["n"] == 2 and s[name]["peak_rss_mb"] > 0
@@ -76,7 +78,7 @@ def test_tiny_run_writes_reports_and_checks_greedy_equality(sharp_models, prompt
     assert all(len(t) == 16 or t[-1] in report["config"]["eos_token_ids"]
                for t in report["baseline_outputs"]["no_draft"])
     md = (out / "results.md").read_text()
-    assert "| dflash_b16 | torch | yes (2/2) |" in md
+    assert "| dflash_b16 | torch | yes (2/2) |" in md and "every prompt run 2 times per method" in md
     assert md in r.stdout
     # every output is an ordinary file (the atomic writes' temporary files are private until renamed)
     assert {(out / n).stat().st_mode for n in ("results.json", "results.md")} == {(out / "speedup.png").stat().st_mode}
@@ -244,6 +246,8 @@ def test_one_line_errors(capsys):
     assert err.startswith("error: --batch-size: got 0, expected >= 1") and "\n" not in err
     assert cli.run(bench.main, ["--batch-size", "2", "--methods", "assisted"]) == 2
     assert "method assisted decodes one prompt at a time" in capsys.readouterr().err
+    assert cli.run(bench.main, ["--repeats", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --repeats: got 0, expected >= 1"
     assert cli.run(bench.main, ["--methods", "no_draft,eagle"]) == 2
     assert "--methods: unknown method 'eagle'" in capsys.readouterr().err
     assert [m.name for m in benchmark.resolve_methods("mlx_dflash_b8")] == ["mlx_no_draft", "mlx_dflash_b8"]

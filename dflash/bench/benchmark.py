@@ -85,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together by batched speculative "
                    "decoding (PyTorch DFlash methods: no_draft, dflash_b16, dflash_b8; default 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per method before measuring")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every prompt per method, the prompt list over "
+                   "again each time; a prompt's seconds are the median of its runs (default: %(default)s)")
     p.add_argument("--threads", type=int, help="intra-op threads per worker (default: all cores)")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="torch device (auto, cpu, cuda[:N], mps); MLX uses its default")
@@ -162,6 +164,8 @@ def main(argv=None) -> int:
         raise DFlashError(f"--num-prompts: got {args.num_prompts}, expected >= 1")
     if args.warmup < 0:
         raise DFlashError(f"--warmup: got {args.warmup}, expected >= 0")
+    if args.repeats < 1:
+        raise DFlashError(f"--repeats: got {args.repeats}, expected >= 1")
     threads = args.threads or os.cpu_count() or 1
     if threads < 1:
         raise DFlashError(f"--threads: got {threads}, expected >= 1")
@@ -207,7 +211,7 @@ def main(argv=None) -> int:
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     t0 = time.time()
     results = run_methods(methods, base_cfg, prompts, out, sequential=args.sequential, openblas=openblas,
-                          seed=args.seed, progress=not args.no_progress,
+                          seed=args.seed, progress=not args.no_progress, repeats=args.repeats,
                           log=lambda s: print(s, file=sys.stderr, flush=True))
     wall = time.time() - t0
     greedy = args.temperature == 0
@@ -215,7 +219,7 @@ def main(argv=None) -> int:
     report = {
         "config": {k: v for k, v in base_cfg.items() if k != "warmup_ids"} | {
             "methods": [m.name for m in methods], "prompt_sources": sources, "num_prompts": len(prompts),
-            "chat": args.chat, "raw_prompts": args.raw_prompts, "sequential": args.sequential,
+            "chat": args.chat, "raw_prompts": args.raw_prompts, "sequential": args.sequential, "repeats": args.repeats,
             "openblas_preloaded_for_mlx": openblas,
             "command": "python -m dflash.bench " + " ".join(argv if argv is not None else sys.argv[1:])},
         "machine": machine_info() | {"loadavg_start": load_start,
@@ -227,7 +231,7 @@ def main(argv=None) -> int:
         "per_prompt": {m.name: [None if r is None else ({"error": r["error"]} if "error" in r else {
             "tokens": len(r["tokens"]), "seconds": round(r["seconds"], 5),
             "prefill_seconds": round(r["prefill_seconds"], 5), "decode_seconds": round(r["decode_seconds"], 5),
-            "decode_tokens": r["decode_tokens"],
+            "decode_tokens": r["decode_tokens"], "run_seconds": r.get("run_seconds"),
             "acceptance_lengths": r.get("acceptance_lengths")}) for r in results[m.name]["records"]]
             for m in methods},
         "baseline_outputs": {b: [None if (r is None or "error" in r) else r["tokens"]

@@ -62,6 +62,8 @@ def summarize(methods: list[Method], results: dict, prompts: list[dict], greedy:
         torch_base = results.get("no_draft", {}).get("records")
         if torch_base is not None and m.backend != "torch":
             s["speedup_vs_torch_baseline"] = _quantiles(speedups(recs, torch_base))
+        if any(r.get("runs_differ") for r in ok):
+            s["runs_differ"] = sum(bool(r.get("runs_differ")) for r in ok)
         lengths = [n for r in ok for n in (r.get("acceptance_lengths") or [])]
         if m.speculative and lengths:
             block = max(m.block_size or 0, max(lengths))
@@ -117,13 +119,18 @@ def _fmt(x, spec="{:.2f}", none="—"):
     return none if x is None else spec.format(x)
 
 
+def runs_note(repeats: int) -> str:
+    return "" if repeats == 1 else f", every prompt run {repeats} times per method (its seconds: the median run's)"
+
+
 def markdown(report: dict) -> str:
     cfg, summary = report["config"], report["summary"]
     greedy = cfg["temperature"] == 0
     lines = [f"Prompts: {cfg['num_prompts']} ({', '.join(cfg['prompt_sources'])}), max new tokens "
              f"{cfg['max_new_tokens']}, {'greedy' if greedy else 'temperature ' + str(cfg['temperature'])}, "
              f"batch {cfg.get('batch_size', 1)}, {cfg['threads']} thread(s) per worker, {'sequential' if cfg['sequential'] else 'interleaved'}"
-             f" workers; speedup = median over prompts of baseline s/token / method s/token (IQR in brackets).", ""]
+             f" workers{runs_note(cfg.get('repeats', 1))}; speedup = median over prompts of baseline s/token / method "
+             "s/token (IQR in brackets).", ""]
     head = ["method", "backend", "greedy == baseline" if greedy else "sampling", "tau", "verified / cycle",
             "decode tok/s",
             "end-to-end tok/s", "speedup vs own baseline", "vs PyTorch baseline", "peak RSS MB"]
@@ -159,6 +166,9 @@ def markdown(report: dict) -> str:
                          f"{first['first_difference']}).")
         if s.get("error"):
             notes.append(f"- {name}: {s['error']}")
+        if s.get("runs_differ"):
+            notes.append(f"- {name}: on {s['runs_differ']} prompt(s) a repeated run's tokens differed from the first "
+                         "run's (the table compares the first runs').")
     if report.get("skipped_prompts"):
         notes.append(f"- {len(report['skipped_prompts'])} prompt(s) skipped (too long for the target's context).")
     if notes:

@@ -1,10 +1,13 @@
 """Benchmark workers: every method in its own process (peak RSS per method), JSON lines both ways; interleaved
-prompt by prompt so that machine-load drift hits every method alike, or one method at a time (--sequential)."""
+prompt by prompt so that machine-load drift hits every method alike, or one method at a time (--sequential).
+With repeats, every prompt runs that many times per method (interleaved: the whole prompt list, then again) and a
+prompt's timings are the median over its runs: one disturbed run no longer moves that prompt's speedup."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -121,15 +124,40 @@ def worker_env(method: Method, threads: int, openblas: bool) -> dict:
     return env
 
 
+TIMINGS = ("seconds", "prefill_seconds", "decode_seconds")
+COUNTS = ("acceptance_lengths", "verified")  # per cycle: every run's cycles are pooled
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """One prompt's record from its repeated runs: the first run's tokens, each timing the median over the runs
+    (with every run's seconds kept), the runs' cycles pooled, and whether any run's tokens differed from the first's."""
+    if len(runs) == 1 or any("error" in r for r in runs):
+        return next((r for r in runs if "error" in r), runs[0])
+    first = runs[0]
+    merged = dict(first, run_seconds=[r["seconds"] for r in runs],
+                  runs_differ=any(r["tokens"] != first["tokens"] for r in runs))
+    for k in TIMINGS:
+        if k in first:
+            merged[k] = statistics.median(r[k] for r in runs)
+    for k in COUNTS:
+        if first.get(k) is not None:
+            merged[k] = [x for r in runs for x in r[k]]
+    if first.get("cycles_without_draft") is not None:
+        merged["cycles_without_draft"] = sum(r["cycles_without_draft"] for r in runs)
+    return merged
+
+
 def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out: Path, *, sequential: bool,
-                openblas: bool, seed: int, progress: bool, log=print) -> dict:
+                openblas: bool, seed: int, progress: bool, repeats: int = 1, log=print) -> dict:
     """{method name: {"records": [record or None per prompt], "ready": ..., "done": ..., "error": ...}}."""
     from tqdm import tqdm
 
     (out / "logs").mkdir(parents=True, exist_ok=True)
     batch_size = base_cfg.get("batch_size", 1)
     results: dict[str, dict[str, Any]] = {m.name: {"records": [None] * len(prompts), "error": None} for m in methods}
-    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen", disable=not progress, file=sys.stderr,
+    runs: dict[str, list[list[dict]]] = {m.name: [[] for _ in prompts] for m in methods}
+    total = len(prompts) * repeats
+    bar = tqdm(total=total * len(methods), desc="bench", unit="gen", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
 
     def start(m: Method) -> Worker:
@@ -146,7 +174,7 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
             results[w.method.name]["error"] = str(e)
             log(f"FAILED {w.method.name}: {e}")
             w.close()
-            bar.update(len(prompts))
+            bar.update(total)
             return False
 
     def finish(w: Worker) -> None:
@@ -173,29 +201,31 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
                 rec = {"error": rec["error"]}
                 log(f"error: {w.method.name} on {prompts[j]['id']}: {rec['error']}")
             rec.pop("i", None)
-            results[w.method.name]["records"][j] = rec
+            runs[w.method.name][j].append(rec)
+            results[w.method.name]["records"][j] = merge_runs(runs[w.method.name][j])
         bar.update(len(batch))
         return True
 
+    starts = [i for _ in range(repeats) for i in range(0, len(prompts), batch_size)]
     try:
         if sequential:
             for m in methods:
                 w = start(m)
                 if not ready(w):
                     continue
-                for i in range(0, len(prompts), batch_size):
+                for n, i in enumerate(starts):
                     if not step(w, i, prompts[i]):
-                        bar.update(len(prompts) - i)
+                        bar.update(total - n * batch_size)
                         break
                 finish(w)
         else:
             # one worker loads (and warms up, and measures its cost profile) at a time: a profile measured while
             # another worker loads on the same cores would be a busy machine's, and auto would plan with it
             live = [w for w in map(start, methods) if ready(w)]
-            for i in range(0, len(prompts), batch_size):
+            for n, i in enumerate(starts):
                 for w in list(live):
                     if not step(w, i, prompts[i]):
-                        bar.update(len(prompts) - i)
+                        bar.update(total - n * batch_size)
                         live.remove(w)
                         w.close()
             for w in live:
