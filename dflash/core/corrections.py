@@ -45,6 +45,10 @@ class Corrections:
     def key(tokens: int, rows: int, drafted: bool) -> str:
         return f"{'draft' if drafted else 'plain'}:{bucket(rows)}x{bucket(tokens)}"
 
+    def overall(self) -> float | None:
+        """Wall time over the profile's predictions, averaged over every cycle seen (None before the first)."""
+        return self.factors.get(ALL)
+
     def factor(self, tokens: int, rows: int, drafted: bool) -> float:
         return self.factors.get(self.key(tokens, rows, drafted), self.factors.get(ALL, 1.0))
 

@@ -14,7 +14,10 @@ then read from $DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
 A cached profile is used only if it is sane: more tokens never cost less, and its plain step is within LIVE_TOLERANCE
 of one timed now (a profile measured while another process held the core is measured again). What remains off is
 corrected while the engine runs (dflash/core/corrections.py: per cycle shape, from the cycles' own wall times, saved
-beside the profile).
+beside the profile); a profile the cycles found off by more than DRIFT_TOLERANCE on average is measured again at the
+next load, once: a factor per shape repairs each shape's level but not the curve within it (measured under load, a
+verify of 2 to 16 tokens came out nearly flat), and one load taken on a quiet machine should not be spent on it
+twice.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ BATCH_SECONDS = 0.25  # batches are measured where one row of as many tokens tak
 ROUNDS = 3  # timings of every point, interleaved; the median is kept
 ROUNDS_SECONDS = 4.0  # ... fewer rounds where one round takes longer than a third of this (a large model on a CPU)
 LIVE_TOLERANCE = 3.0  # a cached plain step this many times slower or faster than one timed now is measured again
+# a cached profile whose saved corrections put the cycles' wall time this many times over or under its predictions
+# on average (over every cycle run with it: the corrections' all-shapes factor) is measured again at the next load
+DRIFT_TOLERANCE = 1.5
+DRIFT_REASON = "the cycles run with it took"  # (a drifted profile's reason: its successor is not checked again)
 
 
 # the engine code whose speed a profile measured: bumped when a forward gets faster, so cached profiles are measured
@@ -74,7 +81,7 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True, label:
     key = cost_key(engine)
     path = cache_dir() / f"{key}.json"
     corrections = Corrections.load(path.with_suffix(".corrections.json")) if use_cache else Corrections()
-    costs, why = (cached(engine, path, max_tokens) if use_cache else (None, ""))
+    costs, why = (cached(engine, path, max_tokens, corrections) if use_cache else (None, ""))
     if costs is None:
         name = label or f"{engine.info.model_type} ({engine.name})"
         print(f"dflash: measuring this device's draft and verify costs for {name} " +
@@ -87,16 +94,16 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True, label:
         if use_cache:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(costs.to_json() | {"device": engine.target.device_key(),
-                                                         "max_tokens": max_tokens}))
+            tmp.write_text(json.dumps(costs.to_json() | {"device": engine.target.device_key(), "max_tokens": max_tokens,
+                                                         "after_drift": why.startswith(DRIFT_REASON)}))
             tmp.replace(path)
     costs.corrections = corrections
     return costs
 
 
-def cached(engine, path: Path, max_tokens: int) -> tuple[Costs | None, str]:
+def cached(engine, path: Path, max_tokens: int, corrections: Corrections | None = None) -> tuple[Costs | None, str]:
     """The profile cached at `path` if it is usable here, else (None, why it is measured again: "" when new; a
-    profile measured for fewer tokens than `max_tokens` too)."""
+    profile measured for fewer tokens than `max_tokens` too). `corrections`: what the cycles learnt of it so far."""
     if not path.exists():
         return None, ""
     try:
@@ -114,6 +121,9 @@ def cached(engine, path: Path, max_tokens: int) -> tuple[Costs | None, str]:
     if not 1 / LIVE_TOLERANCE <= live / cached_step <= LIVE_TOLERANCE:
         return None, (f"its cached plain step, {cached_step * 1e3:.1f} ms, is far from this run's, "
                       f"{live * 1e3:.1f} ms")
+    drift = corrections.overall() if corrections is not None else None
+    if drift is not None and not data.get("after_drift") and not 1 / DRIFT_TOLERANCE <= drift <= DRIFT_TOLERANCE:
+        return None, f"{DRIFT_REASON} {drift:.2f}x its predictions on average"
     return costs, ""
 
 
