@@ -10,7 +10,7 @@ defaults, saved the way the public checkpoints are spelled).
   drafter (the target's own continuation with one wrong token at a random slot of each block, so every acceptance
   length occurs), over prompts and generations longer than gpt-oss's window (16), on both backends.
 - Rollback: after commit(k) a hybrid target's linear-attention layers hold what a cache fed only the accepted tokens
-  holds (conv window and recurrent state); rewinding the conv window alone (transformers' crop) is measurably wrong.
+  holds (conv window and recurrent state); rewinding the conv window alone is measurably wrong.
 - Cross-backend: torch and MLX give identical tokens and per-cycle drafts where transformers and mlx-lm implement the
   family identically. gpt-oss's YaRN uses `truncate: false`, which mlx-lm's YarnRoPE does not implement: there the
   measured logit difference is asserted (and identity once both libraries compute the same RoPE).
@@ -202,6 +202,7 @@ def test_torch_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
         be = torch_engine(model, load_drafter(case.draft_dir), block_size=B)
         be.prefill([prompt])
         be.commit(_verify_block(be, block), [keep])
+        assert int(be.target.cache.get_seq_length()) == len(prompt) + keep  # (the next forward's positions)
         fresh = DynamicCache(config=model.config)
         with torch.no_grad():
             model(input_ids=torch.tensor([prompt]), cache=fresh, use_cache=True)
@@ -214,12 +215,11 @@ def test_torch_rollback_equals_feeding_only_the_accepted_tokens(cases, family):
                 torch.testing.assert_close(ours.recurrent_states[0], ref.recurrent_states[0], rtol=1e-4, atol=1e-5)
             else:
                 torch.testing.assert_close(ours.keys, ref.keys, rtol=1e-4, atol=1e-5)
-    # the control: rolling back only what transformers' crop rolls back (conv windows, K/V) leaves the recurrent
-    # state of all B positions behind
+    # the control: the recurrent state the verify forward left (all B positions: what rolling back only the conv
+    # windows and K/V leaves behind) is measurably not that of the 3 kept
     be = torch_engine(model, load_drafter(case.draft_dir), block_size=B)
     be.prefill([prompt])
     _verify_block(be, block)
-    be.target.cache.crop(-(B - 3))
     state = be.target.cache.layers[linear[0]].recurrent_states[0]
     be2 = torch_engine(model, load_drafter(case.draft_dir), block_size=B)
     be2.prefill([prompt])
@@ -244,6 +244,7 @@ def test_torch_rollback_cost(cases, record_property):
             assert be.target.rewind.rewind(1)  # keep B-1 of the B positions: the most recurrence work a commit needs
         t2 = time.perf_counter()
         assert be.target.rewind.rewind(B - 1)  # back to before the block
+        assert int(be.target.cache.get_seq_length()) == len(PROMPTS[2])
         verify.append(t1 - t0)
         rewind.append(t2 - t1)
     ratio = sorted(rewind)[7] / sorted(verify)[7]

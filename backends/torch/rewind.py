@@ -7,7 +7,12 @@ rewinds by slicing. Two kinds of layer need more:
   out are gone. transformers' `activate_past_recording()` keeps them until the next `crop`.
 - Gated DeltaNet linear attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): a causal-conv window (the raw inputs of the last
   `kernel` positions) and a recurrent state S (heads x d_k x d_v) that every position updates in place. With
-  `activate_past_recording()` transformers rewinds the conv window, but not S: it has no per-position history.
+  `activate_past_recording()` transformers rewinds the conv window, but not S, which has no per-position history.
+  transformers 5.25 keeps one on request (`recurrent_states_to_keep=N`: the forward runs its last N positions one at
+  a time through the recurrent kernel, cloning S after each; `crop` restores S from that record and drops it). We ask
+  for none: the verify forward stays one chunked pass, and any number of rewinds may follow it (below). Its `crop`
+  then cannot rewind a linear layer (it would index the missing record), so CacheRewind crops those itself: the conv
+  window as the library does, S as below.
 
 How S is rewound, exactly: before each target forward we copy S (S0: the state after the last cached position). The
 forward records, per linear layer, the raw conv input of every position (the recording conv state) and the outputs
@@ -33,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
 
 from dflash.core.errors import DFlashError
 
@@ -41,6 +47,9 @@ from .target import decoder_layers
 _LINEAR_ATTRS = ("in_proj_a", "in_proj_b", "conv1d", "A_log", "dt_bias", "head_k_dim", "head_v_dim", "key_dim",
                  "value_dim", "activation")
 _KV_FIELDS = ("keys", "values", "cumulative_length")
+# transformers 5.25: linear-attention cache layers record per-position recurrent states on request (module docstring)
+# and count their positions (`cumulative_length_linear`; a Qwen3.5 forward takes its positions from layer 0's count)
+_TRANSFORMERS_5_25 = tuple(int(p) for p in transformers.__version__.split(".")[:2]) >= (5, 25)
 
 
 def bounded_layers(cache) -> bool:
@@ -84,7 +93,10 @@ class CacheRewind:
             raise DFlashError(f"layer {unknown[0]}: recurrent/convolutional state of a kind this backend cannot "
                               "rewind (only Gated DeltaNet linear attention is); speculative decoding needs an exact "
                               "rollback")
-        cache.activate_past_recording()
+        if _TRANSFORMERS_5_25:
+            cache.activate_past_recording(recurrent_states_to_keep=0)  # S is rewound here, not from a record
+        else:
+            cache.activate_past_recording()
         self.cache, self.post, self.snapshot = cache, None, {}
 
     def remove(self) -> None:
@@ -123,25 +135,30 @@ class CacheRewind:
         if self.post is None or keep < 0 or (keep == 0 and any(s is None for s in self.snapshot.values())):
             return False
         drop = self.length - keep
-        for layer, fields in zip(self.cache.layers, self.post):
+        for i, (layer, fields) in enumerate(zip(self.cache.layers, self.post)):
             for name, value in fields.items():
                 setattr(layer, name, dict(value) if name == "conv_states" else value)
-        recorded = {i: self.cache.layers[i].conv_states[0] for i in self.linear}  # raw conv inputs, before the crop
-        self.cache.crop(-drop)  # K/V and sliding windows; conv windows (library)
-        for i, mixer in self.linear.items():
-            self._rewind_recurrent(i, mixer, recorded[i], drop, keep)
+            if i in self.linear:
+                self._rewind_linear(i, self.linear[i], layer, drop, keep)
+                if _TRANSFORMERS_5_25:  # (not a field restored above: it goes back by the n positions forgotten)
+                    layer.cumulative_length_linear.sub_(n)
+            else:
+                layer.crop(-drop)  # K/V and sliding windows (library)
         self.kept = keep
         return True
 
-    def _rewind_recurrent(self, i: int, mixer, conv_input: torch.Tensor, drop: int, keep: int) -> None:
-        state = self.cache.layers[i].recurrent_states[0]
+    def _rewind_linear(self, i: int, mixer, layer, drop: int, keep: int) -> None:
+        """Conv window and recurrent state of linear layer i after the first `keep` positions of the last forward."""
+        # the recording conv state: the raw conv inputs [window before the forward ; its positions]
+        x = layer.conv_states[0][..., : layer.conv_states[0].shape[-1] - drop]
+        layer.conv_states[0] = x[..., -layer.conv_kernel_size[0]:]  # the window transformers' crop keeps
+        state = layer.recurrent_states[0]
         s0 = self.snapshot[i]
         if keep == 0:
             state.copy_(s0)
             return
         lib = sys.modules[type(mixer).__module__]
         # the layer's forward, restricted to the kept positions: causal conv over [previous window ; kept inputs]
-        x = conv_input[..., : conv_input.shape[-1] - drop]
         qkv = lib.causal_conv1d_fn(x, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
                                    activation=mixer.activation)[..., -keep:].transpose(1, 2)
         q, k, v = torch.split(qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
