@@ -48,8 +48,10 @@ def main() -> None:
     ap.add_argument("--rules", help="comma-separated accept rules to run (default: all)")
     ap.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
     ap.add_argument("--out", help="JSON rows (also printed, one per line)")
+    ap.add_argument("--draft", help="drafter directory (default: the bundled one)")
     args = ap.parse_args()
     target, draft = reference_dirs()
+    draft = args.draft or draft
     prompts, _ = load_prompts(["reference"], load_tokenizer(target), args.num_prompts, False, None,
                               args.max_new_tokens)
     wanted = set(args.rules.split(",")) if args.rules else None
