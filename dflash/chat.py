@@ -213,6 +213,15 @@ class Chat:
                 backend.reset()
         t2 = time.perf_counter()
         text = "".join(parts)
+        tokens = [t for inc_tokens in token_parts for t in inc_tokens]
+        while tokens and tokens[-1] in self.pipe.eos_token_ids:  # the template writes its own end of turn
+            tokens.pop()
+        if interrupted == "stopped":  # the stream held back a cut character: the reply is its tokens' whole text, so
+            # that the next turn's prompt starts with the very ids the cache holds
+            whole = self.conv.tokenizer.decode(tokens, skip_special_tokens=False)
+            if whole.startswith(text) and len(whole) > len(text):
+                self.out.write(whole[len(text):])
+                text = whole
         if text and not text.endswith("\n"):
             self.out.write("\n")
         if interrupted:
@@ -244,9 +253,6 @@ class Chat:
             line += f" | {interrupted}"
         self.note(line)
         if text or not interrupted:
-            tokens = [t for inc_tokens in token_parts for t in inc_tokens]
-            while tokens and tokens[-1] in self.pipe.eos_token_ids:  # the template writes its own end of turn
-                tokens.pop()
             self.conv.add(user, ids, text, tokens)
         return text
 

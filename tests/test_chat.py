@@ -285,6 +285,34 @@ def test_max_context_drops_oldest_turns(pipe):
     assert chat.conv.turns == [] and chat.report() == ["no replies yet"]
 
 
+def test_an_interrupted_reply_is_its_tokens_whole_text(pipe, monkeypatch):
+    """Ctrl-C lands after a cycle whose text the stream held back in part (a character cut in two): the reply shown
+    and kept is its tokens' whole text, so the next turn's prompt starts with the very ids the cache holds (had the
+    held-back text been lost, the next prompt would be tokenised afresh and reuse less of the cache)."""
+    import signal
+
+    from dflash.chat import Chat, parse_args
+    from dflash.core.loop import Increment
+
+    tokens = pipe.tokenizer("x = 'caf\u00e9'", add_special_tokens=False)["input_ids"]
+    whole = pipe.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    class HeldBack:  # a stream whose last cycle's text lacks its final character, then Ctrl-C
+        result = None
+
+        def __iter__(self):
+            yield Increment(tokens[:1], pipe.tokenizer.decode(tokens[:1]))
+            os.kill(os.getpid(), signal.SIGINT)  # (StopOnSigint: stop after this cycle)
+            yield Increment(tokens[1:], whole[len(pipe.tokenizer.decode(tokens[:1])):-1])
+
+    monkeypatch.setattr(pipe, "stream", lambda *a, **k: HeldBack())
+    out = io.StringIO()
+    chat = Chat(pipe, parse_args(["--max-new-tokens", "6"]), out=out, err=io.StringIO())
+    assert chat.turn("hello") == whole and out.getvalue() == whole + "\n[interrupted]\n"
+    assert chat.conv.exact is not None and chat.conv.exact[1][-len(tokens):] == tokens
+    assert chat.conv.ids("next")[:len(chat.conv.exact[1])] == chat.conv.exact[1]
+
+
 def test_a_message_over_the_targets_context_names_no_unpassed_flag(pipe):
     from dflash.chat import Chat, parse_args
 
