@@ -192,9 +192,9 @@ def markdown(report: dict) -> str:
              f"{report['threads']}; {report['requests']} greedy requests of {report['max_tokens']} tokens per level"
              f"{rounds_note(report.get('rounds', 1))}. "
              "Speedup: output tokens per second over no-draft's at the same concurrency. ITL: per request, (last "
-             "chunk - first chunk) / (tokens - 1); token gap: the wait before each token, over every token (tokens that "
-             "arrive in one chunk after the first wait 0); stall: the longest gap between two chunks of one request.",
-             ""]
+             "chunk - first chunk) / (tokens - 1); token gap: the wait before each token, over every token (tokens "
+             "that arrive in one chunk after the first wait 0); stall: the longest gap between two chunks of one "
+             "request.", ""]
 
     def ms(x):
         return "—" if x is None else f"{1000 * x:.1f}"
@@ -203,7 +203,8 @@ def markdown(report: dict) -> str:
         return " / ".join(fmt(lv.get(key)) if lv else "—" for lv in levels)
 
     header = ["concurrency", *(f"{m} speedup" for m in ratio), *(f"{m} tok/s" for m in modes), "tau",
-              "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "token gap p99 (ms)", "stall p99 (ms)", "failed"]
+              "TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "token gap p99 (ms)", "stall p99 (ms)",
+              "failed"]
     lines += [f"Cells with several values list the modes in the order {' / '.join(modes)}.", "",
               "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     by_level = {m: {lv["concurrency"]: lv for lv in report["modes"][m]} for m in modes}

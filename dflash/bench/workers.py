@@ -202,7 +202,6 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
                 log(f"error: {w.method.name} on {prompts[j]['id']}: {rec['error']}")
             rec.pop("i", None)
             runs[w.method.name][j].append(rec)
-            results[w.method.name]["records"][j] = merge_runs(runs[w.method.name][j])
         bar.update(len(batch))
         return True
 
@@ -234,4 +233,6 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
                 finish(w)
     finally:
         bar.close()
+    for name, per_prompt in runs.items():
+        results[name]["records"] = [merge_runs(rs) if rs else None for rs in per_prompt]
     return results

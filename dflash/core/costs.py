@@ -101,7 +101,7 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True, label:
     return costs
 
 
-def cached(engine, path: Path, max_tokens: int, corrections: Corrections | None = None) -> tuple[Costs | None, str]:
+def cached(engine, path: Path, max_tokens: int, corrections: Corrections) -> tuple[Costs | None, str]:
     """The profile cached at `path` if it is usable here, else (None, why it is measured again: "" when new; a
     profile measured for fewer tokens than `max_tokens` too). `corrections`: what the cycles learnt of it so far."""
     if not path.exists():
@@ -121,7 +121,7 @@ def cached(engine, path: Path, max_tokens: int, corrections: Corrections | None 
     if not 1 / LIVE_TOLERANCE <= live / cached_step <= LIVE_TOLERANCE:
         return None, (f"its cached plain step, {cached_step * 1e3:.1f} ms, is far from this run's, "
                       f"{live * 1e3:.1f} ms")
-    drift = corrections.overall() if corrections is not None else None
+    drift = corrections.overall()
     if drift is not None and not data.get("after_drift") and not 1 / DRIFT_TOLERANCE <= drift <= DRIFT_TOLERANCE:
         return None, f"{DRIFT_REASON} {drift:.2f}x its predictions on average"
     return costs, ""
