@@ -1,31 +1,37 @@
-"""python -m dflash.bench load-sim: what `--verify auto` would choose for a whole batch at concurrency 1..32, on a
-roofline model of a GPU (no GPU needed, deterministic).
+"""python -m dflash.bench load-sim: what `--verify auto` chooses for a whole batch at concurrency 1..32, on a roofline
+model of a GPU (no GPU needed, deterministic).
 
 A forward of T tokens over r rows costs max(weights / bandwidth, 2 * parameters * T / compute) plus reading every
-row's K/V, plus a fixed launch cost: flat in T until the compute knee (a few hundred tokens on an H200 for an 8B
-model), then linear. The drafter (5 Qwen3-8B-shaped layers and the target's LM head on its B-1 positions) costs the
-same way. Those costs fill a `Costs` with the grid dflash.core.costs measures on a real device (one row up to 512 tokens,
-batches up to a block per row), and the planner's own rule (dflash.core.tree.best_first + choose_counts, the surrogate
-taken as calibrated) picks each row's nodes, against a plain batched step (no draft forward).
+row's K/V, plus a fixed cost per forward (`--launch-ms`: 2 ms for eager forwards; a CUDA graph's replay costs a
+fraction of it): flat in T until the compute knee (a few hundred tokens on an H200 for an 8B model), then linear.
+The drafter (5 Qwen3-8B-shaped layers and the target's LM head on its positions) costs the same way. Those costs fill
+a `Costs` with the grid dflash.core.costs measures on a real device, and the engine's own planner
+(dflash.core.budget.TreePlanner: path choice, node counts, draft block, pauses, rows out of the draft forward, its
+clock and corrections) runs cycle after cycle with each cycle's seconds taken from the roofline, against a plain
+batched step and against the fixed chain.
 
-The drafter is synthetic: at every depth its most probable token is accepted with probability 0.86 and each next
+The drafter is synthetic: at every depth its most probable token is the target's with probability 0.86 and each next
 rank with half the previous one's probability, which gives the chain tau 6.5 at block 16 (the DFlash paper's
-Qwen3-8B greedy figure). Real acceptance differs per prompt; the point is the shape: wide trees at low load, narrower
-ones as the batch reaches the compute knee, never a loss to the plain step.
+Qwen3-8B greedy figure); `--hard F` gives a fraction of the rows a drafter that is rarely right (top-1 0.05). The
+target's tokens are drawn from those same probabilities (seeded), so the planner's calibration meets a calibrated
+drafter. Real acceptance differs per prompt; the point is the shape: wide trees at low load, narrower ones as the
+batch reaches the compute knee, never a loss to the plain step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
 
 from .. import cli
+from ..core.budget import TreePlanner
 from ..core.cost_model import Costs
 from ..core.costs import BATCH_TOKENS, DRAFT_BLOCKS, GRID
-from ..core.tree import best_first, choose_counts
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
+CYCLES = 400  # per batch and mode; the second half is reported
 
 
 @dataclass(frozen=True)
@@ -75,55 +81,128 @@ def roofline_costs(device: Device = H200, shape: Shape = QWEN3_8B, block_size: i
                  draft_blocks={b: {r: draft(r, b) for r in (1, *rows_grid)} for b in blocks})
 
 
-def synthetic_draft(block_size: int = 16, top1: float = 0.86, k: int = 8):
-    """Per depth: token ids and probabilities of the top k (rank r: top1 / 2**r, renormalised below 1)."""
+def synthetic_draft(top1: float, positions: int, k: int = 8) -> tuple[list[list[int]], list[list[float]]]:
+    """Per depth: token ids and probabilities of the top k (rank r: top1 * 2**-r of the rest, below 1 in all)."""
     probs = [top1] + [(1 - top1) / 2 ** r for r in range(1, k)]
-    return [list(range(k))] * (block_size - 1), [probs] * (block_size - 1)
+    return [list(range(k))] * positions, [probs] * positions
 
 
-def choose(rows: int, costs: Costs, block_size: int = 16, budget: int = 256) -> dict:
-    """auto's choice for `rows` identical rows: the draft block (positions its draft forward fills), nodes per row
-    (0 and no draft forward: a plain step), expected tokens per row per cycle, cycle seconds, and the speedup over
-    a plain batched step."""
-    ids, probs = synthetic_draft(block_size)
-    candidates = best_first(ids, probs, budget, block_size - 1)
-    best: tuple[int, list[float], float, int] | None = None
-    for block in sorted(costs.draft_blocks) or [block_size]:
-        values = [c.q for c in candidates if len(c.tokens) < block]
-        counts, rate = choose_counts([values] * rows, costs.verify_seconds,
-                                     costs.draft_seconds(rows, block=block), budget)
-        if best is None or rate > best[2]:
-            best = (block, values, rate, counts[0])
-    assert best is not None  # (at least one block size)
-    block, values, rate, nodes = best
+@dataclass(frozen=True)
+class Rows:
+    """A batch: `rows` rows, the first `hard` of them with a drafter that is rarely right (top-1 HARD_TOP1)."""
+
+    rows: int
+    hard: int = 0
+
+    def top1(self, row: int) -> float:
+        return HARD_TOP1 if row < self.hard else GOOD_TOP1
+
+
+GOOD_TOP1 = 0.86  # the chain's tau is then 6.5 at block 16 (the DFlash paper's Qwen3-8B greedy figure)
+HARD_TOP1 = 0.05  # a row whose text the drafter does not know
+
+
+class Target:
+    """The target's token at every depth of one cycle, drawn from the synthetic draft's own distribution (the
+    drafter is calibrated by construction); -1 stands for a token outside its top k."""
+
+    def __init__(self, seed: int, k: int = 8):
+        self.rng, self.k = random.Random(seed), k
+
+    def tokens(self, top1: float, depths: int) -> list[int]:
+        _, probs = synthetic_draft(top1, 1, self.k)
+        out = []
+        for _ in range(depths):
+            u, rank = self.rng.random(), -1
+            for r, p in enumerate(probs[0]):
+                u -= p
+                if u < 0:
+                    rank = r
+                    break
+            out.append(rank)
+        return out
+
+
+def run(batch: Rows, costs: Costs, mode: str = "auto", cycles: int = CYCLES, block_size: int = 16,
+        seed: int = 0) -> dict:
+    """`cycles` cycles of one batch under dflash.core.budget's own planner (`auto`) or the fixed chain, each cycle's
+    seconds the roofline's (the planner's clock and corrections learn them as they would a device's), acceptance drawn
+    from the synthetic drafter. The second half of the cycles is reported (the first lets the calibration settle)."""
+    planner = TreePlanner("auto", block_size, max(block_size - 1, min(256, costs.verify[-1][0] - 1)), costs,
+                          copy_branch=False)
+    target, rows = Target(seed), batch.rows
+    tokens = [0] * rows
+    seconds = nodes = drafted = draft_rows = 0.0
+    chain_cycles = 0
+    for cycle in range(cycles):
+        truth = [target.tokens(batch.top1(r), block_size - 1) for r in range(rows)]
+        path = "chain" if mode == "chain" else planner.path()
+        if path == "chain":
+            accepted = [next((d for d, t in enumerate(row) if t != 0), block_size - 1) for row in truth]
+            took = costs.cycle_seconds(block_size, rows, True)
+            planner.observe_speed("chain", accepted, took)
+            verified, drafting_rows, was_drafted = block_size - 1, rows, True
+        else:
+            accepted, took, verified, drafting_rows, was_drafted = _tree_cycle(planner, batch, truth, costs)
+            planner.observe_speed("tree", accepted, took)
+        if cycle >= cycles // 2:
+            tokens = [t + a + 1 for t, a in zip(tokens, accepted)]
+            seconds += took
+            nodes += verified
+            drafted += was_drafted
+            draft_rows += drafting_rows
+            chain_cycles += path == "chain"
+    counted = cycles - cycles // 2
     plain = rows / costs.verify_seconds(1, rows)
-    if plain >= rate:
-        return {"concurrency": rows, "block": 0, "nodes": 0, "draft": False, "tokens": 1.0,
-                "cycle_ms": 1e3 * costs.verify_seconds(1, rows), "speedup": 1.0}
-    tokens = 1.0 + sum(values[:nodes])
-    return {"concurrency": rows, "block": block, "nodes": nodes, "draft": True, "tokens": tokens,
-            "cycle_ms": 1e3 * rows * tokens / rate, "speedup": rate / plain}
+    rate = sum(tokens) / seconds
+    return {"concurrency": rows, "hard_rows": batch.hard, "mode": mode, "speedup": rate / plain,
+            "tokens": sum(tokens) / rows / counted, "cycle_ms": 1e3 * seconds / counted,
+            "nodes": nodes / counted, "drafted": drafted / counted, "draft_rows": draft_rows / max(drafted, 1),
+            "chain_path": chain_cycles / counted, "block": planner.draft_block}
 
 
-def chain(rows: int, costs: Costs, block_size: int = 16) -> float:
-    """The fixed chain's speedup over a plain batched step at `rows` rows (for comparison)."""
-    _, probs = synthetic_draft(block_size)
-    tau = 1.0 + sum(probs[0][0] ** d for d in range(1, block_size))
-    seconds = costs.draft_seconds(rows) + costs.verify_seconds(block_size, rows)
-    return tau * costs.verify_seconds(1, rows) / seconds
+def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs: Costs):
+    """TreeCycle.run's control flow on synthetic drafts: (accepted per row, seconds, nodes per row, drafting rows,
+    drafted)."""
+    rows, anchors = batch.rows, [0] * batch.rows
+    drafts = planner.drafts_this_cycle()
+    drafting = planner.drafting_rows(rows) if drafts else None
+    if drafting == []:
+        drafts = False
+    if not drafts:  # a pause (nothing is copied here): the plain step
+        took = costs.cycle_seconds(1, rows, False)
+        planner.observe_plain(rows, took)
+        return [0] * rows, took, 0, 0, False
+    chosen = drafting if drafting is not None else list(range(rows))
+    drafts_of = [synthetic_draft(batch.top1(r), planner.draft_block - 1) for r in chosen]
+    plan = planner.plan(anchors, [d[0] for d in drafts_of], [d[1] for d in drafts_of], (), drafting)
+    width = max(len(t.tokens) for t in plan.trees)
+    took = costs.cycle_seconds(width, rows, True, None, plan.block, plan.draft_rows)
+    # the target's token after node i is the one drawn at the next depth (independent of the path: synthetic)
+    paths = [tree.walk([row[d] if d < len(row) else -1 for d in tree.depths])[0] for tree, row in zip(plan.trees, truth)]
+    planner.observe(plan, paths, took)
+    return [len(p) for p in paths], took, width - 1, len(chosen), True
 
 
-def simulate(concurrency=CONCURRENCY, device: Device = H200, shape: Shape = QWEN3_8B) -> list[dict]:
+def simulate(concurrency=CONCURRENCY, device: Device = H200, shape: Shape = QWEN3_8B, hard: float = 0.0,
+             cycles: int = CYCLES) -> list[dict]:
+    """auto and the fixed chain at each concurrency, a fraction `hard` of the rows with a drafter rarely right."""
     costs = roofline_costs(device, shape)
-    return [choose(c, costs) | {"chain_speedup": chain(c, costs)} for c in concurrency]
+    out = []
+    for rows in concurrency:
+        batch = Rows(rows, round(hard * rows))
+        chain = run(batch, roofline_costs(device, shape), "chain", cycles)
+        out.append(run(batch, costs, "auto", cycles) | {"chain_speedup": chain["speedup"]})
+    return out
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| concurrency | auto: draft block | nodes per row | expected tokens per row and cycle | cycle (ms) | "
-             "auto speedup | chain speedup |", "|---|---|---|---|---|---|---|"]
+    lines = ["| concurrency | rows rarely right | cycles drafted | rows per draft forward | draft block | "
+             "verified per row | tokens per row and cycle | cycle (ms) | auto speedup | chain speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        nodes, block = (r["nodes"], r["block"]) if r["draft"] else ("plain step", "-")
-        lines.append(f"| {r['concurrency']} | {block} | {nodes} | {r['tokens']:.2f} | {r['cycle_ms']:.1f} | "
+        lines.append(f"| {r['concurrency']} | {r['hard_rows']} | {100 * r['drafted']:.0f}% | {r['draft_rows']:.1f} | "
+                     f"{r['block']} | {r['nodes']:.1f} | {r['tokens']:.2f} | {r['cycle_ms']:.1f} | "
                      f"{r['speedup']:.2f}x | {r['chain_speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
 
@@ -132,9 +211,20 @@ def main(argv=None) -> int:
     p = cli.Parser(prog="python -m dflash.bench load-sim", description=__doc__,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    p.add_argument("--hard", type=float, default=0.0,
+                   help="fraction of each batch's rows whose drafter is rarely right (top-1 %.2f)" % HARD_TOP1)
+    p.add_argument("--launch-ms", type=float, default=H200.launch * 1e3,
+                   help="fixed milliseconds per forward (2: eager; a CUDA graph's replay costs a fraction of it)")
+    p.add_argument("--cycles", type=int, default=CYCLES)
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     args = p.parse_args(argv)
-    rows = simulate(args.concurrency)
-    print(json.dumps(rows, indent=2) if args.json else f"{H200.name}, Qwen3-8B shape, block 16\n\n"
+    if not 0.0 <= args.hard <= 1.0:
+        p.error(f"--hard: got {args.hard}, expected a fraction in [0, 1]")
+    if args.launch_ms < 0 or args.cycles < 2:
+        p.error("--launch-ms: expected >= 0; --cycles: expected >= 2")
+    device = replace(H200, name=f"H200-like (4.8 TB/s, 600 TFLOP/s achievable bf16, {args.launch_ms:g} ms per "
+                     "forward fixed)", launch=args.launch_ms / 1e3)
+    rows = simulate(args.concurrency, device, hard=args.hard, cycles=args.cycles)
+    print(json.dumps(rows, indent=2) if args.json else f"{device.name}, Qwen3-8B shape, block 16\n\n"
           + markdown(rows))
     return 0
