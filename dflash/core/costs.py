@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from .budget import MAX_TOP_K
 from .cost_model import Costs, interpolate
@@ -49,7 +50,6 @@ LIVE_TOLERANCE = 3.0  # a cached plain step this many times slower or faster tha
 # a cached profile whose saved corrections put the cycles' wall time this many times over or under its predictions
 # on average (over every cycle run with it: the corrections' all-shapes factor) is measured again at the next load
 DRIFT_TOLERANCE = 1.5
-DRIFT_REASON = "the cycles run with it took"  # (a drifted profile's reason: its successor is not checked again)
 
 
 # the engine code whose speed a profile measured: bumped when a forward gets faster, so cached profiles are measured
@@ -81,11 +81,11 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True, label:
     key = cost_key(engine)
     path = cache_dir() / f"{key}.json"
     corrections = Corrections.load(path.with_suffix(".corrections.json")) if use_cache else Corrections()
-    costs, why = (cached(engine, path, max_tokens, corrections) if use_cache else (None, ""))
+    costs, stale = cached(engine, path, max_tokens, corrections) if use_cache else (None, Stale())
     if costs is None:
         name = label or f"{engine.info.model_type} ({engine.name})"
         print(f"dflash: measuring this device's draft and verify costs for {name} " +
-              (f"again ({why})" if why else "(--verify auto; first run only)") + " ...", file=sys.stderr, flush=True)
+              (f"again ({stale.why})" if stale.why else "(--verify auto; first run only)") + " ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         costs = measure(engine, max_tokens)
         print(f"dflash: measured in {time.perf_counter() - start:.1f} s" +
@@ -95,36 +95,44 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True, label:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(costs.to_json() | {"device": engine.target.device_key(), "max_tokens": max_tokens,
-                                                         "after_drift": why.startswith(DRIFT_REASON)}))
+                                                         "after_drift": stale.drifted}))
             tmp.replace(path)
     costs.corrections = corrections
     return costs
 
 
-def cached(engine, path: Path, max_tokens: int, corrections: Corrections) -> tuple[Costs | None, str]:
-    """The profile cached at `path` if it is usable here, else (None, why it is measured again: "" when new; a
-    profile measured for fewer tokens than `max_tokens` too). `corrections`: what the cycles learnt of it so far."""
+class Stale(NamedTuple):
+    """Why a cached profile is measured again ("": there is none yet); `drifted`: its cycles found it off (the profile
+    measured in its place is not drift-checked again, so a systematic bias cannot make every load measure)."""
+
+    why: str = ""
+    drifted: bool = False
+
+
+def cached(engine, path: Path, max_tokens: int, corrections: Corrections) -> tuple[Costs | None, Stale]:
+    """The profile cached at `path` if it is usable here, else (None, why it is measured again; a profile measured
+    for fewer tokens than `max_tokens` is too). `corrections`: what the cycles learnt of it so far."""
     if not path.exists():
-        return None, ""
+        return None, Stale()
     try:
         data = json.loads(path.read_text())
         costs, measured_for = Costs.from_json(data), int(data.get("max_tokens", 0))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-        return None, "its cache file was damaged"
+        return None, Stale("its cache file was damaged")
     problem = insane(costs)
     if problem:
-        return None, f"the cached profile {problem}"
+        return None, Stale(f"the cached profile {problem}")
     if measured_for < max_tokens:
-        return None, f"up to {max_tokens} tokens"
+        return None, Stale(f"up to {max_tokens} tokens")
     live = live_plain_step(engine)
     cached_step = costs.verify_seconds(1, context=fitting(engine, CONTEXT))
     if not 1 / LIVE_TOLERANCE <= live / cached_step <= LIVE_TOLERANCE:
-        return None, (f"its cached plain step, {cached_step * 1e3:.1f} ms, is far from this run's, "
-                      f"{live * 1e3:.1f} ms")
+        return None, Stale(f"its cached plain step, {cached_step * 1e3:.1f} ms, is far from this run's, "
+                           f"{live * 1e3:.1f} ms")
     drift = corrections.overall()
     if drift is not None and not data.get("after_drift") and not 1 / DRIFT_TOLERANCE <= drift <= DRIFT_TOLERANCE:
-        return None, f"{DRIFT_REASON} {drift:.2f}x its predictions on average"
-    return costs, ""
+        return None, Stale(f"the cycles run with it took {drift:.2f}x its predictions on average", drifted=True)
+    return costs, Stale()
 
 
 def insane(costs: Costs) -> str | None:
