@@ -65,6 +65,8 @@ HELP = {
                  "(0: the paper's loss; with --features, the cache must hold the target's top-k: cache-features "
                  "--top-k)",
     "kl_top_k": "the soft label keeps the target's K most likely tokens, renormalised (0: the whole vocabulary)",
+    "soft_loss": "the soft label's term: kl (cross-entropy against the target's distribution p) or lk "
+                 "(-log sum min(p, q): the probability that a draft from q is accepted against p, 1 - TV)",
     "lr": "peak learning rate (AdamW)",
     "min_lr_ratio": "cosine floor as a fraction of --lr",
     "warmup_ratio": "linear warmup as a fraction of the steps",

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 NO_TORCH = """
@@ -61,3 +63,16 @@ def test_paper_recipe_is_one_flag_away_and_flags_override_it():
     assert (paper.init_layers, paper.kl_weight) == ("random", 0.0)
     mixed = config_from_args(parse_args(["--model", "m", "--recipe", "paper", "--kl-weight", "0.25"]))
     assert (mixed.init_layers, mixed.kl_weight) == ("random", 0.25)
+
+
+def test_soft_loss_is_one_of_the_known_terms():
+    pytest.importorskip("torch")
+    from dflash.backends.torch.training.run import check_config
+    from dflash.core.errors import DFlashError
+    from dflash.train import config_from_args, parse_args
+
+    cfg = config_from_args(parse_args(["--model", "m", "--kl-weight", "1", "--soft-loss", "lk"]))
+    assert cfg.soft_loss == "lk"
+    check_config(cfg)
+    with pytest.raises(DFlashError, match="--soft-loss: got 'tv', expected one of kl, lk"):
+        check_config(config_from_args(parse_args(["--model", "m", "--soft-loss", "tv"])))

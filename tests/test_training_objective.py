@@ -1,6 +1,7 @@
 """The soft-label (--kl-weight) loss: the target's distribution at position p - 1 labels slot p, top-k truncation
 with k = vocabulary is the full distribution, weight 0 is the paper's CE, and the soft label teaches the target's
-ranking (a drafter fitted to it matches the target's distribution, not only its argmax)."""
+ranking (a drafter fitted to it matches the target's distribution, not only its argmax), under either term
+(--soft-loss kl: cross-entropy; lk: -log acceptance)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,40 @@ def test_soft_label_fits_the_target_distribution():
         opt.step()
     p_draft, p_target = torch.softmax(head(hidden), -1), torch.softmax(head(target), -1)
     assert (p_draft - p_target).abs().max() < 0.05
+
+
+def test_lk_is_minus_log_acceptance_and_top_k_of_everything_is_the_full_distribution():
+    """soft_loss "lk": each slot's term is -log sum_x min(p(x), q(x)) = -log(1 - TV(p, q)), over the target's whole
+    distribution or over its top-k (the rest counts as 0)."""
+    head, hidden, target, labels, weights = setup()
+    lk, _ = chunked_block_loss(hidden, head, labels, weights, target, kl_weight=1.0, chunk=5, soft_loss="lk")
+    p, q = torch.softmax(head(target[0]), -1), torch.softmax(head(hidden[0]), -1)
+    ref = (-torch.minimum(p, q).sum(-1).log() * weights[0]).sum()
+    torch.testing.assert_close(lk, ref)
+    tv = 0.5 * (p - q).abs().sum(-1)  # the identity the name rests on
+    torch.testing.assert_close(torch.minimum(p, q).sum(-1), 1 - tv)
+    top, _ = chunked_block_loss(hidden, head, labels, weights, kl_weight=1.0, target_top=target_top_k(head, target, V),
+                                chunk=4, soft_loss="lk")
+    torch.testing.assert_close(top, lk)
+    kl, _ = chunked_block_loss(hidden, head, labels, weights, target, kl_weight=1.0, chunk=5)
+    assert not torch.allclose(kl, lk)
+
+
+def test_lk_fits_the_target_distribution():
+    """Maximising the acceptance probability alone drives q to p (sum min(p, q) = 1 only at q = p)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(H, V, bias=False)
+    target = torch.randn(1, 4, H)
+    hidden = torch.zeros(1, 4, H, requires_grad=True)
+    opt = torch.optim.Adam([hidden], lr=0.05)
+    labels, weights = torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4)
+    for _ in range(600):
+        loss, _ = chunked_block_loss(hidden, head, labels, weights, target, kl_weight=1.0, soft_loss="lk")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    p_draft, p_target = torch.softmax(head(hidden), -1), torch.softmax(head(target), -1)
+    assert torch.minimum(p_draft, p_target).sum(-1).min() > 0.95
 
 
 def test_chunked_recomputed_logits_equal_the_one_piece_path(monkeypatch):

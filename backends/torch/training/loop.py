@@ -74,6 +74,7 @@ def train_step(run: Run, step: int) -> dict:
                 run.drafter, run.embed, run.lm_head, feats, ids, mask, a, v, block_size=spec.block_size,
                 mask_token_id=spec.mask_token_id, gamma=run.gamma, forward=run.module, rules=run.rules,
                 target_final=final, kl_weight=cfg.kl_weight, kl_top_k=cfg.kl_top_k, cached_top=top,
+                soft_loss=cfg.soft_loss,
                 selector_weight=cfg.selector_loss_weight)
             # DDP / FSDP average gradients over ranks: scale by world so the result is sum / global weight
             loss = loss_sum * (d.world / wsum)

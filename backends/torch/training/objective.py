@@ -5,10 +5,13 @@ For a sequence of S tokens with target features F (S, K*H) and anchors a_1..a_N:
   attention = a query of block j sees context positions p < a_j (strictly: the anchor's own features are not
               known at inference time), every slot of block j (bidirectional), and nothing of other blocks
   loss      = sum_k w_k CE_k / sum_k w_k over supervised slots, w_k = exp(-(k-1)/gamma)
-With `kl_weight` a, each slot's CE is blended with the cross-entropy against the target's full next-token
-distribution at that position (same optimum, a soft label that also ranks the target's other candidates):
-  slot loss = (1 - a) CE(draft, x_{a_j+k}) + a H(p_target(. | x_<a_j+k), p_draft)
-(p_target optionally truncated to its top-k tokens: the same signal where the mass is, at a fraction of the cost).
+With `kl_weight` a, each slot's CE is blended with a term against the target's full next-token distribution p at
+that position (p optionally truncated to its top-k tokens: the same signal where the mass is, at a fraction of the
+cost), the draft's being q:
+  slot loss = (1 - a) CE(q, x_{a_j+k}) + a H(p, q)                  soft_loss "kl": same optimum as KL(p || q)
+  slot loss = (1 - a) CE(q, x_{a_j+k}) - a log sum_x min(p(x), q(x))  soft_loss "lk": -log(1 - TV(p, q)), the log
+                                                                     of the probability that a draft from q is
+                                                                     accepted against p (speculators' LK loss)
 A drafter with a draft vocabulary (dflash.core.draft_vocab) scores with its own head over those tokens, as the
 field trains it: a slot whose label is outside the vocabulary carries no loss (EAGLE-3 masks those positions; the
 head cannot propose the token), and the soft label is the target's distribution restricted to the vocabulary,
@@ -29,6 +32,7 @@ from ..drafter import DFlashDrafter
 from .attention import LayerRule, attention_fn, build_masks
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+SOFT_LOSSES = ("kl", "lk")
 LOGITS_BUDGET = 1 << 26  # logits (rows x vocabulary) computed in one piece without recomputation: 256 MiB in fp32
 
 
@@ -144,7 +148,7 @@ def selector_loss(selector, logits, hidden, predecessors, labels, top_k: int) ->
 
 def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_weight: float = 0.0,
                        target_top=None, chunk: int = 4096, selector=None, predecessors=None, selector_top_k: int = 16,
-                       selector_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       selector_weight: float = 1.0, soft_loss: str = "kl") -> tuple[torch.Tensor, torch.Tensor]:
     """sum(w * slot loss) and sum(w * correct) over rows with w > 0. Past LOGITS_BUDGET the LM head is applied chunk
     by chunk under activation checkpointing, so full-vocabulary logits never exist for all rows at once (nor are
     kept for backward). The soft label of kl_weight > 0 is either the full LM-head distribution of `target_hidden`
@@ -171,8 +175,12 @@ def chunked_block_loss(hidden, lm_head, labels, weights, target_hidden=None, kl_
                 with torch.no_grad():
                     q_ = torch.softmax(lm_head(q_).float(), -1)
             logp = torch.log_softmax(logits, -1)
-            soft_ce = -(q_ * (logp if i_ is None else logp.gather(-1, i_))).sum(-1)
-            loss = (1 - kl_weight) * loss + kl_weight * soft_ce
+            logp = logp if i_ is None else logp.gather(-1, i_)  # (over the soft label's tokens)
+            if soft_loss == "lk":  # (q below p's top-k mass on the rest: min(p, q) there is 0)
+                term = -torch.minimum(q_, logp.exp()).sum(-1).clamp(min=1e-6).log()
+            else:
+                term = -(q_ * logp).sum(-1)
+            loss = (1 - kl_weight) * loss + kl_weight * term
         if selector is not None:
             loss = loss + selector_weight * selector_loss(selector, logits, h_, p_, y_, selector_top_k)
         return (loss * w_).sum(), ((logits.argmax(-1) == y_).float() * w_).sum()
@@ -205,7 +213,8 @@ def target_top_k(lm_head, target_final: torch.Tensor, k: int) -> tuple[torch.Ten
 def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, loss_mask, anchors, valid, *,
                    block_size: int, mask_token_id: int, gamma: float | None = None, use_flex: bool | None = None,
                    forward=None, rules=None, target_final=None, kl_weight: float = 0.0, kl_top_k: int = 0,
-                   cached_top=None, selector_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   cached_top=None, selector_weight: float = 1.0,
+                   soft_loss: str = "kl") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unnormalised pieces of the loss for given anchors: (sum w*loss, sum w*correct, sum w). The trainer divides by
     the weight sum of the whole global batch, so the loss does not depend on how the batch is split across ranks
     and micro-batches. `forward(x, features, positions, mask)` replaces packed_forward (a DDP/FSDP wrapper).
@@ -247,7 +256,7 @@ def block_loss_sum(drafter: DFlashDrafter, embed, lm_head, features, input_ids, 
     loss_sum, correct = chunked_block_loss(hidden, lm_head, labels, weights, target_hidden, kl_weight, target_top,
                                            selector=selector, predecessors=predecessors,
                                            selector_top_k=drafter.spec.selector_top_k or 0,
-                                           selector_weight=selector_weight)
+                                           selector_weight=selector_weight, soft_loss=soft_loss)
     return loss_sum, correct, weights.sum()
 
 

@@ -23,7 +23,7 @@ from .data import load_samples, split_eval_prompts
 from .distributed import Dist, init_distributed
 from .features import FeatureCache, OnlineFeatures
 from .model import build_drafter, checkpoint_layers, restrict_vocab, wrap_for_parallel
-from .objective import default_gamma
+from .objective import SOFT_LOSSES, default_gamma
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,6 +75,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise DFlashError(f"--draft-window: got {cfg.draft_window}, expected >= 1 (context positions)")
     if not 0 <= cfg.kl_weight <= 1:
         raise DFlashError(f"--kl-weight: got {cfg.kl_weight}, expected 0..1")
+    if cfg.soft_loss not in SOFT_LOSSES:
+        raise DFlashError(f"--soft-loss: got {cfg.soft_loss!r}, expected one of {', '.join(SOFT_LOSSES)}")
     if cfg.context_mode not in ("kv",) + ABLATION_CONTEXT_MODES:
         raise DFlashError(f"--context-mode: got {cfg.context_mode!r}, expected kv, {' or '.join(ABLATION_CONTEXT_MODES)}")
     if cfg.arch not in (None, "dflash", "dflash2"):

@@ -43,6 +43,7 @@ class TrainConfig:
     gamma: float | None = None
     kl_weight: float = 0.0  # blend each slot's CE with CE against the target's full distribution (0: the paper)
     kl_top_k: int = 64  # soft label = the target's top-k tokens, renormalised (0: the whole vocabulary)
+    soft_loss: str = "kl"  # the soft label's term: kl (cross-entropy against it) or lk (-log acceptance, 1 - TV)
     selector_loss_weight: float = 1.0  # DFlash2: weight of the selector's teacher-forced top-k cross-entropy
     # optimisation
     lr: float = 6e-4
