@@ -168,3 +168,6 @@ def test_drafters_of_different_shapes_get_their_own_profiles(tiny_target_dir, ra
     assert costs.cost_key(a) != costs.cost_key(b)
     assert costs.cost_key(a) == costs.cost_key(torch_engine(model, load_drafter(random_draft_dir), block_size=8))
     assert costs.cost_key(a) != costs.cost_key(torch_engine(model, two, block_size=16))  # another block: its own
+    # a draft vocabulary makes the draft head a fraction of the target's: its own profile too
+    small = DFlashDrafter(type(spec)(**{**vars(spec), "draft_vocab_size": spec.vocab_size // 4}))
+    assert costs.cost_key(a) != costs.cost_key(torch_engine(model, small, block_size=8))

@@ -71,7 +71,10 @@ def cost_key(engine) -> str:
         spec = engine.drafter.spec
         parts += [spec.architecture, spec.context_mode, spec.num_hidden_layers, spec.hidden_size,
                   spec.intermediate_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
-                  spec.num_context_layers, spec.layer_types, spec.sliding_window]
+                  spec.num_context_layers, spec.layer_types, spec.sliding_window,
+                  # the draft head's rows (a draft vocabulary: most of a small drafter's forward) and DFlash2's parts
+                  spec.draft_vocab_size if spec.has_draft_vocab else None, spec.conv_kernel_size, spec.conv_group_size,
+                  spec.selector_rank, spec.selector_top_k]
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
