@@ -110,24 +110,16 @@ class Target:
         self.rng, self.k = random.Random(seed), k
 
     def tokens(self, top1: float, depths: int) -> list[int]:
-        _, probs = synthetic_draft(top1, 1, self.k)
-        out = []
-        for _ in range(depths):
-            u, rank = self.rng.random(), -1
-            for r, p in enumerate(probs[0]):
-                u -= p
-                if u < 0:
-                    rank = r
-                    break
-            out.append(rank)
-        return out
+        _, (probs,) = synthetic_draft(top1, 1, self.k)
+        return self.rng.choices([*range(self.k), -1], [*probs, 1 - sum(probs)], k=depths)
 
 
 def run(batch: Rows, costs: Costs, mode: str = "auto", cycles: int = CYCLES, block_size: int = 16,
         seed: int = 0) -> dict:
     """`cycles` cycles of one batch under dflash.core.budget's own planner (`auto`) or the fixed chain, each cycle's
-    seconds the roofline's (the planner's clock and corrections learn them as they would a device's), acceptance drawn
-    from the synthetic drafter. The second half of the cycles is reported (the first lets the calibration settle)."""
+    seconds the roofline's profile itself (the planner's clock and corrections learn them as they would a device's),
+    acceptance drawn from the synthetic drafter. The second half of the cycles is reported (the first lets the
+    calibration settle)."""
     planner = TreePlanner("auto", block_size, max(block_size - 1, min(256, costs.verify[-1][0] - 1)), costs,
                           copy_branch=False)
     target, rows = Target(seed), batch.rows
@@ -139,7 +131,7 @@ def run(batch: Rows, costs: Costs, mode: str = "auto", cycles: int = CYCLES, blo
         path = "chain" if mode == "chain" else planner.path()
         if path == "chain":
             accepted = [next((d for d, t in enumerate(row) if t != 0), block_size - 1) for row in truth]
-            took = costs.cycle_seconds(block_size, rows, True)
+            took = costs.measured_cycle(block_size, rows, True)
             planner.observe_speed("chain", accepted, took)
             verified, drafting_rows, was_drafted = block_size - 1, rows, True
         else:
@@ -170,16 +162,17 @@ def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs
     if drafting == []:
         drafts = False
     if not drafts:  # a pause (nothing is copied here): the plain step
-        took = costs.cycle_seconds(1, rows, False)
+        took = costs.measured_cycle(1, rows, False)
         planner.observe_plain(rows, took)
         return [0] * rows, took, 0, 0, False
     chosen = drafting if drafting is not None else list(range(rows))
     drafts_of = [synthetic_draft(batch.top1(r), planner.draft_block - 1) for r in chosen]
     plan = planner.plan(anchors, [d[0] for d in drafts_of], [d[1] for d in drafts_of], (), drafting)
     width = max(len(t.tokens) for t in plan.trees)
-    took = costs.cycle_seconds(width, rows, True, None, plan.block, plan.draft_rows)
+    took = costs.measured_cycle(width, rows, True, None, plan.block, plan.draft_rows)
     # the target's token after node i is the one drawn at the next depth (independent of the path: synthetic)
-    paths = [tree.walk([row[d] if d < len(row) else -1 for d in tree.depths])[0] for tree, row in zip(plan.trees, truth)]
+    paths = [tree.walk([row[d] if d < len(row) else -1 for d in tree.depths])[0]
+             for tree, row in zip(plan.trees, truth)]
     planner.observe(plan, paths, took)
     return [len(p) for p in paths], took, width - 1, len(chosen), True
 
@@ -187,12 +180,11 @@ def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs
 def simulate(concurrency=CONCURRENCY, device: Device = H200, shape: Shape = QWEN3_8B, hard: float = 0.0,
              cycles: int = CYCLES) -> list[dict]:
     """auto and the fixed chain at each concurrency, a fraction `hard` of the rows with a drafter rarely right."""
-    costs = roofline_costs(device, shape)
     out = []
-    for rows in concurrency:
+    for rows in concurrency:  # (each run's own profile: its corrections learn from its cycles only)
         batch = Rows(rows, round(hard * rows))
         chain = run(batch, roofline_costs(device, shape), "chain", cycles)
-        out.append(run(batch, costs, "auto", cycles) | {"chain_speedup": chain["speedup"]})
+        out.append(run(batch, roofline_costs(device, shape), "auto", cycles) | {"chain_speedup": chain["speedup"]})
     return out
 
 

@@ -88,7 +88,8 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True, label:
     if costs is None:
         name = label or f"{engine.info.model_type} ({engine.name})"
         print(f"dflash: measuring this device's draft and verify costs for {name} " +
-              (f"again ({stale.why})" if stale.why else "(--verify auto; first run only)") + " ...", file=sys.stderr, flush=True)
+              (f"again ({stale.why})" if stale.why else "(--verify auto; first run only)") + " ...",
+              file=sys.stderr, flush=True)
         start = time.perf_counter()
         costs = measure(engine, max_tokens)
         print(f"dflash: measured in {time.perf_counter() - start:.1f} s" +
