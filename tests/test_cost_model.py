@@ -53,6 +53,18 @@ def test_one_shape_leaves_the_difference_to_the_fixed_cost():
     assert abs(clock.k - 1.0) < 0.1 and abs(clock(0.010) - 0.014) < 0.0005
 
 
+def test_a_slope_stopped_at_zero_leaves_the_mean_of_the_cycles():
+    """Steps run one ahead take their time unevenly: the cycle that issues the next one pays for most of it, and
+    the one that takes it (one position later, a little dearer by the profile) almost nothing. The unconstrained
+    slope is negative, k stops at 0, and the clock predicts the cycles' mean time, not the negative slope's
+    intercept."""
+    clock = CycleClock()
+    for i in range(200):
+        issues = i % 2 == 0
+        clock.observe(0.050 if issues else 0.060, 0.110 if issues else 0.001)
+    assert clock.k == 0.0 and abs(clock(0.055) - 0.0555) < 0.003
+
+
 def test_costs_grow_with_the_batch_context_between_the_two_profiles():
     near = Costs(draft=0.5, verify=[(1, 1.0), (16, 4.0)], context=64)
     near.longer = Costs(draft=0.7, verify=[(1, 2.0), (16, 6.0)], context=320)

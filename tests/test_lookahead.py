@@ -5,9 +5,12 @@ batch it leaves) finds the target cache holding exactly the committed tokens, ne
 import pytest
 from fakes import FakeDrafter, FakeTarget, LazyFakeTarget, next_token
 
+from dflash.core.chain_budget import ChainBudget
+from dflash.core.cost_model import Costs
 from dflash.core.engine import Engine
 from dflash.core.lookahead import Lookahead
 from dflash.core.loop import Batch, Generation, generate, generate_batch
+from dflash.core.verification import Verification
 
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8]]
 
@@ -35,7 +38,7 @@ def cached(engine):
 def test_it_runs_where_a_cycle_is_one_plain_forward_of_a_lazy_target():
     assert Lookahead.runs(Engine(LazyFakeTarget()))
     assert not Lookahead.runs(Engine(FakeTarget()))  # (no start: torch steps in turn)
-    assert not Lookahead.runs(Engine(LazyFakeTarget(), FakeDrafter(), block_size=4))
+    assert Lookahead.runs(Engine(LazyFakeTarget(), FakeDrafter(), block_size=4))  # (its paused cycles)
     with_logprobs = Engine(LazyFakeTarget())
     with_logprobs.logprobs = 2
     assert not Lookahead.runs(with_logprobs)
@@ -126,3 +129,34 @@ def test_a_crop_after_a_step_forgets_the_step_ahead():
         anchor = engine.step([anchor])[0].tokens[-1]
     engine.crop(5)
     assert cached(engine) == [engine.tokens] == [(PROMPTS[0] + reference(PROMPTS[0], 4))[:5]]
+
+
+def paused_engine(target):
+    """--verify auto's chains with a drafter that is never right: it pauses for 1, 2, 4 .. cycles between probes."""
+    engine = Engine(target, FakeDrafter(good=0), block_size=4)
+    engine.verification = Verification(chain_budget=ChainBudget(4, Costs(draft=0.5, verify=[(1, 1.0), (4, 2.0)])))
+    return engine
+
+
+def test_a_pause_runs_ahead_but_its_last_cycle_and_the_drafter_reads_every_committed_position():
+    engine = paused_engine(LazyFakeTarget())
+    r = generate(engine, PROMPTS[0], max_new_tokens=60)
+    assert r.tokens == reference(PROMPTS[0], 60)
+    assert r.cycles_without_draft > 40 and r.draft_forwards.count(True) >= 3  # (probes)
+    # a paused cycle starts the next unless a probe follows it; a drafted cycle reads once and starts nothing
+    starts = engine.target.log.count("start")
+    ended_mid_pause = engine.verification.chain_budget.pauses_next
+    pauses = sum(1 for a, b in zip(r.draft_forwards, r.draft_forwards[1:] + [not ended_mid_pause]) if not a and b)
+    assert starts == r.cycles_without_draft - pauses
+    # the features of the steps ahead that were taken reached the drafter: its context + pending is the committed
+    # ids, position for position (the fake's features are its input ids)
+    pending = engine.pending
+    waiting = [int(x) for x in pending.features[0, : pending.counts[0], 0]] if pending is not None else []
+    assert engine.drafter.context[0] + waiting == engine.tokens
+    assert cached(engine) == [engine.tokens]  # (a finished row drops the step ahead)
+
+
+def test_paused_rows_of_a_batch_run_ahead_and_each_is_its_row_alone():
+    alone = [generate(paused_engine(FakeTarget()), p, max_new_tokens=40).tokens for p in PROMPTS]
+    batched = generate_batch(paused_engine(LazyFakeTarget()), PROMPTS, max_new_tokens=40)
+    assert [b.tokens for b in batched] == alone == [reference(p, 40) for p in PROMPTS]

@@ -151,6 +151,11 @@ class TreePlanner:
         width = self.planned_width if kind == "tree" else self.block_size  # (the factor: the path's overhead alone)
         self.choice.observe(kind, seconds, self.costs.cycle_seconds(width, rows, True, self.context))
 
+    @property
+    def pauses_next(self) -> bool:
+        """Whether the next cycle drafts nothing either (a pause goes on)."""
+        return self.skip > 0
+
     def drafts_this_cycle(self) -> bool:
         if self.skip > 0:
             self.skip -= 1

@@ -62,6 +62,11 @@ class ChainBudget:
             self.backoff = 0
         return best
 
+    @property
+    def pauses_next(self) -> bool:
+        """Whether the next cycle is a plain step too (a pause goes on)."""
+        return self.skip > 0
+
     def observe(self, length: int, accepted: Sequence[int], seconds: float) -> None:
         """One cycle: `length` proposals verified per row, rows accepted `accepted[r]` of them, in `seconds`."""
         s = self.smoothing

@@ -162,4 +162,4 @@ class CycleClock:
         if det <= 0:
             return
         self.k = max((w * b1 - sx * sy) / det, 0.0)
-        self.a = (a11 * sy - sx * b1) / det
+        self.a = (sy - self.k * sx) / w  # (the fit's a for this k: the mean excess, also where k stopped at 0)

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from .admission import Admission, join_caches
 from .budget import ITL_LIMIT, MAX_PAUSE
+from .chain_step import chain_step
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
 from .cost_model import Costs
 from .errors import DFlashError
@@ -31,6 +32,7 @@ from .lookahead import Lookahead, lands
 from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
 from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, row_draws
+from .tree import TreeInputs
 from .verification import Verification
 
 # features pending past which a cycle without a draft forward hands them to the drafter's context (the work the next
@@ -264,10 +266,21 @@ class Engine:
     def step(self, anchors: Sequence[int]) -> list[Step]:
         """One speculative cycle for every row (draft -> verify -> accept -> commit, or a tree's: set_verify); row
         i's anchor is its last committed token. A lazy target's plain steps run one ahead (dflash/core/lookahead.py)."""
-        if self.lookahead.runs(self):
+        if self.drafter is None and self.lookahead.runs(self):
             return self.lookahead.step(self, anchors)
-        self.lookahead.drop(self)
         return self.verification.step(self, anchors)
+
+    def plain_step(self, anchors: Sequence[int], again: bool = False) -> list[Step]:
+        """A cycle without a draft forward: each row's target token after its anchor. `again`: the next cycle pauses
+        too, so a lazy target runs it ahead (dflash/core/lookahead.py); the features wait for the next draft."""
+        if self.lookahead.runs(self):
+            return self.lookahead.step(self, anchors, again)
+        return chain_step(self, anchors, length=0)
+
+    @lands
+    def verify_tree(self, ids, tree: TreeInputs):
+        """The target's logits and features for every row's tree of nodes (a tree cycle's verify forward)."""
+        return self.target.forward(ids, last_only=False, tree=tree)
 
     @property
     def drafts_some_rows(self) -> bool:  # (draft(rows=...))

@@ -3,13 +3,15 @@ from this step's drawn tokens while they are still on the device, and started (c
 reads them, so the device works while Python builds the next graph and does the loop's bookkeeping (on MLX's CPU
 backend async_eval returns with a few dozen ops still queued: that tail is what the overlap covers there).
 
-It runs where a cycle is one target forward of the anchors alone (no drafter, no log-probs) on a target whose arrays
-are lazy (MLX). The step ahead is exactly the one the next cycle would run: its input the tokens drawn now, its history
-this step's plus them, its draws those of the next position; the next cycle takes it when its anchors are those
-tokens. Meanwhile the target cache holds one position per row past the engine's committed rows. Every engine method
-that reads or changes the caches first forgets it (`drop`, through `lands`), so a row that stopped (EOS, a stop string,
-max_new_tokens), a joining row, a crop or a reset finds the caches exactly as the cycles committed them: a row's
-stop costs one forward of work, never a token.
+It runs where a cycle is one target forward of the anchors alone (no draft forward, no log-probs) on a target whose
+arrays are lazy (MLX): every cycle of a drafter-less engine, and the cycles that --verify auto pauses, whose caller
+says whether the next cycle pauses too (a probe or a verified branch after it reads the target cache as the cycles
+committed it). The step ahead is exactly the one the next cycle would run: its input the tokens drawn now, its history
+this step's plus them, its draws those of the next position; the next cycle takes it, with its target features for
+the drafter, when its anchors are those tokens. Meanwhile the target cache holds one position per row past the
+engine's committed rows. Every engine method that reads or changes the caches first forgets it (`drop`, through
+`lands`), so a row that stopped (EOS, a stop string, max_new_tokens), a joining row, a drafted cycle, a crop or a reset
+finds the caches exactly as the cycles committed them: a row's stop costs one forward of work, never a token.
 """
 
 from __future__ import annotations
@@ -34,45 +36,52 @@ class Lookahead:
     def __init__(self) -> None:
         self.anchors: list[int] | None = None  # the tokens it reads (the next cycle's anchors), on the host
         self.tokens: Array = None  # what it draws (rows, 1), on the device
+        self.features: Array = None  # its target features (the drafter's, once committed), on the device
 
     @staticmethod
     def runs(engine: PlainEngine) -> bool:
-        """Whether the engine's cycles are plain steps that run one ahead."""
-        return engine.drafter is None and engine.logprobs is None and isinstance(engine.target, Pipelining)
+        """Whether the engine's plain steps can run one ahead."""
+        return engine.logprobs is None and isinstance(engine.target, Pipelining)
 
-    def step(self, engine: PlainEngine, anchors: Sequence[int]) -> list[Step]:
-        """A plain step for every row: the one issued ahead if it reads these anchors, else one issued now; either
-        way the next is issued and started before this one's tokens are read."""
+    def step(self, engine: PlainEngine, anchors: Sequence[int], again: bool = True) -> list[Step]:
+        """A plain step for every row: the one issued ahead if it reads these anchors, else one issued now. `again`:
+        the next cycle is a plain step too, so it is issued and started before this one's tokens are read."""
         target = engine.target
         assert isinstance(target, Pipelining)  # (runs(engine))
         anchors = list(anchors)
         if self.anchors == anchors:
-            tokens = self.tokens
+            tokens, features = self.tokens, self.features
         else:
             self.drop(engine)
-            tokens = _draw(engine, target.ids([[a] for a in anchors]), engine.rows, offset=1)
-        ahead = _draw(engine, tokens, [row + [a] for row, a in zip(engine.rows, anchors)], offset=2)
-        target.start(ahead)
+            tokens, features = _draw(engine, target.ids([[a] for a in anchors]), engine.rows, offset=1)
+        self.anchors = self.tokens = self.features = None
+        if again:
+            ahead, ahead_features = _draw(engine, tokens, [row + [a] for row, a in zip(engine.rows, anchors)],
+                                          offset=2)
+            target.start(ahead)
         drawn = target.to_host(tokens)  # the cycle's one device -> host read, while the step ahead runs
-        self.anchors, self.tokens = [t for t, in drawn], ahead
+        if again:
+            self.anchors, self.tokens, self.features = [t for t, in drawn], ahead, ahead_features
         # every row keeps its one position, which changes no cache: committed after the step ahead's forward, it is
         # this step's commit all the same
-        engine.commit(Verified([[a] for a in anchors], drawn), [1] * len(anchors))
+        engine.commit(Verified([[a] for a in anchors], drawn, features), [1] * len(anchors))
         return [Step(row, [], 0, draft_forward=False) for row in drawn]
 
     def drop(self, engine: PlainEngine) -> None:
         """Forget the step ahead, if one was issued: the target cache ends at the engine's rows again."""
         if self.anchors is None:
             return
-        self.anchors = self.tokens = None
+        self.anchors = self.tokens = self.features = None
         if not engine.target.keep([0] * len(engine.rows), 1):
             raise AssertionError("the last forward can always be rewound")
 
 
-def _draw(engine: PlainEngine, ids: Array, histories: list[list[int]], offset: int) -> Array:
-    """Each row's token after `ids` (rows, 1) that follow `histories`, drawn at its cached length + offset."""
-    logits, _ = engine.target.forward(ids, last_only=False)
-    return engine.target.sample(logits, histories, ids, engine.row_sampling, draws=engine.row_draws(1, offset))
+def _draw(engine: PlainEngine, ids: Array, histories: list[list[int]], offset: int) -> tuple[Array, Array]:
+    """Each row's token after `ids` (rows, 1) that follow `histories`, drawn at its cached length + offset, and the
+    forward's target features."""
+    logits, features = engine.target.forward(ids, last_only=False)
+    tokens = engine.target.sample(logits, histories, ids, engine.row_sampling, draws=engine.row_draws(1, offset))
+    return tokens, features
 
 
 E = TypeVar("E", bound=PlainEngine)

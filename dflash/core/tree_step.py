@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from .budget import TreePlanner
-from .chain_step import CycleEngine, chain_step
+from .chain_step import CycleEngine
 from .contract import Step
 from .sampling import uniform_rows
 from .tree import CopyIndex, Tree, TreeInputs
@@ -43,7 +43,7 @@ class TreeCycle:
         copies = self._copies(engine, anchors) if planner.copy_branch else []
         drafts = planner.drafts_this_cycle()
         if not drafts and not any(copies):  # a pause with nothing to copy: the plain step, and nothing to plan
-            steps = chain_step(engine, anchors, length=0)
+            steps = engine.plain_step(anchors, again=planner.pauses_next and not planner.copy_branch)
             planner.observe_plain(len(steps), time.perf_counter() - start)
             self.last_trees, self.last_paths = [], [[] for _ in steps]
             return steps
@@ -62,7 +62,7 @@ class TreeCycle:
         else:
             plan = planner.plan(anchors, copies=copies)
         if all(len(t.tokens) == 1 for t in plan.trees):  # no node (drafted or copied) worth its verify cost: plain
-            steps = chain_step(engine, anchors, length=0)
+            steps = engine.plain_step(anchors)
             for step in steps:
                 step.draft_forward = plan.drafted
             planner.observe(plan, [[] for _ in steps], time.perf_counter() - start)
@@ -70,7 +70,7 @@ class TreeCycle:
             return steps
         inputs = TreeInputs.of(plan.trees)
         ids = target.ids(inputs.ids.tolist())
-        logits, features = target.forward(ids, last_only=False, tree=inputs)
+        logits, features = engine.verify_tree(ids, inputs)
         if draws is not None:  # the node at depth d draws the token at the anchor's position + 1 + d
             for draw, tree, depths in zip(draws, plan.trees, inputs.depths.tolist()):
                 if draw.gumbel is not None:

@@ -74,7 +74,8 @@ class Verification:
             # plain step
             start = time.perf_counter()
             length = self.chain_budget.length(rows=len(engine.rows))
-            steps = chain_step(engine, anchors, length=length)
+            steps = chain_step(engine, anchors, length=length) if length else \
+                engine.plain_step(anchors, again=self.chain_budget.pauses_next)
             self.chain_budget.observe(length, [s.accepted for s in steps], time.perf_counter() - start)
             return steps
         if self.planner is not None and self.trees is not None:
