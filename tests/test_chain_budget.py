@@ -31,6 +31,33 @@ def test_a_drafter_that_is_never_right_pauses_with_backoff():
     assert budget.length(can_pause=False) == 1  # a caller that must draft gets the shortest chain
 
 
+def test_a_text_that_turns_easy_is_drafted_again_within_a_few_pauses():
+    """Nothing accepted for 150 cycles (the pauses grow to 64), then every proposal: probes that win shorten the
+    pauses, so the budget drafts again long before rates smoothed over rare probes would say so."""
+    budget = ChainBudget(16, CPU)
+    lengths = []
+    for cycle in range(400):
+        n = budget.length(can_pause=True)
+        easy = cycle >= 150
+        budget.observe(n, [n if easy else 0], CPU.verify_seconds(n + 1) + (CPU.draft if n else 0.0))
+        lengths.append(n)
+    assert lengths[100:150].count(0) > 45  # (the hard stretch: long pauses)
+    assert sum(n > 0 for n in lengths[-100:]) > 90
+
+
+def test_a_new_request_drafts_its_first_cycle_and_keeps_the_pause_length():
+    budget = ChainBudget(16, CPU)
+    for _ in range(200):  # never accepted: long pauses
+        n = budget.length(can_pause=True)
+        budget.observe(n, [0], CPU.verify_seconds(n + 1) + (CPU.draft if n else 0.0))
+    backoff = budget.backoff
+    budget.reset()
+    n = budget.length(can_pause=True)
+    assert n > 0
+    budget.observe(n, [0], CPU.verify_seconds(n + 1) + CPU.draft)  # a losing probe: paused as long as before
+    assert budget.length(can_pause=True) == 0 and budget.backoff >= backoff
+
+
 def test_a_stale_profile_is_corrected_by_the_cycles_own_times():
     """A profile measured on a busy machine (every forward twice its real time) first favours drafting; the plain
     steps timed now and then correct it."""

@@ -95,3 +95,5 @@ class Verification:
         """The engine's rows start over."""
         if self.trees is not None:
             self.trees.reset()
+        if self.chain_budget is not None:
+            self.chain_budget.reset()
