@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+from dflash.core.chain_budget import ChainBudget
 from dflash.core.contract import Pipelining
 from dflash.core.cost_model import Costs
 from dflash.core.loop import generate
 from fakes import Counting
 
 STEEP = Costs(draft=0.5, verify=[(1, 1.0), (2, 1.2), (16, 1.6), (64, 4.0)])  # a tree pays: auto drafts at first
+
+
+class ScriptedPauses(ChainBudget):
+    """--verify auto's chain budget with its pauses fixed (1, 2, 4 .. 16 plain cycles after each drafted one),
+    whatever the cycles measure."""
+
+    def __init__(self, block_size):
+        super().__init__(block_size, STEEP)
+        self.next_pause = 1
+
+    def length(self, can_pause=True, rows=1):
+        if self.skip > 0:
+            self.skip -= 1
+            return 0
+        self.skip, self.next_pause = self.next_pause, min(2 * self.next_pause, 16)
+        return 3  # (proposals verified)
+
+    def observe(self, length, accepted, seconds):
+        pass
 
 
 def check_paused_cycles(backend, ar, prompt, paused=6):

@@ -4,9 +4,8 @@ batch it leaves) finds the target cache holding exactly the committed tokens, ne
 
 import pytest
 from fakes import FakeDrafter, FakeTarget, LazyFakeTarget, next_token
+from paused import ScriptedPauses
 
-from dflash.core.chain_budget import ChainBudget
-from dflash.core.cost_model import Costs
 from dflash.core.engine import Engine
 from dflash.core.lookahead import Lookahead
 from dflash.core.loop import Batch, Generation, generate, generate_batch
@@ -131,29 +130,10 @@ def test_a_crop_after_a_step_forgets_the_step_ahead():
     assert cached(engine) == [engine.tokens] == [(PROMPTS[0] + reference(PROMPTS[0], 4))[:5]]
 
 
-class ScriptedPauses(ChainBudget):
-    """--verify auto's chain budget with its pauses fixed (1, 2, 4 .. 16 plain cycles after each drafted one),
-    whatever the cycles measure."""
-
-    def __init__(self):
-        super().__init__(4, Costs(draft=0.5, verify=[(1, 1.0), (4, 2.0)]))
-        self.next_pause = 1
-
-    def length(self, can_pause=True, rows=1):
-        if self.skip > 0:
-            self.skip -= 1
-            return 0
-        self.skip, self.next_pause = self.next_pause, min(2 * self.next_pause, 16)
-        return 3
-
-    def observe(self, length, accepted, seconds):
-        pass
-
-
 def paused_engine(target):
     """A drafter that is never right, paused as --verify auto pauses it."""
     engine = Engine(target, FakeDrafter(good=0), block_size=4)
-    engine.verification = Verification(chain_budget=ScriptedPauses())
+    engine.verification = Verification(chain_budget=ScriptedPauses(4))
     return engine
 
 

@@ -11,8 +11,8 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from fakes import OracleDrafter  # noqa: E402
-from paused import check_paused_cycles  # noqa: E402
+from fakes import Counting, OracleDrafter  # noqa: E402
+from paused import ScriptedPauses, check_paused_cycles  # noqa: E402
 
 from dflash.backends.mlx import load  # noqa: E402
 from dflash.backends.mlx.backend import mlx_engine  # noqa: E402
@@ -21,6 +21,7 @@ from dflash.backends.mlx.target import decoder_layers, embedding, load_target  #
 from dflash.core.errors import DFlashError  # noqa: E402
 from dflash.core.loop import generate  # noqa: E402
 from dflash.core.sampling import SamplingParams  # noqa: E402
+from dflash.core.verification import Verification  # noqa: E402
 
 N = 48  # new tokens per prompt
 
@@ -81,6 +82,20 @@ def with_oracle(backend, truth, prompt_len):
 
     backend.drafter = OracleDrafter(backend.drafter, backend.target, proposals)
     return backend
+
+
+def test_a_seeded_request_paused_and_run_ahead_draws_the_plain_engines_tokens(target, random_draft_dir, few):
+    """Sampled rows of a drafter that is never right, paused as --verify auto pauses them: the paused cycles run their
+    plain step one ahead; a seeded request's draws are keyed by position, so its tokens are the drafter-less
+    engine's."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1, seed=7)
+    plain = generate(mlx_engine(*target), few[0], max_new_tokens=100, sampling=params).tokens
+    backend = mlx_engine(*target, load_drafter(random_draft_dir), block_size=16)
+    backend.verification = Verification(chain_budget=ScriptedPauses(16))
+    backend.target = Counting(backend.target)
+    r = generate(backend, few[0], max_new_tokens=100, sampling=params)
+    assert r.tokens == plain and r.accept_rule == "match"
+    assert r.cycles_without_draft > 60 and backend.target.calls["start"] > 50
 
 
 def test_every_acceptance_length_is_exact(target, random_draft_dir, few, baseline):
