@@ -1,17 +1,45 @@
 """Per-shape corrections of a cost profile: learnt from the engine's cycles, blind to cycles that say nothing of the
 device."""
 
+import json
+
 import pytest
 
-from dflash.core.corrections import Corrections
+from dflash.core.corrections import MAX_SPREAD, MAX_STEP, Corrections
 
 
-def test_a_shapes_first_ratio_becomes_its_factor_and_later_ones_move_it():
+def test_a_shapes_first_cycle_warms_up_its_next_ratio_becomes_its_factor_and_later_ones_move_it():
     c = Corrections()
+    c.observe(16, 1, True, predicted=0.010, seconds=0.200)  # (allocation, graph building: not learnt)
+    assert c.factors == {}
     c.observe(16, 1, True, predicted=0.010, seconds=0.030)  # a profile measured on an idle core, now busy
     assert c.factor(16, 1, True) == 3.0 and c.factor(1, 1, False) == 3.0  # (a shape not run yet: the average)
     c.observe(16, 1, True, predicted=0.010, seconds=0.010)
     assert 1.0 < c.factor(16, 1, True) < 3.0
+
+
+def test_one_stalled_cycle_moves_a_factor_by_at_most_max_step():
+    """Averaged plainly, one cycle at 40x made a factor of 1 into 8.8: auto stopped choosing the shape, so nothing
+    corrected it again."""
+    c = Corrections()
+    for _ in range(10):
+        c.observe(8, 1, True, predicted=0.010, seconds=0.010)
+    c.observe(8, 1, True, predicted=0.010, seconds=0.400)
+    assert c.factor(8, 1, True) == pytest.approx(MAX_STEP)
+    for _ in range(10):
+        c.observe(8, 1, True, predicted=0.010, seconds=0.010)
+    assert c.factor(8, 1, True) < 1.03
+
+
+def test_a_lasting_change_is_followed_within_dozens_of_cycles():
+    c = Corrections()
+    for _ in range(5):
+        c.observe(8, 1, True, predicted=0.010, seconds=0.010)
+    for n in range(1, 41):  # another process takes the core: every cycle 4x slower from now on
+        c.observe(8, 1, True, predicted=0.010, seconds=0.040)
+        if c.factor(8, 1, True) > 3.6:
+            break
+    assert n <= 25
 
 
 def test_a_cycle_that_compiled_a_graph_is_not_learnt():
@@ -25,16 +53,29 @@ def test_a_cycle_that_compiled_a_graph_is_not_learnt():
 
 
 def test_an_earlier_runs_factors_guide_until_this_run_measures_the_shape(tmp_path):
-    """Factors saved by a run on a busy machine are read back as a starting guess; this run's first cycle of a shape
-    replaces them (averaged into them, a 3x drift would take dozens of cycles to leave)."""
+    """Factors saved by a run on a busy machine are read back as a starting guess; this run's first timed cycle of a
+    shape replaces them (averaged into them, a 3x drift would take dozens of cycles to leave)."""
     path = tmp_path / "profile.corrections.json"
     busy = Corrections(path=path)
-    for _ in range(8):
+    for _ in range(9):
         busy.observe(16, 1, True, predicted=0.010, seconds=0.030)
     busy.save()
     quiet = Corrections.load(path)
     assert quiet.factor(16, 1, True) == 3.0 and quiet.factor(1, 1, False) == 3.0  # the guess, before any cycle
+    quiet.observe(16, 1, True, predicted=0.010, seconds=0.020)  # (warm-up)
+    assert quiet.factor(16, 1, True) == 3.0
     quiet.observe(16, 1, True, predicted=0.010, seconds=0.011)
     assert quiet.factor(16, 1, True) == pytest.approx(1.1) and quiet.factor(1, 1, False) == pytest.approx(1.1)
     quiet.observe(16, 1, True, predicted=0.010, seconds=0.013)
     assert 1.1 < quiet.factor(16, 1, True) < 1.3  # from then on, averaged as before
+
+
+def test_a_saved_factor_far_from_the_saved_average_is_read_back_within_max_spread(tmp_path):
+    """A shape one run priced at 13x (auto never chose it again) is read back at MAX_SPREAD times the average, so
+    the next run's plans may choose it, and time it."""
+    path = tmp_path / "profile.corrections.json"
+    path.write_text(json.dumps({"all": 0.9, "draft:1x8": 13.5, "draft:1x16": 1.1, "plain:1x1": 0.2}))
+    loaded = Corrections.load(path)
+    assert loaded.factor(8, 1, True) == pytest.approx(0.9 * MAX_SPREAD)
+    assert loaded.factor(16, 1, True) == pytest.approx(1.1)
+    assert loaded.factor(1, 1, False) == pytest.approx(0.9 / MAX_SPREAD)

@@ -2,23 +2,32 @@
 
 A profile measured while another process held the core (a plain step of 120 ms where it takes 11) would otherwise
 be trusted forever. Every cycle the engine times gives the ratio of its wall time to what the profile predicts for
-its shape (drafted or not, rows and tokens per row in power-of-two buckets). A shape's first ratio becomes its
-factor and later ones move it by an exponential moving average; the factor multiplies the profile's prediction for
-that shape from then on, so a shape the engine runs is repaired within a few dozen cycles even when its cycles are
-noisy. A shape not run yet takes the average over all cycles: a profile that is off everywhere (measured under
-load) keeps its shapes' proportions instead of making the shapes run so far look cheap beside the others. The
-factors are written next to the profile every SAVE_EVERY observations and read back with it, as a starting guess
-only: a shape's first cycle in this process replaces what an earlier process learnt (which may have been a busy
-hour's), so one run's drift never outlives the next run's first cycle of that shape.
+its shape (drafted or not, rows and tokens per row in power-of-two buckets). A shape's first cycle in a process only
+warms up (a new tree width allocates and builds its graphs). Its next ratio becomes its factor, so a profile off by
+10x is repaired at a shape's second cycle; later ratios move the factor by an exponential moving average of
+logarithms whose step is capped at MAX_STEP, so one stalled cycle (a page fault, a collection, another process's
+burst) moves it by at most that. Averaged plainly, stalled cycles made one shape's factor 13x where the others' were
+near 1: auto then never chose that shape again, so its factor was never corrected, was saved, and priced the shape
+out of later runs too (the reference pair on MLX: 2.02x plain where the run before gave 2.59x).
+
+A shape not run yet takes the average over all cycles: a profile that is off everywhere (measured under load) keeps
+its shapes' proportions instead of making the shapes run so far look cheap beside the others. The factors are
+written next to the profile every SAVE_EVERY observations and read back with it as a starting guess only: a shape's
+first timed cycle in this process replaces what an earlier process learnt (which may have been a busy hour's), and a
+saved factor further than MAX_SPREAD times from the saved average is read back at that bound, so a shape that one
+run priced out of its plans is tried again in the next.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
-SMOOTHING = 0.2  # weight of one cycle's ratio in its shape's factor
+SMOOTHING = 0.2  # weight of one cycle's (log) ratio in its shape's factor
+MAX_STEP = 1.25  # the most one cycle moves a factor (times or over)
+MAX_SPREAD = 2.0  # a saved shape's factor is read back within this many times the saved average
 # a cycle's ratio outside these is dropped: a cycle that compiled a graph (seconds, where a forward takes
 # milliseconds) or stalled on a page fault says nothing of the device
 LIMITS = (0.02, 50.0)
@@ -40,6 +49,7 @@ class Corrections:
         self.path, self.smoothing = path, smoothing
         self.observed = 0  # cycles seen (since load)
         self.learnt: set[str] = set()  # keys observed in this process (the others' factors are an earlier run's)
+        self.warm: set[str] = set()  # shapes whose first cycle in this process has run (it is not learnt)
 
     @staticmethod
     def key(tokens: int, rows: int, drafted: bool) -> str:
@@ -59,9 +69,18 @@ class Corrections:
         ratio = seconds / predicted
         if not LIMITS[0] <= ratio <= LIMITS[1]:
             return
-        for key in (self.key(tokens, rows, drafted), ALL):
+        shape = self.key(tokens, rows, drafted)
+        if shape not in self.warm:
+            self.warm.add(shape)
+            return
+        cap = math.log(MAX_STEP)
+        for key in (shape, ALL):
             old = self.factors.get(key) if key in self.learnt else None
-            self.factors[key] = ratio if old is None else old + self.smoothing * (ratio - old)
+            if old is None:
+                self.factors[key] = ratio
+            else:
+                step = self.smoothing * math.log(ratio / old)
+                self.factors[key] = old * math.exp(min(max(step, -cap), cap))
             self.learnt.add(key)
         self.observed += 1
         if self.observed % SAVE_EVERY == 0:
@@ -86,4 +105,8 @@ class Corrections:
             factors = {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
         except (OSError, ValueError, AttributeError, TypeError):
             factors = {}
-        return cls({k: v for k, v in factors.items() if LIMITS[0] <= v <= LIMITS[1]}, path)
+        factors = {k: v for k, v in factors.items() if LIMITS[0] <= v <= LIMITS[1]}
+        average = factors.get(ALL)
+        if average is not None:
+            factors = {k: min(max(v, average / MAX_SPREAD), average * MAX_SPREAD) for k, v in factors.items()}
+        return cls(factors, path)
