@@ -155,7 +155,7 @@ def test_corrections_are_learnt_from_the_engine_and_saved_with_the_profile(engin
     assert len(flags) == len(r.acceptance_lengths) and learnt.observed == len(flags) - probes - len(learnt.warm)
     saved = json.loads((cache / f"{costs.cost_key(engine)}.corrections.json").read_text())
     assert saved and set(saved) <= set(profile.corrections.factors)
-    assert costs.measured_costs(engine, max_tokens=17).corrections.factors.keys() == saved.keys()  # read back
+    assert costs.measured_costs(engine, max_tokens=17).corrections.factors == {"all": saved["all"]}  # read back
     engine.set_verify("chain")
 
 

@@ -2,20 +2,19 @@
 
 A profile measured while another process held the core (a plain step of 120 ms where it takes 11) would otherwise
 be trusted forever. Every cycle the engine times gives the ratio of its wall time to what the profile predicts for
-its shape (drafted or not, rows and tokens per row in power-of-two buckets). A shape's first cycle in a process only
-warms up (a new tree width allocates and builds its graphs). Its next ratio becomes its factor, so a profile off by
-10x is repaired at a shape's second cycle; later ratios move the factor by an exponential moving average of
-logarithms whose step is capped at MAX_STEP, so one stalled cycle (a page fault, a collection, another process's
-burst) moves it by at most that. Averaged plainly, stalled cycles made one shape's factor 13x where the others' were
-near 1: auto then never chose that shape again, so its factor was never corrected, was saved, and priced the shape
-out of later runs too (the reference pair on MLX: 2.02x plain where the run before gave 2.59x).
+its shape (drafted or not, rows and tokens per row in power-of-two buckets), and moves two factors: its shape's and
+the average over all cycles, which shapes not run yet take (a profile that is off everywhere keeps its shapes'
+proportions instead of making the shapes run so far look cheap beside the others). A shape's first cycle in a
+process only warms up (a new tree width allocates and builds its graphs). The process's first timed cycle sets the
+average, so a profile off by 10x is repaired at once; from then on a factor moves by an exponential moving average
+of logarithms (a shape's starting from the average) whose step is capped at MAX_STEP, so one stalled cycle (a page
+fault, a collection, another process's burst) moves it by at most that.
 
-A shape not run yet takes the average over all cycles: a profile that is off everywhere (measured under load) keeps
-its shapes' proportions instead of making the shapes run so far look cheap beside the others. The factors are
-written next to the profile every SAVE_EVERY observations and read back with it as a starting guess only: a shape's
-first timed cycle in this process replaces what an earlier process learnt (which may have been a busy hour's), and a
-saved factor further than MAX_SPREAD times from the saved average is read back at that bound, so a shape that one
-run priced out of its plans is tried again in the next.
+Averaged plainly and carried from run to run, stalled cycles made one shape's factor 13x where the others' were near
+1: auto then never chose that shape again, so its factor was never corrected, was saved, and priced the shape out
+of later runs too (two runs of the same MLX bench with carried factors: `auto` 2.59x and 2.02x plain). So the factors are
+written next to the profile every SAVE_EVERY observations, but only the average is read back (a starting guess,
+replaced by this process's first timed cycle; the profile is measured again at load when it is far off, costs.py).
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ import math
 import os
 from pathlib import Path
 
-SMOOTHING = 0.2  # weight of one cycle's (log) ratio in its shape's factor
+SMOOTHING = 0.2  # weight of one cycle's (log) ratio in a factor
 MAX_STEP = 1.25  # the most one cycle moves a factor (times or over)
-MAX_SPREAD = 2.0  # a saved shape's factor is read back within this many times the saved average
 # a cycle's ratio outside these is dropped: a cycle that compiled a graph (seconds, where a forward takes
 # milliseconds) or stalled on a page fault says nothing of the device
 LIMITS = (0.02, 50.0)
@@ -74,9 +72,10 @@ class Corrections:
             self.warm.add(shape)
             return
         cap = math.log(MAX_STEP)
+        level = self.factors.get(ALL) if ALL in self.learnt else None  # (this process's, before this cycle)
         for key in (shape, ALL):
-            old = self.factors.get(key) if key in self.learnt else None
-            if old is None:
+            old = self.factors.get(key) if key in self.learnt else level
+            if old is None:  # (this process's first timed cycle)
                 self.factors[key] = ratio
             else:
                 step = self.smoothing * math.log(ratio / old)
@@ -100,13 +99,11 @@ class Corrections:
 
     @classmethod
     def load(cls, path: Path) -> Corrections:
-        """The factors saved at `path` (none if it is missing or damaged), saved there from now on."""
+        """The average factor saved at `path` (none if it is missing or damaged; the shapes' factors are this
+        process's to learn), saved there from now on."""
         try:
             factors = {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
         except (OSError, ValueError, AttributeError, TypeError):
             factors = {}
-        factors = {k: v for k, v in factors.items() if LIMITS[0] <= v <= LIMITS[1]}
         average = factors.get(ALL)
-        if average is not None:
-            factors = {k: min(max(v, average / MAX_SPREAD), average * MAX_SPREAD) for k, v in factors.items()}
-        return cls(factors, path)
+        return cls({ALL: average} if average is not None and LIMITS[0] <= average <= LIMITS[1] else {}, path)
