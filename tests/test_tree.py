@@ -91,6 +91,16 @@ def test_copy_index_finds_the_latest_longest_match():
     assert idx.continuation(4) == []
 
 
+def test_copy_index_continues_a_loop_past_the_sequences_end():
+    """Text that repeats with period p: the continuation copies itself, as the loop would go on."""
+    idx = CopyIndex(max_ngram=3)
+    loop = [7, 8, 9]
+    idx.update([1, 2] + loop * 3)
+    assert idx.continuation(8) == (loop * 3)[:8]  # (7, 8, 9) latest 3 back: 3 tokens seen, 5 more of the loop
+    idx.update([1, 2, 3, 4, 1, 2, 3, 9, 1, 2])
+    assert idx.continuation(6) == [3, 9, 1, 2, 3, 9]  # (1, 2) 4 back: 3, 9, 1, 2, then again
+
+
 def test_copied_branch_joins_the_tree_and_orphans_are_never_chosen():
     ids, probs = [[5, 6], [7, 8], [1, 2]], [[0.6, 0.3], [0.5, 0.4], [0.9, 0.1]]
     draft = best_first(ids, probs, 3, 3)
