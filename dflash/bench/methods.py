@@ -77,6 +77,8 @@ METHODS = {m.name: m for m in (
            label="DFlash, block 16, verify auto: tree / chain / budget per cycle (MLX)"),
     Method("mlx_dflash_tree_nocopy", "dflash", "mlx", block_size=16, verify="auto", copy_branch=False,
            label="DFlash, block 16, verify auto without the copied branch (MLX)"),
+    Method("mlx_dflash_fixed_tree", "dflash", "mlx", block_size=16, verify="tree",
+           label="DFlash, block 16, a fixed tree of --tree-budget nodes (default 15) every cycle (MLX)"),
     Method("mlx_lm_no_draft", "mlx_lm", "mlx", label="mlx-lm stream_generate(), autoregressive"),
     Method("mlx_lm_speculative", "mlx_lm", "mlx", ar_draft=True, label="mlx-lm speculative decoding (AR draft)"),
 )}
