@@ -51,6 +51,22 @@ def _chain_tokens(top_probs: Sequence[Sequence[float]], calibration: Calibration
     return total
 
 
+def _outran(plan: "Plan", paths: Sequence[Sequence[int]]) -> bool:
+    """Whether the target accepted every row's deepest drafted node (at depth 2 or more): the drafter did better
+    than its plan could show. A text the drafter knows better than its confidence says (the reference pair, a
+    held-out prompt: drafts of q 0.6, 0.39, 0.37 .. where the chain committed 5, 1, 6, 6, 4, 2 and 12 tokens) made
+    auto pause for 28 of its first 31 cycles, each probe's small tree accepted to its last node."""
+    rows = 0
+    for tree, qs, path in zip(plan.trees, plan.qs, paths):
+        deepest = max((d for d, q in zip(tree.depths, qs) if q > 0), default=0)
+        if deepest < 2:
+            continue
+        rows += 1
+        if max((tree.depths[i] for i in path), default=0) < deepest:
+            return False
+    return rows > 0
+
+
 @dataclass
 class Plan:
     trees: list[Tree]
@@ -243,6 +259,8 @@ class TreePlanner:
             self.calibration.observe(tree, qs, list(path))
         probe = plan.drafted and not self.last_drafted
         self.last_drafted = plan.drafted
+        if self.mode == "auto" and plan.drafted and (self.skip or self.backoff) and _outran(plan, paths):
+            self.skip = self.backoff = 0  # (the pause this cycle's prediction chose was the prediction's mistake)
         # (a probe's draft forward also reads every position its pause committed, up to MAX_PAUSE: learnt as a drafted
         # cycle's cost, it made drafting look dearer after each pause, and the pauses longer)
         if seconds is not None and not probe:
