@@ -12,9 +12,10 @@ fault, a collection, another process's burst) moves it by at most that.
 
 Averaged plainly and carried from run to run, stalled cycles made one shape's factor 13x where the others' were near
 1: auto then never chose that shape again, so its factor was never corrected, was saved, and priced the shape out
-of later runs too (two runs of the same MLX bench with carried factors: `auto` 2.59x and 2.02x plain). So the factors are
-written next to the profile every SAVE_EVERY observations, but only the average is read back (a starting guess,
-replaced by this process's first timed cycle; the profile is measured again at load when it is far off, costs.py).
+of later runs too (two runs of the same MLX bench with carried factors: `auto` 2.59x and 2.02x plain). So the
+factors are written next to the profile every SAVE_EVERY observations, but only the average is read back (a
+starting guess, replaced by this process's first timed cycle; the profile is measured again at load when it is far
+off, costs.py).
 """
 
 from __future__ import annotations
