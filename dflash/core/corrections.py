@@ -47,7 +47,6 @@ class Corrections:
         self.factors = dict(factors or {})
         self.path, self.smoothing = path, smoothing
         self.observed = 0  # cycles seen (since load)
-        self.learnt: set[str] = set()  # keys observed in this process (the others' factors are an earlier run's)
         self.warm: set[str] = set()  # shapes whose first cycle in this process has run (it is not learnt)
 
     @staticmethod
@@ -73,15 +72,15 @@ class Corrections:
             self.warm.add(shape)
             return
         cap = math.log(MAX_STEP)
-        level = self.factors.get(ALL) if ALL in self.learnt else None  # (this process's, before this cycle)
-        for key in (shape, ALL):
-            old = self.factors.get(key) if key in self.learnt else level
+        # the average this process learnt before this cycle (a loaded one is only a guess); a shape's factor is
+        # always this process's (load reads back the average alone)
+        level = self.factors.get(ALL) if self.observed else None
+        for key, old in ((shape, self.factors.get(shape, level)), (ALL, level)):
             if old is None:  # (this process's first timed cycle)
                 self.factors[key] = ratio
             else:
                 step = self.smoothing * math.log(ratio / old)
                 self.factors[key] = old * math.exp(min(max(step, -cap), cap))
-            self.learnt.add(key)
         self.observed += 1
         if self.observed % SAVE_EVERY == 0:
             self.save()
