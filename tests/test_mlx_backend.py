@@ -18,6 +18,7 @@ from dflash.backends.mlx import load  # noqa: E402
 from dflash.backends.mlx.backend import mlx_engine  # noqa: E402
 from dflash.backends.mlx.drafter import load_drafter  # noqa: E402
 from dflash.backends.mlx.target import decoder_layers, embedding, load_target  # noqa: E402
+from dflash.core.cost_model import Costs  # noqa: E402
 from dflash.core.errors import DFlashError  # noqa: E402
 from dflash.core.loop import generate  # noqa: E402
 from dflash.core.sampling import SamplingParams  # noqa: E402
@@ -64,6 +65,26 @@ def test_greedy_lossless(target, random_draft_dir, few, baseline, block_size):
 
 def test_a_paused_cycle_is_the_plain_step(target, random_draft_dir, few):
     check_paused_cycles(mlx_engine(*target, load_drafter(random_draft_dir), block_size=16), mlx_engine(*target), few[0])
+
+
+def test_a_probe_that_plans_no_node_takes_the_step_issued_ahead(target, random_draft_dir, few, baseline):
+    """--verify auto without the copied branch where a draft forward costs four plain steps: every probe plans no
+    node. The paused cycle before a probe has issued the next plain step; the probe drafts beside it, takes it and
+    issues the one after, so a probe that is not taken makes the target run nothing a plain step does not."""
+    backend = mlx_engine(*target, load_drafter(random_draft_dir), block_size=16)
+    backend.set_verify("auto", None, Costs(draft=4.0, verify=[(1, 1.0), (16, 1.6)]), copy_branch=False)
+    first = backend.prefill([few[0]])
+    out = first + backend.step(first)[0].tokens  # (the request's first cycle probes)
+    backend.target, anchor, probes = Counting(backend.target), out[-1], 0
+    for _ in range(40):
+        ahead, forwards = backend.lookahead.anchors, backend.target.calls["forward"]
+        step = backend.step([anchor])[0]
+        if step.draft_forward:
+            probes += 1
+            assert ahead == [anchor] and backend.target.calls["forward"] == forwards + 1  # (the next step's only)
+            assert backend.lookahead.anchors == [step.tokens[-1]]
+        out, anchor = out + step.tokens, step.tokens[-1]
+    assert probes >= 3 and out == baseline[0][: len(out)]
 
 
 def with_oracle(backend, truth, prompt_len):

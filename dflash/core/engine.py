@@ -286,12 +286,12 @@ class Engine:
     def drafts_some_rows(self) -> bool:  # (draft(rows=...))
         return self.drafter is not None and self.drafter.drafts_some_rows
 
-    @lands
     def draft(self, anchors: Sequence[int], top_k: int = 0, draws: list[RowDraw] | None = None,
               block: int | None = None, rows: list[int] | None = None) -> Draft:
         """Each row's block [anchor, proposals] of `block` positions (default: the block size; the anchor alone
         without a drafter), from the features pending. `rows` (greedy rows, drafts_some_rows): those rows' blocks
-        only, in that order; every row's pending features go into the drafter's context all the same."""
+        only, in that order; every row's pending features go into the drafter's context all the same. The target's
+        cache is not read: a step issued ahead stays (a probe whose plan gives no node takes it)."""
         if self.drafter is None:
             return Draft(self.target.ids([[a] for a in anchors]))
         pending = self.take_pending()

@@ -43,7 +43,8 @@ class TreeCycle:
         copies = self._copies(engine, anchors) if planner.copy_branch else []
         drafts = planner.drafts_this_cycle()
         if not drafts and not any(copies):  # a pause with nothing to copy: the plain step, and nothing to plan
-            steps = engine.plain_step(anchors, again=planner.pauses_next and not planner.copy_branch)
+            # (a lazy target runs the next step ahead, even before a probe: a probe that plans no node takes it)
+            steps = engine.plain_step(anchors, again=not planner.copy_branch)
             planner.observe_plain(len(steps), time.perf_counter() - start)
             self.last_trees, self.last_paths = [], [[] for _ in steps]
             return steps
@@ -62,7 +63,7 @@ class TreeCycle:
         else:
             plan = planner.plan(anchors, copies=copies)
         if all(len(t.tokens) == 1 for t in plan.trees):  # no node (drafted or copied) worth its verify cost: plain
-            steps = engine.plain_step(anchors)
+            steps = engine.plain_step(anchors, again=planner.pauses_next and not planner.copy_branch)
             for step in steps:
                 step.draft_forward = plan.drafted
             planner.observe(plan, [[] for _ in steps], time.perf_counter() - start)
