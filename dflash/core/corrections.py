@@ -50,24 +50,28 @@ class Corrections:
         self.warm: set[str] = set()  # shapes whose first cycle in this process has run (it is not learnt)
 
     @staticmethod
-    def key(tokens: int, rows: int, drafted: bool) -> str:
-        return f"{'draft' if drafted else 'plain'}:{bucket(rows)}x{bucket(tokens)}"
+    def key(tokens: int, rows: int, drafted: bool, block: int | None = None) -> str:
+        """`block`: a draft forward shorter than the whole block, whose cycles are their own shape (they run on a
+        tree's path, whose host work a full block's chain cycles do not pay)."""
+        shape = f"{'draft' if drafted else 'plain'}:{bucket(rows)}x{bucket(tokens)}"
+        return f"{shape}@{block}" if block is not None else shape
 
     def overall(self) -> float | None:
         """Wall time over the profile's predictions, averaged over every cycle seen (None before the first)."""
         return self.factors.get(ALL)
 
-    def factor(self, tokens: int, rows: int, drafted: bool) -> float:
-        return self.factors.get(self.key(tokens, rows, drafted), self.factors.get(ALL, 1.0))
+    def factor(self, tokens: int, rows: int, drafted: bool, block: int | None = None) -> float:
+        return self.factors.get(self.key(tokens, rows, drafted, block), self.factors.get(ALL, 1.0))
 
-    def observe(self, tokens: int, rows: int, drafted: bool, predicted: float, seconds: float) -> None:
+    def observe(self, tokens: int, rows: int, drafted: bool, predicted: float, seconds: float,
+                block: int | None = None) -> None:
         """One cycle of this shape took `seconds` where the uncorrected profile predicted `predicted`."""
         if predicted <= 0 or seconds <= 0:
             return
         ratio = seconds / predicted
         if not LIMITS[0] <= ratio <= LIMITS[1]:
             return
-        shape = self.key(tokens, rows, drafted)
+        shape = self.key(tokens, rows, drafted, block)
         if shape not in self.warm:
             self.warm.add(shape)
             return

@@ -48,6 +48,14 @@ class PathChoice:
         assert chain_factor is not None and tree_factor is not None, "choose() asks only once both are measured"
         return gain * shapes * chain_factor / tree_factor
 
+    def chain_gain(self) -> float:
+        """How many times faster the chain's path is estimated than the tree's at the whole block (1.0 while it is not,
+        or while either path is unmeasured): what a shorter draft block, whose cycles run on a tree's path, must
+        beat."""
+        if any(self.cycles[k] < self.warmup or self.factor[k] is None for k in self.cycles):
+            return 1.0
+        return max(1.0, 1.0 / self.ratio())
+
     def choose(self) -> str:
         for kind in ("tree", "chain"):
             if self.cycles[kind] < self.warmup or self.factor[kind] is None:
