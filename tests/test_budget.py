@@ -145,3 +145,12 @@ def test_a_probes_time_is_not_learnt_and_a_new_request_forgets_the_last_ones_rat
     planner.rates = [0.1, 10.0]  # the last request's: drafting lost by far
     planner.reset()
     assert planner.rates is None
+
+
+def test_a_drafted_node_on_the_copied_branch_counts_for_trying_the_next_block_up():
+    """A draft of 4 positions whose proposals are also the copied branch's reaches its last position: the next draft
+    tries 8 (counted as copied nodes only, such plans never did, and the block stayed short for good)."""
+    planner = TreePlanner("auto", 16, 64, HEAVY, itl_limit=None)
+    planner.draft_block = planner.drafted_block = 4
+    planner.plan([0] * 16, *_confident_chain(16, 3), copies=[[3] * 15] * 16)
+    assert planner.draft_block == 8

@@ -86,3 +86,15 @@ def test_a_shape_learnt_later_in_a_run_starts_from_the_runs_average():
     c.observe(8, 1, True, predicted=0.010, seconds=0.500)  # (warm-up)
     c.observe(8, 1, True, predicted=0.010, seconds=0.500)  # a stall in its first timed cycle: no 50x factor
     assert c.factor(8, 1, True) == pytest.approx(MAX_STEP)
+
+
+def test_a_short_draft_blocks_cycles_are_a_shape_of_their_own():
+    """A draft of 4 positions saves what the profile says, but its cycle runs on a tree's path (a host read, a plan,
+    a masked verify) where the whole block's may run on the chain's: on MLX the two cost the same wall time where
+    the profile priced the short one 3.6 ms cheaper. Sharing a factor, the short block kept that advantage."""
+    c = Corrections()
+    for _ in range(20):
+        c.observe(16, 1, True, predicted=0.019, seconds=0.018)
+        c.observe(16, 1, True, predicted=0.015, seconds=0.018, block=4)
+    assert c.factor(16, 1, True) < 1.0 < 1.15 < c.factor(16, 1, True, block=4)
+    assert Corrections.key(16, 1, True, 4) == "draft:1x16@4"

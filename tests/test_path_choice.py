@@ -75,3 +75,45 @@ def test_a_tree_cycle_is_timed_against_its_own_width():
     for _ in range(2):  # (the first cycle of a path only warms up)
         planner.observe_speed("tree", [1], 1.2 * model)
     assert abs(planner.choice.factor["tree"] - 1.2) < 1e-9
+
+
+def test_a_chain_that_is_the_copied_branch_is_valued_as_the_tree_of_the_same_nodes():
+    """Where the drafter's rank-1 proposals are the branch copied from the context, the chain verifies the tree's
+    nodes: both are expected to commit the same (before, the chain's q alone made it look worse, and auto kept the
+    tree's slower path on text that the chain committed whole)."""
+    planner = TreePlanner("auto", 4, 3, Costs(draft=0.0, verify=[(1, 1.0), (512, 1.0)]))
+    for d in range(1, 4):  # copies of this context have been accepted
+        planner.calibration.copy_offered[d] = planner.calibration.copy_accepted[d] = 50
+    planner.plan([0], [[[5, 6], [7, 6], [8, 6]]], [[[0.4, 0.3]] * 3], copies=[[5, 7, 8]])
+    tree, chain = planner.choice.tokens
+    assert chain == tree > 3.5
+
+
+def test_a_short_blocks_plan_says_nothing_of_the_chain():
+    planner = TreePlanner("auto", 16, 16, Costs(draft=1.0, verify=[(1, 1.0), (16, 1.2)],
+                                                draft_blocks={4: {1: 0.3}, 16: {1: 1.0}}), copy_branch=False)
+    planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])  # a draft of 4 positions: 3 proposals
+    assert planner.choice.tokens == [0.0, 0.0]
+
+
+def test_a_shorter_block_must_beat_the_chains_path_where_that_is_faster():
+    """The copied branch holds the whole chain, so a draft of 8 positions loses no node and saves 10% of a cycle by
+    the profile; its cycles run on a tree's path. Once the chain's path is measured 25% faster than the tree's at the
+    whole block, the whole block is kept."""
+    costs = Costs(draft=0.3, verify=[(1, 1.0), (16, 1.0)], draft_blocks={8: {1: 0.17}, 16: {1: 0.3}})
+    confident = [[[5, 6]] * 15], [[[0.9, 0.1]] * 15]
+
+    def next_block(chain_factor):
+        planner = TreePlanner("auto", 16, 16, costs, itl_limit=None)
+        calibration, choice = planner.calibration, planner.choice
+        for d in range(1, 16):
+            calibration.copy_offered[d] = calibration.copy_accepted[d] = 1000
+        choice.cycles, choice.factor = {"chain": 9, "tree": 9}, {"chain": chain_factor, "tree": 1.0}
+        choice.tokens, choice.seconds = [15.0, 15.0], [1.3, 1.3]
+        for _ in range(8):
+            planner.plan([0], *confident, copies=[[5] * 15])
+            if planner.draft_block < 16:
+                return planner.draft_block
+        return planner.draft_block
+
+    assert next_block(1.0) == 8 and next_block(0.8) == 16
