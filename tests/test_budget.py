@@ -51,16 +51,6 @@ def test_a_plan_that_reaches_the_short_blocks_end_tries_the_next_one_up():
     planner.plan([0] * 16, *_confident_chain(16, 3))  # every row's chain uses all 3 positions
     assert planner.draft_block == 8
 
-def test_a_probe_that_no_block_keeps_within_the_limit_drafts_the_fewest_positions():
-    """One row, a draft forward of 16 positions at 0.8 plain steps and of 2 at 0.6, hopeless proposals: no block's
-    plan keeps within 1.5 plain steps per token (every rate is 0), so drafting pauses and the next probe drafts 2
-    positions, the cheapest look (an untrained drafter's probes on MLX: 10 ms instead of 14 beside 4.5 ms steps)."""
-    costs = Costs(draft=0.8, verify=[(1, 1.0), (16, 2.0)], draft_blocks={2: {1: 0.6}, 16: {1: 0.8}})
-    planner = TreePlanner("auto", 16, 16, costs, copy_branch=False)
-    plan = planner.plan([0], [[[5, 6]] * 15], [[[0.02, 0.01]] * 15])
-    assert [len(t.tokens) for t in plan.trees] == [1] and planner.skip > 0 and planner.draft_block == 2
-
-
 def test_a_row_given_no_drafted_node_leaves_the_draft_forward_for_longer_each_time():
     from dflash.core.budget import RowPauses
 

@@ -323,8 +323,6 @@ class TreePlanner:
         best = max(rates, key=self.block_rates.__getitem__)
         if self.block_rates[best] < (1 + BLOCK_MARGIN) * self.block_rates[block]:
             best = block  # (a shorter block must win clearly: it gives up deep nodes and the chain's own path)
-        if not any(rates.values()):  # no block's plan keeps within the limit: the next probe drafts fewest positions
-            best = self.blocks[0]
         best_rate = rates[best]
         wait, after = self.deepen_wait, self.deepen_after
         for b in wait:
