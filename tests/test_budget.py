@@ -1,6 +1,8 @@
 """dflash/core/budget.py: the tree planner of --verify auto under a latency limit and with draft blocks shorter than the
 drafter's (the plan's node counts are tests/test_tree.py's; the chain-or-tree path tests/test_path_choice.py's)."""
 
+import pytest
+
 from dflash.core.budget import TreePlanner
 from dflash.core.cost_model import Costs
 from test_cost_model import CPU, HEAVY
@@ -144,3 +146,16 @@ def test_a_drafted_node_on_the_copied_branch_counts_for_trying_the_next_block_up
     planner.draft_block = planner.drafted_block = 4
     planner.plan([0] * 16, *_confident_chain(16, 3), copies=[[3] * 15] * 16)
     assert planner.draft_block == 8
+
+
+def test_a_shapes_first_cycle_which_may_compile_for_seconds_is_not_learnt_by_the_clock():
+    """With --compile a new verify width compiles its graphs in its first cycle (seconds). Fitted by the clock, one
+    such cycle gave a slope that priced every smaller forward at the clock's floor, a tenth of the profile: short
+    draft blocks looked 10x faster, and auto drafted 2-8 positions and paused (tau 2.3-5.8, against 6.4-9.3)."""
+    planner = TreePlanner("auto", 16, 16, Costs(draft=0.005, verify=[(1, 0.006), (16, 0.008)]), copy_branch=False)
+    planner.observe_plain(1, 2.0)  # the compiled step's first call
+    clock = planner.clock[False]
+    assert (clock.k, clock.a) == (1.0, 0.0)
+    for _ in range(5):
+        planner.observe_plain(1, 0.0066)
+    assert clock(planner.auto_costs.cycle_seconds(1, 1, False)) == pytest.approx(0.0066, rel=0.05)

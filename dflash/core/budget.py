@@ -281,8 +281,10 @@ class TreePlanner:
         """(auto) A cycle of `rows` rows verifying `width` tokens took `seconds`: the clock and the costs learn it."""
         if self.costs is not None:
             forwards = self.costs.cycle_seconds(width, rows, drafted, self.context, block, draft_rows)
-            self.clock[drafted].observe(forwards, seconds)
-            self.costs.observe(width, rows, drafted, seconds, self.context, block, draft_rows)
+            # (a shape's first cycle, which may have compiled its graphs for seconds, is left out of the clock too: one
+            # such cycle fitted a slope that priced every smaller forward at the clock's floor, 10x too cheap)
+            if self.costs.observe(width, rows, drafted, seconds, self.context, block, draft_rows):
+                self.clock[drafted].observe(forwards, seconds)
 
     def _age(self) -> None:
         if self.idle_trees:

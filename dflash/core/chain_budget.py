@@ -92,5 +92,6 @@ class ChainBudget:
             self.probe = False
             if sum(accepted) and (1 + sum(accepted) / rows) / seconds > 1 / self.seconds(0, rows):
                 self.backoff //= 4
-        self.clock[drafted].observe(self.forwards(length, rows), seconds)
-        self.costs.observe(length + 1, rows, drafted, seconds, self.context, length + 1)
+        forwards = self.forwards(length, rows)
+        if self.costs.observe(length + 1, rows, drafted, seconds, self.context, length + 1):
+            self.clock[drafted].observe(forwards, seconds)  # (not a shape's warm-up: budget.py's _timed)

@@ -64,17 +64,18 @@ class Corrections:
         return self.factors.get(self.key(tokens, rows, drafted, block), self.factors.get(ALL, 1.0))
 
     def observe(self, tokens: int, rows: int, drafted: bool, predicted: float, seconds: float,
-                block: int | None = None) -> None:
-        """One cycle of this shape took `seconds` where the uncorrected profile predicted `predicted`."""
+                block: int | None = None) -> bool:
+        """One cycle of this shape took `seconds` where the uncorrected profile predicted `predicted`. Returns whether
+        it was learnt (not a shape's warm-up, not a cycle outside LIMITS): what says something of the device."""
         if predicted <= 0 or seconds <= 0:
-            return
+            return False
         ratio = seconds / predicted
         if not LIMITS[0] <= ratio <= LIMITS[1]:
-            return
+            return False
         shape = self.key(tokens, rows, drafted, block)
         if shape not in self.warm:
             self.warm.add(shape)
-            return
+            return False
         cap = math.log(MAX_STEP)
         # the average this process learnt before this cycle (a loaded one is only a guess); a shape's factor is
         # always this process's (load reads back the average alone)
@@ -88,6 +89,7 @@ class Corrections:
         self.observed += 1
         if self.observed % SAVE_EVERY == 0:
             self.save()
+        return True
 
     def save(self) -> None:
         """Write the factors to `path` (if any; a failed write is not the engine's problem: they are kept in memory)."""

@@ -82,9 +82,10 @@ class Costs:
         return self.verify_seconds(tokens, rows, context) + draft
 
     def observe(self, tokens: int, rows: int, drafted: bool, seconds: float, context: float | None = None,
-                block: int | None = None, draft_rows: int | None = None) -> None:
-        """A cycle of this shape took `seconds` on the wall clock: its shape's correction learns from it."""
-        self.corrections.observe(tokens, rows, drafted,
+                block: int | None = None, draft_rows: int | None = None) -> bool:
+        """A cycle of this shape took `seconds` on the wall clock: its shape's correction learns from it. Returns
+        whether it did (Corrections.observe: not a warm-up, not a stall)."""
+        return self.corrections.observe(tokens, rows, drafted,
                                  self.measured_cycle(tokens, rows, drafted, context, block, draft_rows), seconds,
                                  self._short(block) if drafted else None)
 
