@@ -72,7 +72,7 @@ class Costs:
                       block: int | None = None, draft_rows: int | None = None) -> float:
         """A cycle's forwards: the draft forward (of `block` positions, for `draft_rows` of the rows: default all)
         when `drafted`, then a target forward of `tokens` per row."""
-        return self.corrections.factor(tokens, rows, drafted, self._short(block) if drafted else None) * \
+        return self.corrections.factor(tokens, rows, drafted, self._short(block, drafted)) * \
             self.measured_cycle(tokens, rows, drafted, context, block, draft_rows)
 
     def measured_cycle(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
@@ -86,12 +86,15 @@ class Costs:
         """A cycle of this shape took `seconds` on the wall clock: its shape's correction learns from it. Returns
         whether it did (Corrections.observe: not a warm-up, not a stall)."""
         return self.corrections.observe(tokens, rows, drafted,
-                                 self.measured_cycle(tokens, rows, drafted, context, block, draft_rows), seconds,
-                                 self._short(block) if drafted else None)
+                                        self.measured_cycle(tokens, rows, drafted, context, block, draft_rows),
+                                        seconds, self._short(block, drafted))
 
-    def _short(self, block: int | None) -> int | None:
-        """`block` if it is a measured draft block shorter than the whole one, else None."""
-        return block if block is not None and self.draft_blocks and block < max(self.draft_blocks) else None
+    def _short(self, block: int | None, drafted: bool) -> int | None:
+        """A drafted cycle's `block` if it is a measured draft block shorter than the whole one (its correction's
+        shape), else None."""
+        if not drafted or block is None or not self.draft_blocks or block >= max(self.draft_blocks):
+            return None
+        return block
 
     def _block_share(self, block: int | None, rows: int) -> float:
         """A draft of `block` positions over one of the whole block, at `rows` rows (measured at a few blocks)."""
