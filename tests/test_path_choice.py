@@ -82,9 +82,9 @@ def test_a_chain_that_is_the_copied_branch_is_valued_as_the_tree_of_the_same_nod
     nodes: both are expected to commit the same (before, the chain's q alone made it look worse, and auto kept the
     tree's slower path on text that the chain committed whole)."""
     planner = TreePlanner("auto", 4, 3, Costs(draft=0.0, verify=[(1, 1.0), (512, 1.0)]))
-    for d in range(1, 4):  # copies of this context have been accepted (the row repeats itself)
-        planner.calibration.copy_offered[True][d] = planner.calibration.copy_accepted[True][d] = 50
-    planner.plan([0], [[[5, 6], [7, 6], [8, 6]]], [[[0.4, 0.3]] * 3], copies=[[5, 7, 8]], repeating=[True])
+    for d in range(1, 4):  # copies of this context have been accepted
+        planner.calibration.copy_offered[d] = planner.calibration.copy_accepted[d] = 50
+    planner.plan([0], [[[5, 6], [7, 6], [8, 6]]], [[[0.4, 0.3]] * 3], copies=[[5, 7, 8]])
     tree, chain = planner.choice.tokens
     assert chain == tree > 3.5
 
@@ -107,11 +107,11 @@ def test_a_shorter_block_must_beat_the_chains_path_where_that_is_faster():
         planner = TreePlanner("auto", 16, 16, costs, itl_limit=None)
         calibration, choice = planner.calibration, planner.choice
         for d in range(1, 16):
-            calibration.copy_offered[True][d] = calibration.copy_accepted[True][d] = 1000
+            calibration.copy_offered[d] = calibration.copy_accepted[d] = 1000
         choice.cycles, choice.factor = {"chain": 9, "tree": 9}, {"chain": chain_factor, "tree": 1.0}
         choice.tokens, choice.seconds = [15.0, 15.0], [1.3, 1.3]
         for _ in range(24):  # (a block without a history starts level with the drafted one: a few cycles' evidence)
-            planner.plan([0], *confident, copies=[[5] * 15], repeating=[True])
+            planner.plan([0], *confident, copies=[[5] * 15])
             if planner.draft_block < 16:
                 return planner.draft_block
         return planner.draft_block

@@ -115,29 +115,6 @@ def test_copied_branch_joins_the_tree_and_orphans_are_never_chosen():
         assert a.value >= b.value
 
 
-def test_copy_index_says_whether_the_text_went_on_as_its_branch_said():
-    idx = CopyIndex()
-    idx.observe([4, 5], [4, 9])  # the first copied token was the next one: the text repeats
-    assert idx.repeating
-    idx.observe([4, 5], [7])
-    assert not idx.repeating
-    idx.observe([], [7])  # nothing to copy: no repetition
-    assert not idx.repeating
-
-
-def test_copied_nodes_are_valued_by_the_rate_of_their_rows_state():
-    """Copied branches accepted whole while the text looped, rejected at their first node after the text moved on:
-    a row that is not repeating itself values its branch at the second rate, not at the loops'."""
-    cal = Calibration(3, decay=1.0)
-    branch = Tree([0, 1, 2, 3], [-1, 0, 1, 2], [0, 1, 2, 3], [1.0] * 4, [False, True, True, True])
-    for _ in range(20):
-        cal.observe(branch, [1.0, 0.0, 0.0, 0.0], [1, 2, 3], repeating=True)
-        cal.observe(branch, [1.0, 0.0, 0.0, 0.0], [], repeating=False)
-    assert cal.copy_rate(1, repeating=True) > 0.9 and cal.copy_rate(1, repeating=False) < 0.1
-    looping, fresh = (merge_candidates([], [1, 2, 3], cal, repeating) for repeating in (True, False))
-    assert sum(c.value for c in looping) > 2.5 > 0.5 > sum(c.value for c in fresh)
-
-
 def test_calibration_learns_an_overconfident_drafter():
     cal = Calibration(2, decay=1.0)
     tree = chain_tree(0, [1, 2])

@@ -72,35 +72,6 @@ def test_greedy_tree_is_lossless(trained, mode, budget):
         assert sum(lengths) / len(lengths) >= sum(chain_lengths) / len(chain_lengths)
 
 
-def test_each_plan_values_the_copied_branch_in_the_state_its_rows_text_left(trained, monkeypatch):
-    """A row's copied branch is valued at the rate of rows that repeat themselves only when the cycle before it
-    committed, as its next token, the first token of the branch then offered (greedy loops); a new prompt starts
-    not repeating."""
-    model, drafter, prompts, _ = trained
-    backend = torch_engine(model, drafter, block_size=16)
-    backend.set_verify("tree", 15, FLAT)
-    planner, cycles = backend.verification.planner, backend.verification.trees
-    states, followed, plan, step = [], [], planner.plan, backend.step
-
-    def recording_plan(anchors, *args, **kwargs):
-        states.append(kwargs["repeating"] if "repeating" in kwargs else args[4])
-        return plan(anchors, *args, **kwargs)
-
-    def recording_step(anchors):
-        out = step(anchors)
-        branch = cycles.offered[0]
-        followed.append(bool(branch) and out[0].tokens[0] == branch[0])
-        return out
-    monkeypatch.setattr(planner, "plan", recording_plan)
-    monkeypatch.setattr(backend, "step", recording_step)
-    for p in prompts[:6]:
-        first = len(states)
-        generate(backend, p, max_new_tokens=96)
-        assert states[first] == [False]  # a new prompt
-        assert [s[0] for s in states[first + 1:]] == followed[first:-1]  # each the cycle before's
-    assert True in followed and False in followed
-
-
 def test_cache_after_a_tree_commit_equals_feeding_the_accepted_tokens(trained):
     model, drafter, prompts, _ = trained
     backend = torch_engine(model, drafter, block_size=16)

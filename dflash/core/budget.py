@@ -41,7 +41,7 @@ ITL_LIMIT = 1.5  # auto: a cycle takes at most this many plain steps per token i
 
 
 def _chain_tokens(top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence[float]], copy: Sequence[int],
-                  calibration: Calibration, repeating: bool = False) -> float:
+                  calibration: Calibration) -> float:
     """Tokens a chain cycle is expected to commit: 1 + the calibrated values of the drafter's rank-1 nodes at every
     depth, valued as merge_candidates values them: q times the depth's scale, or the copied branch's rate where the
     rank-1 prefix is the copied one, capped by the parent's value. (Valued by q alone, a chain that is the copied
@@ -53,7 +53,7 @@ def _chain_tokens(top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence
         node = q * calibration.scale(depth)
         copied = copied and depth <= len(copy) and copy[depth - 1] == ids[0]
         if copied:
-            node = max(node, calibration.copy_rate(depth, repeating))
+            node = max(node, calibration.copy_rate(depth))
         value = min(value, node)
         total += value
     return total
@@ -84,7 +84,6 @@ class Plan:
     drafted: bool
     block: int  # positions of the cycle's draft forward
     draft_rows: int | None = None  # rows the draft forward ran for, when not all
-    repeating: list[bool] | None = None  # per row: the copied branch's state it was valued in (Calibration)
 
 
 class RowPauses:
@@ -140,7 +139,6 @@ class TreePlanner:
         self.calibration = Calibration(block_size - 1)
         self.idle_trees = 0  # root-only trees of plain cycles not yet forgotten by (Calibration.age) the calibration
         self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
-        self.pause_repeats = False  # auto: the pause was chosen for a row repeating itself (its copied branch)
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
         self.last_drafted = True
@@ -184,11 +182,7 @@ class TreePlanner:
         """Whether the next cycle drafts nothing either (a pause goes on)."""
         return self.skip > 0
 
-    def drafts_this_cycle(self, repeating: Sequence[bool] | None = None) -> bool:
-        """Whether this cycle drafts (a pause counts down); `repeating` (per row, CopyIndex's): a pause chosen for a
-        repeating row's copied branch ends when no row repeats itself any more."""
-        if self.skip > 0 and self.pause_repeats and not any(repeating or ()):
-            self.skip = self.backoff = 0
+    def drafts_this_cycle(self) -> bool:
         if self.skip > 0:
             self.skip -= 1
             return False
@@ -213,15 +207,13 @@ class TreePlanner:
         self.skip, self.rates = 0, None
         self.row_pauses.reset()
 
-    def plan(self, anchors: Sequence[int], top_ids=None, top_probs=None, copies: Sequence[Sequence[int]] = (),
-             drafting: Sequence[int] | None = None, repeating: Sequence[bool] | None = None) -> Plan:
+    def plan(self, anchors: Sequence[int], top_ids=None, top_probs=None,
+             copies: Sequence[Sequence[int]] = (), drafting: Sequence[int] | None = None) -> Plan:
         """Trees for this cycle. top_ids / top_probs (rows, B-1, k) host lists when the cycle drafted, else None;
-        `drafting`: drafting_rows' answer, the rows they are of (their pauses learn from the plan); `repeating`: per
-        row, whether its text went on as its last copied branch said (dflash.core.tree.CopyIndex)."""
+        `drafting`: drafting_rows' answer, the rows they are of (their pauses learn from the plan)."""
         self._age()
         rows = len(anchors)
         copies = list(copies) if self.copy_branch and copies else [[] for _ in range(rows)]
-        repeats = list(repeating) if repeating is not None else [False] * rows
         drafted = top_ids is not None
         block = len(top_ids[0]) + 1 if drafted else self.block_size  # positions of this cycle's draft
         if drafted and drafting is not None:  # (a row without a draft has none of its own: its copied branch only)
@@ -235,17 +227,17 @@ class TreePlanner:
         for r in range(rows):
             draft = best_first(top_ids[r], top_probs[r], n, self.block_size - 1) \
                 if drafted and top_ids[r] is not None else []
-            candidates.append(merge_candidates(draft, copies[r][: self.block_size - 1], self.calibration, repeats[r]))
+            candidates.append(merge_candidates(draft, copies[r][: self.block_size - 1], self.calibration))
         if self.mode == "tree":
             counts = [min(self.budget, len(c)) for c in candidates]
         else:
             limit = self._limit(rows)
             counts, rate = self._counts(candidates, drafted, limit, block)
             if drafted:
-                chains = [_chain_tokens(i[: self.block_size - 1], p[: self.block_size - 1], c, self.calibration, t)
-                          if p is not None else 1.0 for i, p, c, t in zip(top_ids, top_probs, copies, repeats)]
+                chains = [_chain_tokens(i[: self.block_size - 1], p[: self.block_size - 1], c, self.calibration)
+                          if p is not None else 1.0 for i, p, c in zip(top_ids, top_probs, copies)]
                 self.draft_block, rate = self._next_block(candidates, counts, rate, limit, block)
-                self._update_pause(copies, repeats, rate, limit)
+                self._update_pause(copies, rate, limit)
                 self.chain_within = self._chain_within(chains, limit)
                 given = {r: any(not c.copied for c in candidates[r][:counts[r]]) for r in drafting or ()}
                 if any(given.values()):  # (no row given one: the whole batch's pause)
@@ -262,7 +254,7 @@ class TreePlanner:
                 self.reach = min(self.budget, max(2 * max(counts), 2 * (self.block_size - 1)))
         trees = [to_tree(a, c[:k]) for a, c, k in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]
-        return Plan(trees, qs, drafted, block, self.draft_rows, repeats)
+        return Plan(trees, qs, drafted, block, self.draft_rows)
 
     def observe_plain(self, rows: int, seconds: float) -> None:
         """Learn from a plain cycle run without a plan (a pause with nothing to copy): what observing its root-only
@@ -274,9 +266,8 @@ class TreePlanner:
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
         self._age()
-        repeats = plan.repeating or [False] * len(plan.trees)
-        for tree, qs, path, repeating in zip(plan.trees, plan.qs, paths, repeats):
-            self.calibration.observe(tree, qs, list(path), repeating)
+        for tree, qs, path in zip(plan.trees, plan.qs, paths):
+            self.calibration.observe(tree, qs, list(path))
         probe = plan.drafted and not self.last_drafted
         self.last_drafted = plan.drafted
         if self.mode == "auto" and plan.drafted and (self.skip or self.backoff) and _outran(plan, paths):
@@ -370,11 +361,11 @@ class TreePlanner:
         seconds = self.auto_costs.cycle_seconds(self.block_size, rows, True, self.context)
         return self.clock[True](seconds) <= limit * least
 
-    def _update_pause(self, copies, repeats: Sequence[bool], drafted_rate: float, limit: float | None) -> None:
+    def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:
         """Compare the predicted rate of drafted cycles with what the same cycles would give without the draft
         forward (the copied branch alone), both smoothed over recent cycles so that one unsure draft does not stop
         a good drafter: pause drafting, for longer each time, while not drafting wins."""
-        undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration, t) for c, t in zip(copies, repeats)]
+        undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
         _, undrafted_rate = self._counts(undrafted, False, limit)
         first = self.rates is None  # (a request's first drafted cycle: one unsmoothed look)
         if self.rates is None:
@@ -382,7 +373,6 @@ class TreePlanner:
         else:
             self.rates = [r + 0.3 * (x - r) for r, x in zip(self.rates, (drafted_rate, undrafted_rate))]
         if self.rates[1] > self.rates[0]:
-            self.pause_repeats = any(repeats)
             if first:  # one more look before a pause as long as the last request's
                 self.skip = 1
             else:

@@ -126,13 +126,6 @@ class CopyIndex:
         self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.last: dict[tuple[int, ...], int] = {}  # n-gram -> end position of its latest occurrence but the final
-        self.repeating = False  # whether the text went on as the last branch offered said (Calibration's state)
-
-    def observe(self, offered: Sequence[int], committed: Sequence[int]) -> None:
-        """A cycle committed `committed` after the branch `offered` before it: is the text repeating itself (its next
-        token the copied one)? Judged on the text, whether or not the branch was verified, so a row whose branch is
-        priced too low to be verified still finds its loop."""
-        self.repeating = bool(offered) and bool(committed) and committed[0] == offered[0]
 
     def update(self, tokens: Sequence[int]) -> None:
         """Bring the index to `tokens` (the row's committed tokens; a shorter or different list starts over)."""
@@ -167,23 +160,19 @@ class Calibration:
 
     Draft nodes: value = q * (accepted + prior) / (predicted + prior), where `predicted` sums the q of the verified
     nodes at that depth and `accepted` counts the depth's accepted node. Copied nodes: value = the observed rate at
-    which a copied node at that depth was accepted (a 0.5**depth prior), kept apart for rows whose last copied branch
-    was accepted (`repeating`: text that repeats itself goes on repeating) and rows whose was not. One rate for both
-    priced a new prompt's first copied branches at the loops of the prompts before it: the reference pair, 8 of 15
-    nodes expected from a branch rejected at its first node 6 cycles in a row, while auto paused its drafter for it."""
+    which a copied node at that depth was accepted (a 0.5**depth prior)."""
 
     depths: int
     decay: float = 0.98
     prior: float = 1.0
     predicted: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
-    copy_offered: list[list[float]] = field(default_factory=list)  # [repeating][depth]
-    copy_accepted: list[list[float]] = field(default_factory=list)
+    copy_offered: list[float] = field(default_factory=list)
+    copy_accepted: list[float] = field(default_factory=list)
 
     def __post_init__(self):
-        self.predicted, self.accepted = [0.0] * (self.depths + 1), [0.0] * (self.depths + 1)
-        self.copy_offered = [[0.0] * (self.depths + 1) for _ in range(2)]
-        self.copy_accepted = [[0.0] * (self.depths + 1) for _ in range(2)]
+        for name in ("predicted", "accepted", "copy_offered", "copy_accepted"):
+            setattr(self, name, [0.0] * (self.depths + 1))
 
     def scale(self, depth: int) -> float:
         return (self.accepted[depth] + self.prior) / (self.predicted[depth] + self.prior)
@@ -191,40 +180,36 @@ class Calibration:
     def age(self, trees: int) -> None:
         """Forget as `trees` observations of trees without a node do (one per row of a plain cycle)."""
         factor = self.decay ** trees
-        for series in (self.predicted, self.accepted, *self.copy_offered, *self.copy_accepted):
+        for series in (self.predicted, self.accepted, self.copy_offered, self.copy_accepted):
             for d in range(len(series)):
                 series[d] *= factor
 
-    def copy_rate(self, depth: int, repeating: bool = False) -> float:
-        offered, accepted = self.copy_offered[repeating], self.copy_accepted[repeating]
-        return (accepted[depth] + self.prior * 0.5 ** depth) / (offered[depth] + self.prior)
+    def copy_rate(self, depth: int) -> float:
+        return (self.copy_accepted[depth] + self.prior * 0.5 ** depth) / (self.copy_offered[depth] + self.prior)
 
-    def observe(self, tree: "Tree", qs: list[float], path: list[int], repeating: bool = False) -> None:
+    def observe(self, tree: "Tree", qs: list[float], path: list[int]) -> None:
         self.age(1)
         on_path = set(path)
-        offered, accepted = self.copy_offered[repeating], self.copy_accepted[repeating]
         for i in range(1, len(tree.tokens)):
             d = tree.depths[i]
             if qs[i] > 0:
                 self.predicted[d] += qs[i]
                 self.accepted[d] += i in on_path
             if tree.copied[i]:
-                offered[d] += 1
-                accepted[d] += i in on_path
+                self.copy_offered[d] += 1
+                self.copy_accepted[d] += i in on_path
 
 
-def merge_candidates(draft: list[Candidate], copy: Sequence[int], calibration: Calibration,
-                     repeating: bool = False) -> list[Candidate]:
-    """Calibrated draft candidates plus the copied branch (valued for a row `repeating` or not: Calibration), one
-    candidate per distinct prefix, sorted so that the first n of them always form a tree (every node's value is capped
-    by its parent's; ties go to the shallower)."""
+def merge_candidates(draft: list[Candidate], copy: Sequence[int], calibration: Calibration) -> list[Candidate]:
+    """Calibrated draft candidates plus the copied branch, one candidate per distinct prefix, sorted so that the
+    first n of them always form a tree (every node's value is capped by its parent's; ties go to the shallower)."""
     by_prefix: dict[tuple[int, ...], Candidate] = {}
     for c in draft:
         c.value = c.q * calibration.scale(len(c.tokens))
         by_prefix[c.tokens] = c
     for d in range(1, len(copy) + 1):
         prefix = tuple(copy[:d])
-        rate = calibration.copy_rate(d, repeating)
+        rate = calibration.copy_rate(d)
         drafted = by_prefix.get(prefix)
         if drafted is None:
             by_prefix[prefix] = Candidate((), prefix, 0.0, rate, True)

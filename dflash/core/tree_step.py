@@ -23,19 +23,17 @@ class TreeCycle:
     def __init__(self, planner: TreePlanner):
         self.planner = planner
         self.copies: list[CopyIndex] = []  # per row: prompt lookup for the copied branch (rebuilt when rows join)
-        self.offered: list[list[int]] = []  # per row: this cycle's copied branch
         self.last_trees: list[Tree] = []  # the last cycle's trees and accepted paths (introspection: tests, traces)
         self.last_paths: list[list[int]] = []
 
     def retire(self, keep: list[int], rows: int) -> None:
         """Of the engine's `rows` rows only `keep` stay, in that order."""
         self.copies = [self.copies[i] for i in keep] if len(self.copies) == rows else []
-        self.offered = []
         self.planner.retire(keep)
 
     def reset(self) -> None:
         """The engine's rows start over."""
-        self.copies, self.offered = [], []
+        self.copies = []
         self.planner.reset()
 
     def run(self, engine: CycleEngine, anchors: list[int]) -> list[Step]:
@@ -43,7 +41,7 @@ class TreeCycle:
         planner, target, b = self.planner, engine.target, engine.block_size
         start = time.perf_counter()
         copies = self._copies(engine, anchors) if planner.copy_branch else []
-        drafts = planner.drafts_this_cycle(self._repeating())
+        drafts = planner.drafts_this_cycle()
         if not drafts and not any(copies):  # a pause with nothing to copy: the plain step, and nothing to plan
             # (a lazy target runs the next step ahead, even before a probe: a probe that plans no node takes it)
             steps = engine.plain_step(anchors, again=not planner.copy_branch)
@@ -61,14 +59,13 @@ class TreeCycle:
             some = drafting if drafting is not None and len(drafting) < len(anchors) else None
             draft = engine.draft(anchors, planner.top_k, draws, block=planner.draft_block, rows=some)
             plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies,
-                                drafting, self._repeating())
+                                drafting)
         else:
-            plan = planner.plan(anchors, copies=copies, repeating=self._repeating())
+            plan = planner.plan(anchors, copies=copies)
         if all(len(t.tokens) == 1 for t in plan.trees):  # no node (drafted or copied) worth its verify cost: plain
             steps = engine.plain_step(anchors, again=planner.pauses_next and not planner.copy_branch)
             for step in steps:
                 step.draft_forward = plan.drafted
-            self._follow(steps)
             planner.observe(plan, [[] for _ in steps], time.perf_counter() - start)
             self.last_trees, self.last_paths = plan.trees, [[] for _ in steps]
             return steps
@@ -97,7 +94,6 @@ class TreeCycle:
         if logprobs is not None:  # committed token k was drawn at slot slots[k]
             for step, row_slots, chosen, top in zip(steps, slots, *logprobs):
                 step.logprobs, step.top_logprobs = [chosen[j] for j in row_slots], [top[j] for j in row_slots]
-        self._follow(steps)
         planner.observe(plan, paths, time.perf_counter() - start)
         self.last_trees, self.last_paths = plan.trees, paths
         # (after a cycle without a draft forward, the features wait behind the earlier pending ones for the next draft)
@@ -113,14 +109,4 @@ class TreeCycle:
         for index, row, anchor in zip(self.copies, engine.rows, anchors):
             index.update(row + [anchor])
             out.append(index.continuation(engine.block_size - 1))
-        self.offered = out
         return out
-
-    def _repeating(self) -> list[bool] | None:
-        """Per row: whether its text went on as its last copied branch said (None: no copied branch)."""
-        return [index.repeating for index in self.copies] if self.offered else None
-
-    def _follow(self, steps: list[Step]) -> None:
-        if self.offered:
-            for index, offered, step in zip(self.copies, self.offered, steps):
-                index.observe(offered, step.tokens)
