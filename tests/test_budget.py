@@ -38,10 +38,8 @@ def test_auto_drafts_a_short_block_where_the_draft_forward_is_most_of_the_cycle(
     for _ in range(60):  # every cycle drafts the block chosen after the last one
         blocks.append(planner.plan([0] * 16, *_confident_chain(16, planner.draft_block - 1)).block)
         planner.skip = 0
-    # 16 rows: a draft of 16 positions does not pay; after a few cycles' evidence (a block without a history starts
-    # level with the drafted one) it is tried again ever more rarely
-    assert blocks[:3] == [16, 16, 16] and 16 not in blocks[3:5] and blocks[-20:].count(16) <= 1
-    assert planner.draft_block < 16
+    # 16 rows: a draft of 16 positions does not pay; it is tried again ever more rarely
+    assert blocks[:3] == [16, 4, 8] and blocks[-20:].count(16) <= 1 and planner.draft_block < 16
     assert planner.path() == "tree"  # (the chain's own path drafts the whole block)
     single = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
     for _ in range(12):
@@ -94,7 +92,7 @@ def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
         planner.plan([0] * 16, list(ids), list(probs), drafting=drafting)
         return planner.rates[0]
 
-    assert drafted_rate([0, 1]) > 1.3 * drafted_rate(None)  # (11.0 against 8.0 tokens per unit of time)
+    assert drafted_rate([0, 1]) > 1.5 * drafted_rate(None)  # (13.8 against 8.0 tokens per unit of time)
 
 
 def test_a_plan_that_gives_no_row_a_drafted_node_pauses_the_batch_not_every_row():

@@ -110,7 +110,7 @@ def test_a_shorter_block_must_beat_the_chains_path_where_that_is_faster():
             calibration.copy_offered[d] = calibration.copy_accepted[d] = 1000
         choice.cycles, choice.factor = {"chain": 9, "tree": 9}, {"chain": chain_factor, "tree": 1.0}
         choice.tokens, choice.seconds = [15.0, 15.0], [1.3, 1.3]
-        for _ in range(24):  # (a block without a history starts level with the drafted one: a few cycles' evidence)
+        for _ in range(8):
             planner.plan([0], *confident, copies=[[5] * 15])
             if planner.draft_block < 16:
                 return planner.draft_block

@@ -66,9 +66,7 @@ def _outran(plan: "Plan", paths: Sequence[Sequence[int]]) -> bool:
     auto pause for 28 of its first 31 cycles, each probe's small tree accepted to its last node."""
     rows = 0
     for tree, qs, path in zip(plan.trees, plan.qs, paths):
-        # (a drafted node the copied branch also holds says nothing of the drafter: in a loop the drafter follows the
-        # copy, and each accepted probe ended the pause that verified the copy alone at 11 ms a cycle against 18)
-        deepest = max((d for d, q, c in zip(tree.depths, qs, tree.copied) if q > 0 and not c), default=0)
+        deepest = max((d for d, q in zip(tree.depths, qs) if q > 0), default=0)
         if deepest < 2:
             continue
         rows += 1
@@ -322,10 +320,7 @@ class TreePlanner:
             kept = [[c for c in cs if c.copied or len(c.tokens) < b] for cs in candidates]
             rates[b] = self._counts(kept, True, limit, b)[1]
         for b, r in rates.items():  # smoothed: one cycle's text says little about which depth pays
-            # (a block without a history starts level with the drafted one's: one unsmoothed look at a new text's
-            # first cycle, whose deep nodes the drafter is least sure of, set a draft of 8 positions for whole requests
-            # on the reference pair, tau 6.1 against the fixed tree's 7.9)
-            old = self.block_rates.get(b, self.block_rates.get(block))
+            old = self.block_rates.get(b)
             self.block_rates[b] = r if old is None else old + BLOCK_SMOOTHING * (r - old)
         best = max(rates, key=self.block_rates.__getitem__)
         if self.block_rates[best] < (1 + BLOCK_MARGIN) * self.block_rates[block]:
