@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
+
+_CHUNK = 64  # top_probs: logits per chunk of the vocabulary
+_LOG2_E = 1 / math.log(2)
 
 
 class MLXOps:
@@ -47,6 +52,32 @@ class MLXOps:
         top = mx.take_along_axis(x, ids, axis=-1)
         order = mx.argsort(-top, axis=-1)
         return mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
+
+    @staticmethod
+    def top_probs(logits, k):
+        """top_k(softmax(logits)), without a softmax or a partition over the whole vocabulary: on MLX's CPU backend
+        both cost more than a small draft's layers (exp ~12 ns an element, a partition of 15 x 4096 ~0.6 ms). The k
+        largest logits lie in the k chunks of CHUNK whose maxima are largest (any other chunk's elements are below k
+        maxima), so one partition runs over those chunks' k * CHUNK logits; the normaliser takes 2^x, ~2.5x exp's
+        speed there. Exact: the same tokens as a partition of the softmax (ties aside), probabilities within 1e-6."""
+        x = logits.astype(mx.float32)
+        *lead, v = x.shape
+        if k * _CHUNK >= v:
+            ids = mx.argpartition(-x, kth=k - 1, axis=-1)[..., :k]
+        else:
+            if v % _CHUNK:  # (pad to whole chunks with -inf, which no chunk maximum or top-k takes)
+                x = mx.concatenate([x, mx.full((*lead, _CHUNK - v % _CHUNK), -mx.inf, dtype=x.dtype)], axis=-1)
+            chunks = x.reshape(*lead, -1, _CHUNK)
+            best = mx.argpartition(-chunks.max(axis=-1), kth=k - 1, axis=-1)[..., :k]  # (..., k) chunk ids
+            pool = mx.take_along_axis(chunks, best[..., None], axis=-2).reshape(*lead, k * _CHUNK)
+            j = mx.argpartition(-pool, kth=k - 1, axis=-1)[..., :k]
+            ids = mx.take_along_axis(best, j // _CHUNK, axis=-1) * _CHUNK + j % _CHUNK
+        top = mx.take_along_axis(x, ids, axis=-1)
+        order = mx.argsort(-top, axis=-1)
+        top, ids = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(ids, order, axis=-1)
+        peak = x.max(axis=-1, keepdims=True)
+        log_norm = peak + mx.log(mx.power(2.0, (x - peak) * _LOG2_E).sum(axis=-1, keepdims=True))
+        return mx.exp(top - log_norm), ids.astype(mx.int32)
 
     @staticmethod
     def stack(parts, axis=0):

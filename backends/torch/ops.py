@@ -57,6 +57,10 @@ class TorchOps:
         return x.topk(k, dim=-1)
 
     @staticmethod
+    def top_probs(logits, k):
+        return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+
+    @staticmethod
     def stack(parts, axis=0):
         return torch.stack(parts, dim=axis)
 

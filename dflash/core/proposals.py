@@ -43,10 +43,9 @@ def choose(ops: ArrayOps, anchor_ids, logits, draws, top_k: int, filtered: Calla
             score = warped if t == 0 else (warped if t == 1.0 else warped / t) + draw.gumbel[:positions]
             proposals.append(ops.argmax(score, axis=-1))
             if top_k:
-                tops[i] = ops.top_k(ops.softmax(score, axis=-1), top_k)
+                tops[i] = ops.top_probs(score, top_k)
             continue
-        probs, ids = ops.top_k(ops.softmax(warped / t if 0 < t < 1.0 else warped, axis=-1),
-                               min(Q_CANDIDATES, warped.shape[-1]))
+        probs, ids = ops.top_probs(warped / t if 0 < t < 1.0 else warped, min(Q_CANDIDATES, warped.shape[-1]))
         if t == 0:  # one-hot: the argmax, and q certain of it
             probs = one_hot(ops, ops.token_ids(ops.zeros_like(probs[:, 0])), probs)
             proposals.append(ids[:, 0])
@@ -56,14 +55,14 @@ def choose(ops: ArrayOps, anchor_ids, logits, draws, top_k: int, filtered: Calla
             proposals.append(ops.gather(ids, pick[:, None], axis=1)[:, 0])
         qs[i] = (ids, probs)
         if top_k:  # (multi rows: the tree's children are q's most probable tokens)
-            tops[i] = ops.top_k(ops.softmax(warped, axis=-1), top_k)
+            tops[i] = ops.top_probs(warped, top_k)
     draft = Draft(ops.concatenate([anchor_ids, ops.token_ids(ops.stack(proposals))], axis=1))
     if any(q is not None for q in qs):
         ids, probs = next(q for q in qs if q is not None)
         draft.q_ids = ops.stack([q[0] if q else ops.zeros_like(ids) for q in qs])
         draft.q_probs = ops.stack([q[1] if q else ops.zeros_like(probs) for q in qs])
     if top_k and any(t is not None for t in tops):
-        plain = ops.top_k(ops.softmax(logits, axis=-1), top_k)
+        plain = ops.top_probs(logits, top_k)
         pairs = [t if t is not None else (plain[0][i], plain[1][i]) for i, t in enumerate(tops)]
         draft.top_probs, draft.top_ids = ops.stack([p for p, _ in pairs]), ops.stack([x for _, x in pairs])
     return _with_top(ops, draft, logits, top_k)
@@ -120,5 +119,5 @@ def _with_top(ops: ArrayOps, draft: Draft, logits, top_k: int) -> Draft:
     """Tree verification's per-position candidates, where the rule did not rank them: the draft's top-k by
     probability."""
     if top_k and draft.top_ids is None:
-        draft.top_probs, draft.top_ids = ops.top_k(ops.softmax(logits, axis=-1), top_k)
+        draft.top_probs, draft.top_ids = ops.top_probs(logits, top_k)
     return draft
