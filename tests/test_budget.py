@@ -3,7 +3,7 @@ drafter's (the plan's node counts are tests/test_tree.py's; the chain-or-tree pa
 
 import pytest
 
-from dflash.core.budget import TreePlanner
+from dflash.core.budget import MAX_PAUSE, TreePlanner
 from dflash.core.cost_model import Costs
 from test_cost_model import CPU, HEAVY
 
@@ -119,6 +119,21 @@ def test_a_new_request_probes_at_once_and_keeps_the_pauses_length():
     planner.skip = 0
     planner.plan([0], [weak[0]], [weak[1]])  # that one loses too: the next pause is longer still, not 1
     assert planner.skip == 2 * backoff
+
+
+def test_after_the_longest_pause_a_new_requests_losing_first_look_pauses_at_once():
+    """A drafter whose every probe of the last text lost (pauses grown to MAX_PAUSE) gets one look at a new text, not
+    two: a look that loses pauses for the longest pause again (an untrained drafter's second look was a third of
+    its probes, each a draft forward and a host read for a plan with no node)."""
+    weak = ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
+    planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
+    while planner.backoff < MAX_PAUSE:
+        planner.plan([0], [weak[0]], [weak[1]])
+        planner.skip = 0
+    planner.reset()
+    assert planner.drafts_this_cycle()
+    planner.plan([0], [weak[0]], [weak[1]])
+    assert planner.skip == MAX_PAUSE and planner.backoff == MAX_PAUSE
 
 
 def test_a_probes_time_is_not_learnt_and_a_new_request_forgets_the_last_ones_rates():

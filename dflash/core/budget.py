@@ -368,8 +368,8 @@ class TreePlanner:
         else:
             self.rates = [r + 0.3 * (x - r) for r, x in zip(self.rates, (drafted_rate, undrafted_rate))]
         if self.rates[1] > self.rates[0]:
-            if first:  # one more look before a pause as long as the last request's
-                self.skip = 1
+            if first and self.backoff < MAX_PAUSE:  # one more look before a pause as long as the last request's
+                self.skip = 1  # (after the longest pause, the last text was that look: every probe of it lost)
             else:
                 self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
                 self.skip = self.backoff
