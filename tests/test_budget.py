@@ -53,6 +53,29 @@ def test_a_plan_that_reaches_the_short_blocks_end_tries_the_next_one_up():
     planner.plan([0] * 16, *_confident_chain(16, 3))  # every row's chain uses all 3 positions
     assert planner.draft_block == 8
 
+def test_one_row_that_accepts_its_short_blocks_last_drafted_node_drafts_the_next_block_up_at_once():
+    """A short block carried over from earlier texts is left as soon as the target accepts everything it drafted (one
+    row): on MLX the q-based values had kept auto at block 8 on a text the chain committed 8.9 tokens a cycle of."""
+    def after(rows: int, copied: bool = False, depth: int = 3) -> int:
+        planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=copied, itl_limit=None)
+        planner.draft_block = planner.drafted_block = 4
+        ids, probs = _confident_chain(rows, 3)
+        plan = planner.plan([0] * rows, ids, probs, copies=[[3, 3, 3]] * rows if copied else ())
+        planner.draft_block = 4  # (whatever the plan's rates chose: the cycle's outcome decides here)
+        tree = plan.trees[0]
+        path = [i for i in range(1, len(tree.tokens)) if tree.depths[i] <= depth and tree.tokens[i] == 3]
+        if copied:  # (the copied branch's nodes alone)
+            for qs in plan.qs:
+                qs[1:] = [0.0] * (len(qs) - 1)
+        planner.observe(plan, [path] * rows)
+        return planner.draft_block
+
+    assert after(1) == 8
+    assert after(1, depth=2) == 4  # (the block's last node was not reached)
+    assert after(1, copied=True) == 4  # (the copied branch reached it, not the drafter)
+    assert after(2) == 4  # (a batch's short block is its cost's choice)
+
+
 def test_a_row_given_no_drafted_node_leaves_the_draft_forward_for_longer_each_time():
     from dflash.core.budget import RowPauses
 

@@ -75,6 +75,13 @@ def _outran(plan: "Plan", paths: Sequence[Sequence[int]]) -> bool:
     return rows > 0
 
 
+def _filled(plan: "Plan", paths: Sequence[Sequence[int]]) -> bool:
+    """Whether a one-row cycle accepted a drafted node at its draft block's last position: the target took all that
+    the drafter gave, and a deeper block would have had more to give."""
+    tree, qs, path = plan.trees[0], plan.qs[0], paths[0]
+    return any(tree.depths[i] == plan.block - 1 and qs[i] > 0 for i in path)
+
+
 @dataclass
 class Plan:
     trees: list[Tree]
@@ -270,6 +277,13 @@ class TreePlanner:
         self.last_drafted = plan.drafted
         if self.mode == "auto" and plan.drafted and (self.skip or self.backoff) and _outran(plan, paths):
             self.skip = self.backoff = 0  # (the pause this cycle's prediction chose was the prediction's mistake)
+        if self.mode == "auto" and plan.drafted and plan.block < self.block_size and len(plan.trees) == 1 and \
+                _filled(plan, paths):
+            # (the deeper block at once: its q-based value is pessimistic on a text the drafter knows deep, where a
+            # short block, carried over from earlier texts, held auto at tau 6.6 against the chain's 8.9 on MLX. One
+            # row only: a batch's short block is chosen for its cost, and deepening it there cost concurrency 32)
+            deeper = self.blocks[self.blocks.index(plan.block) + 1]
+            self.draft_block, self.deepen_wait[deeper], self.deepen_after[deeper] = deeper, 0, 1
         # (a probe's draft forward also reads every position its pause committed, up to MAX_PAUSE: learnt as a drafted
         # cycle's cost, it made drafting look dearer after each pause, and the pauses longer)
         if seconds is not None and not probe:
