@@ -282,7 +282,8 @@ class TreePlanner:
             # (the deeper block at once: its q-based value is pessimistic on a text the drafter knows deep, where a
             # short block, carried over from earlier texts, held auto at tau 6.6 against the chain's 8.9 on MLX. One
             # row only: a batch's short block is chosen for its cost, and deepening it there cost concurrency 32)
-            deeper = self.blocks[self.blocks.index(plan.block) + 1]
+            deeper = self._deeper(plan.block)
+            assert deeper is not None  # (a block shorter than the whole one)
             self.draft_block, self.deepen_wait[deeper], self.deepen_after[deeper] = deeper, 0, 1
         # (a probe's draft forward also reads every position its pause committed, up to MAX_PAUSE: learnt as a drafted
         # cycle's cost, it made drafting look dearer after each pause, and the pauses longer)
@@ -349,11 +350,15 @@ class TreePlanner:
         self.drafted_block = block
         # (a drafted node the copied branch also holds counts: the drafter reached that deep)
         deepest = max((len(c.tokens) for cs, k in zip(candidates, counts) for c in cs[:k] if c.ranks), default=0)
-        deeper = self.blocks[self.blocks.index(block) + 1] if block < self.block_size else None
+        deeper = self._deeper(block)
         if best == block and deeper and deepest >= block - 1 and not wait[deeper]:
             if self._counts(candidates, True, limit, deeper)[1] > 0:  # (not when its draft alone breaks the limit)
                 best = deeper
         return best, best_rate
+
+    def _deeper(self, block: int) -> int | None:
+        """The measured draft block after `block` (None after the whole block)."""
+        return self.blocks[self.blocks.index(block) + 1] if block < self.block_size else None
 
     def _limit(self, rows: int) -> float | None:
         """Seconds a cycle may take per token its least-served row expects: itl_limit plain steps of this batch."""
