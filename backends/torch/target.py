@@ -125,20 +125,36 @@ def target_info(model) -> TargetInfo:
                       final_logit_softcapping=getattr(cfg, "final_logit_softcapping", None))
 
 
+class _Recording:
+    """A decoder layer's forward that also hands its output to a LayerCapture (a pass-through once that is removed)."""
+
+    def __init__(self, forward, capture: "LayerCapture", layer_id: int, replaced):
+        self.forward, self.capture, self.layer_id = forward, capture, layer_id
+        self.replaced = replaced  # the layer's instance forward it stands in for (None: the class's own)
+
+    def __call__(self, *args, **kwargs):
+        output = self.forward(*args, **kwargs)
+        if self.capture.live:
+            self.capture.outputs[self.layer_id] = output[0] if isinstance(output, tuple) else output
+        return output
+
+
 class LayerCapture:
-    """Forward hooks on this model instance's decoder layers `layer_ids` (HF layer id i = hidden_states[i + 1], the
-    output of decoder layer i). Only those outputs are kept, and only for the forward in flight."""
+    """The outputs of this model instance's decoder layers `layer_ids` (HF layer id i = hidden_states[i + 1], the
+    output of decoder layer i), kept for the forward in flight only. Each of those layers' forward is wrapped on the
+    instance rather than hooked: a forward hook sends every call of the layer through nn.Module's slow path, ~1% of a
+    small target's decoding step, which a cycle that does not draft would pay over a plain step."""
 
     def __init__(self, model, layer_ids: list[int]):
         self.layer_ids = list(layer_ids)
         self.outputs: dict[int, torch.Tensor] = {}
-        layers = decoder_layers(model)
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
-
-    def _hook(self, i):
-        def hook(module, args, output):
-            self.outputs[i] = output[0] if isinstance(output, tuple) else output
-        return hook
+        self.live = True
+        self.wrapped: list[tuple[torch.nn.Module, _Recording]] = []
+        for i in self.layer_ids:
+            layer = decoder_layers(model)[i]
+            recording = _Recording(layer.forward, self, i, layer.__dict__.get("forward"))
+            layer.forward = recording
+            self.wrapped.append((layer, recording))
 
     def pop(self) -> torch.Tensor:
         """Concatenated features (b, T, K*H) of the last forward."""
@@ -147,6 +163,17 @@ class LayerCapture:
         return feats
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        """Stop recording and unwrap the layers (a layer wrapped again since, by another capture, keeps this one's
+        wrapper as a pass-through until that capture is removed too)."""
+        self.live = False
+        for layer, recording in self.wrapped:
+            if layer.__dict__.get("forward") is not recording:
+                continue
+            replaced = recording.replaced
+            while isinstance(replaced, _Recording) and not replaced.capture.live:
+                replaced = replaced.replaced  # (a capture removed while this one was wrapped over it)
+            if replaced is None:
+                del layer.forward
+            else:
+                layer.forward = replaced
+        self.wrapped = []

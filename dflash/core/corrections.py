@@ -20,6 +20,7 @@ off, costs.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -50,6 +51,7 @@ class Corrections:
         self.warm: set[str] = set()  # shapes whose first cycle in this process has run (it is not learnt)
 
     @staticmethod
+    @functools.cache  # (asked twice a cycle, of a few shapes)
     def key(tokens: int, rows: int, drafted: bool, block: int | None = None) -> str:
         """`block`: a draft forward shorter than the whole block, whose cycles are their own shape (they run on a
         tree's path, whose host work a full block's chain cycles do not pay)."""

@@ -45,7 +45,9 @@ CONTEXT = 64  # positions before the measured forwards ...
 LONGER_CONTEXT = 320  # ... and again after these (a serving load's rows: prompt + answer), at fewer points
 BATCH_SECONDS = 0.25  # batches are measured where one row of as many tokens takes less than this
 ROUNDS = 3  # timings of every point, interleaved; the median is kept
-ROUNDS_SECONDS = 4.0  # ... fewer rounds where one round takes longer than a third of this (a large model on a CPU)
+MAX_ROUNDS = 9  # ... more where they are cheap: a small model's 1- and 2-token verifies differ by less than three
+# timings' noise, and a profile that priced them alike verified a node of 1% every probe of a drafter never right
+ROUNDS_SECONDS = 4.0  # the rounds of one set of points take at most about this long (fewer than ROUNDS on a slow device)
 LIVE_TOLERANCE = 3.0  # a cached plain step this many times slower or faster than one timed now is measured again
 # a cached profile whose saved corrections put the cycles' wall time this many times over or under its predictions
 # on average (over every cycle run with it: the corrections' all-shapes factor) is measured again at the next load
@@ -54,7 +56,7 @@ DRIFT_TOLERANCE = 1.5
 
 # the engine code whose speed a profile measured: bumped when a forward gets faster, so cached profiles are measured
 # anew (as a new grid, shape or device is)
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 
 def cache_dir() -> Path:
@@ -171,7 +173,8 @@ def live_plain_step(engine, repeats: int = 3) -> float:
 
 class Probe:
     """Timed forwards of the engine's own primitives after `context` cached positions: a chain-shaped tree of n
-    tokens per row (the tree path's own mask and positions), and a draft of `block` positions."""
+    tokens per row (the tree path's own mask and positions; one token: the plain step), and a draft of `block`
+    positions."""
 
     def __init__(self, engine, context: int, rows: int = 1):
         self.engine, self.target, self.drafter = engine, engine.target, engine.drafter
@@ -189,7 +192,9 @@ class Probe:
         inputs = TreeInputs.of([chain_tree(self.anchor, [self.anchor] * (n - 1))] * rows)
         ids = target.ids(inputs.ids.tolist())
         start = time.perf_counter()
-        logits, _ = target.forward(ids, last_only=False, tree=inputs)
+        # (one token is the plain step, which a cycle runs without the tree's mask: priced as a tree's, a first node
+        # looked free beside it, and a drafter never right verified one every probe)
+        logits, _ = target.forward(ids, last_only=False, tree=inputs if n > 1 else None)
         target.to_host(target.sample(logits, self.engine.rows, ids, self.engine.row_sampling))
         seconds = time.perf_counter() - start
         target.keep([0] * rows, n)
@@ -215,10 +220,13 @@ def settled(fn, tries: int = 8) -> None:
 
 
 def rounds(points: dict, first: dict[str, float], budget: float = ROUNDS_SECONDS) -> dict[str, float]:
-    """The median per point of its `first` timing and of further interleaved rounds (ROUNDS in all, fewer where
-    one round takes more than budget / ROUNDS). points: name -> a function that times it once."""
+    """The median per point of its `first` timing and of further interleaved rounds: as many as take `budget`
+    seconds, between ROUNDS and MAX_ROUNDS in all (fewer than ROUNDS where one round takes more than budget /
+    ROUNDS). points: name -> a function that times it once."""
     samples = {k: [t] for k, t in first.items()}
-    extra = ROUNDS - 1 if sum(first.values()) * ROUNDS <= budget else (1 if sum(first.values()) * 2 <= budget else 0)
+    one = sum(first.values())
+    fit = int(budget / one) if one > 0 else MAX_ROUNDS
+    extra = min(max(fit, ROUNDS), MAX_ROUNDS) - 1 if fit >= ROUNDS else max(min(fit, 2) - 1, 0)
     for _ in range(extra):
         for name, fn in points.items():
             samples[name].append(fn())
