@@ -50,13 +50,13 @@ def prompt_file(tmp_path_factory):
 
 
 def test_tiny_run_writes_reports_and_checks_greedy_equality(sharp_models, prompt_file, tmp_path):
-    """The real path: one worker process per method (2 here: worker start-up is the cost), interleaved prompts, each
-    run twice."""
+    """The real path: worker processes per method (two each here, the prompts' two runs dealt one to each),
+    interleaved prompts, each run twice."""
     target, draft, ar = sharp_models
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "dflash.bench", "--model", str(target), "--draft", str(draft), "--ar-draft", str(ar),
            "--prompts", str(prompt_file), "--max-new-tokens", "16", "--threads", "1", "--out", str(out),
-           "--methods", "dflash_b16", "--no-progress", "--repeats", "2"]
+           "--methods", "dflash_b16", "--no-progress", "--repeats", "2", "--processes", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     for name in ("results.json", "results.md", "speedup.png", "acceptance_histogram.png",
@@ -67,6 +67,9 @@ def test_tiny_run_writes_reports_and_checks_greedy_equality(sharp_models, prompt
     assert list(s) == ["no_draft", "dflash_b16"]  # the baseline is added
     assert report["config"]["num_prompts"] == 2 and report["config"]["repeats"] == 2
     assert all(len(r["run_seconds"]) == 2 for rs in report["per_prompt"].values() for r in rs)
+    assert report["config"]["processes"] == 2  # run r of prompt i on process (i + r) % 2: each prompt on both
+    assert all([r["run_processes"] for r in rs] == [[0, 1], [1, 0]] for rs in report["per_prompt"].values())
+    assert {p.name for p in (out / "logs").iterdir()} == {f"{m}.{k}.log" for m in s for k in (0, 1)}
     for name in ("dflash_b16",):
         assert s[name]["greedy_compared"] == 2 and s[name]["greedy_identical"] == 2, (name, s[name])
         assert s[name]["speedup"]["n"] == 2 and s[name]["peak_rss_mb"] > 0
@@ -248,6 +251,8 @@ def test_one_line_errors(capsys):
     assert "method assisted decodes one prompt at a time" in capsys.readouterr().err
     assert cli.run(bench.main, ["--repeats", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --repeats: got 0, expected >= 1"
+    assert cli.run(bench.main, ["--processes", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --processes: got 0, expected >= 1"
     assert cli.run(bench.main, ["--methods", "no_draft,eagle"]) == 2
     assert "--methods: unknown method 'eagle'" in capsys.readouterr().err
     assert [m.name for m in benchmark.resolve_methods("mlx_dflash_b8")] == ["mlx_no_draft", "mlx_dflash_b8"]

@@ -87,6 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per method before measuring")
     p.add_argument("--repeats", type=int, default=1, help="runs of every prompt per method, the prompt list over "
                    "again each time; a prompt's seconds are the median of its runs (default: %(default)s)")
+    p.add_argument("--processes", type=int, default=1, help="worker processes per method, the prompts dealt among "
+                   "them in turn (with --repeats, a prompt's runs too): a process's own speed, which can differ by "
+                   "5-25%% between fresh processes of one method, is then not the method's (default: %(default)s)")
     p.add_argument("--threads", type=int, help="intra-op threads per worker (default: all cores)")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="torch device (auto, cpu, cuda[:N], mps); MLX uses its default")
@@ -166,6 +169,8 @@ def main(argv=None) -> int:
         raise DFlashError(f"--warmup: got {args.warmup}, expected >= 0")
     if args.repeats < 1:
         raise DFlashError(f"--repeats: got {args.repeats}, expected >= 1")
+    if args.processes < 1:
+        raise DFlashError(f"--processes: got {args.processes}, expected >= 1")
     threads = args.threads or os.cpu_count() or 1
     if threads < 1:
         raise DFlashError(f"--threads: got {threads}, expected >= 1")
@@ -212,6 +217,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     results = run_methods(methods, base_cfg, prompts, out, sequential=args.sequential, openblas=openblas,
                           seed=args.seed, progress=not args.no_progress, repeats=args.repeats,
+                          processes=args.processes,
                           log=lambda s: print(s, file=sys.stderr, flush=True))
     wall = time.time() - t0
     greedy = args.temperature == 0
@@ -220,6 +226,7 @@ def main(argv=None) -> int:
         "config": {k: v for k, v in base_cfg.items() if k != "warmup_ids"} | {
             "methods": [m.name for m in methods], "prompt_sources": sources, "num_prompts": len(prompts),
             "chat": args.chat, "raw_prompts": args.raw_prompts, "sequential": args.sequential, "repeats": args.repeats,
+            "processes": args.processes,
             "openblas_preloaded_for_mlx": openblas,
             "command": "python -m dflash.bench " + " ".join(argv if argv is not None else sys.argv[1:])},
         "machine": machine_info() | {"loadavg_start": load_start,
@@ -232,6 +239,7 @@ def main(argv=None) -> int:
             "tokens": len(r["tokens"]), "seconds": round(r["seconds"], 5),
             "prefill_seconds": round(r["prefill_seconds"], 5), "decode_seconds": round(r["decode_seconds"], 5),
             "decode_tokens": r["decode_tokens"], "run_seconds": r.get("run_seconds"),
+            "run_processes": r.get("run_processes", [r.get("process")]),  # (which of the method's processes)
             "acceptance_lengths": r.get("acceptance_lengths")}) for r in results[m.name]["records"]]
             for m in methods},
         "baseline_outputs": {b: [None if (r is None or "error" in r) else r["tokens"]

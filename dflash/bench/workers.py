@@ -1,5 +1,6 @@
 """Benchmark workers: every method in its own process (peak RSS per method), JSON lines both ways; interleaved
-prompt by prompt so that machine-load drift hits every method alike, or one method at a time (--sequential).
+prompt by prompt so that machine-load drift hits every method alike, or one method at a time (--sequential);
+with --processes, several processes per method, the prompts dealt among them.
 With repeats, every prompt runs that many times per method (interleaved: the whole prompt list, then again) and a
 prompt's timings are the median over its runs: one disturbed run no longer moves that prompt's speedup."""
 
@@ -26,8 +27,8 @@ class WorkerFailed(Exception):
 class Worker:
     """One method in its own process (python -m dflash.bench.worker), JSON lines both ways."""
 
-    def __init__(self, method: Method, cfg: dict, env: dict, log_path: Path):
-        self.method = method
+    def __init__(self, method: Method, cfg: dict, env: dict, log_path: Path, index: int = 0):
+        self.method, self.index = method, index  # index: which of the method's processes (--processes)
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "dflash.bench.worker"], stdin=subprocess.PIPE,
@@ -134,7 +135,7 @@ def merge_runs(runs: list[dict]) -> dict:
     if len(runs) == 1 or any("error" in r for r in runs):
         return next((r for r in runs if "error" in r), runs[0])
     first = runs[0]
-    merged = dict(first, run_seconds=[r["seconds"] for r in runs],
+    merged = dict(first, run_seconds=[r["seconds"] for r in runs], run_processes=[r.get("process") for r in runs],
                   runs_differ=any(r["tokens"] != first["tokens"] for r in runs))
     for k in TIMINGS:
         if k in first:
@@ -148,8 +149,11 @@ def merge_runs(runs: list[dict]) -> dict:
 
 
 def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out: Path, *, sequential: bool,
-                openblas: bool, seed: int, progress: bool, repeats: int = 1, log=print) -> dict:
-    """{method name: {"records": [record or None per prompt], "ready": ..., "done": ..., "error": ...}}."""
+                openblas: bool, seed: int, progress: bool, repeats: int = 1, processes: int = 1, log=print) -> dict:
+    """{method name: {"records": [record or None per prompt], "ready": ..., "done": ..., "error": ...}}.
+    processes: worker processes per method, run r of prompt i on process (i + r) % processes. One process of a method
+    can run 5-25% faster than another for its whole life (a 2-core Xeon, the same plain decoder in fresh processes:
+    5.0-6.4 ms a token), which one process per method makes the method's; dealt over several, it is averaged."""
     from tqdm import tqdm
 
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -160,28 +164,44 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
     bar = tqdm(total=total * len(methods), desc="bench", unit="gen", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
 
-    def start(m: Method) -> Worker:
+    def start(m: Method, k: int) -> Worker:
         cfg = dict(base_cfg, method=m.name)
-        return Worker(m, cfg, worker_env(m, base_cfg["threads"], openblas), out / "logs" / f"{m.name}.log")
+        log_name = f"{m.name}.log" if processes == 1 else f"{m.name}.{k}.log"
+        return Worker(m, cfg, worker_env(m, base_cfg["threads"], openblas), out / "logs" / log_name, k)
 
     def ready(w: Worker) -> bool:
         try:
             r = w.wait_ready()
-            results[w.method.name].update(load_seconds=r["load_seconds"], load_rss_bytes=r["load_rss_bytes"],
-                                          info=r.get("info", {}))
+            record = results[w.method.name]
+            record.update(load_seconds=max(record.get("load_seconds", 0.0), r["load_seconds"]),
+                          load_rss_bytes=max(record.get("load_rss_bytes", 0), r["load_rss_bytes"]),
+                          info=r.get("info", {}))
             return True
         except WorkerFailed as e:
             results[w.method.name]["error"] = str(e)
             log(f"FAILED {w.method.name}: {e}")
             w.close()
-            bar.update(total)
             return False
+
+    def started(m: Method) -> list[Worker] | None:
+        """The method's processes, loaded one at a time (None, and every one closed, if one failed)."""
+        workers: list[Worker] = []
+        for k in range(processes):
+            w = start(m, k)
+            if not ready(w):
+                for other in workers:
+                    other.close()
+                bar.update(total)
+                return None
+            workers.append(w)
+        return workers
 
     def finish(w: Worker) -> None:
         w.close()
         for k in ("peak_rss_bytes", "cuda_peak_bytes", "mlx_peak_bytes"):
             if k in w.done:
-                results[w.method.name][k] = w.done[k]
+                record = results[w.method.name]
+                record[k] = max(record.get(k, 0), w.done[k])
 
     def step(w: Worker, i: int, p: dict) -> bool:
         """Prompt i, or with batch_size > 1 the batch of prompts that starts at i."""
@@ -201,36 +221,43 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
                 rec = {"error": rec["error"]}
                 log(f"error: {w.method.name} on {prompts[j]['id']}: {rec['error']}")
             rec.pop("i", None)
+            rec["process"] = w.index
             runs[w.method.name][j].append(rec)
         bar.update(len(batch))
         return True
 
-    starts = [i for _ in range(repeats) for i in range(0, len(prompts), batch_size)]
+    # (run r of prompt start i, on process (i // batch_size + r) % processes)
+    starts = [(r, i) for r in range(repeats) for i in range(0, len(prompts), batch_size)]
+    which = lambda r, i: (i // batch_size + r) % processes  # noqa: E731
     try:
         if sequential:
             for m in methods:
-                w = start(m)
-                if not ready(w):
+                workers = started(m)
+                if workers is None:
                     continue
-                for n, i in enumerate(starts):
-                    if not step(w, i, prompts[i]):
+                for n, (r, i) in enumerate(starts):
+                    if not step(workers[which(r, i)], i, prompts[i]):
                         bar.update(total - n * batch_size)
                         break
-                finish(w)
+                for w in workers:
+                    finish(w)
         else:
             # one worker loads (and warms up, and measures its cost profile) at a time: a profile measured while
             # another worker loads on the same cores would be a busy machine's, and auto would plan with it
-            live = [w for w in map(start, methods) if ready(w)]
-            for n, i in enumerate(starts):
-                for w in list(live):
-                    if not step(w, i, prompts[i]):
+            live = {m.name: ws for m in methods if (ws := started(m)) is not None}
+            for n, (r, i) in enumerate(starts):
+                for name, workers in list(live.items()):
+                    if not step(workers[which(r, i)], i, prompts[i]):
                         bar.update(total - n * batch_size)
-                        live.remove(w)
-                        w.close()
-            for w in live:
-                w.request_exit()
-            for w in live:
-                finish(w)
+                        del live[name]
+                        for w in workers:
+                            w.close()
+            for workers in live.values():
+                for w in workers:
+                    w.request_exit()
+            for workers in live.values():
+                for w in workers:
+                    finish(w)
     finally:
         bar.close()
     for name, per_prompt in runs.items():
