@@ -13,9 +13,9 @@ fault, a collection, another process's burst) moves it by at most that.
 Averaged plainly and carried from run to run, stalled cycles made one shape's factor 13x where the others' were near
 1: auto then never chose that shape again, so its factor was never corrected, was saved, and priced the shape out
 of later runs too (two runs of the same MLX bench with carried factors: `auto` 2.59x and 2.02x plain). So the
-factors are written next to the profile every SAVE_EVERY observations, but only the average is read back (a
-starting guess, replaced by this process's first timed cycle; the profile is measured again at load when it is far
-off, costs.py).
+factors are written next to the profile every SAVE_EVERY observations (at most once per SAVE_SECONDS), but only the
+average is read back (a starting guess, replaced by this process's first timed cycle; the profile is measured again
+at load when it is far off, costs.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 SMOOTHING = 0.2  # weight of one cycle's (log) ratio in a factor
@@ -31,7 +32,9 @@ MAX_STEP = 1.25  # the most one cycle moves a factor (times or over)
 # a cycle's ratio outside these is dropped: a cycle that compiled a graph (seconds, where a forward takes
 # milliseconds) or stalled on a page fault says nothing of the device
 LIMITS = (0.02, 50.0)
-SAVE_EVERY = 64  # observations between writes of the factors
+SAVE_EVERY = 64  # observations between writes of the factors ...
+SAVE_SECONDS = 10.0  # ... and at least this long (a write takes ~0.7 ms: every 64 cycles it cost a small model's
+# decoding ~0.15%)
 ALL = "all"  # the factor of every cycle, for shapes not run yet
 
 
@@ -48,6 +51,7 @@ class Corrections:
         self.factors = dict(factors or {})
         self.path, self.smoothing = path, smoothing
         self.observed = 0  # cycles seen (since load)
+        self.saved_at = -math.inf  # time.monotonic() of the last write
         self.warm: set[str] = set()  # shapes whose first cycle in this process has run (it is not learnt)
 
     @staticmethod
@@ -89,7 +93,7 @@ class Corrections:
                 step = self.smoothing * math.log(ratio / old)
                 self.factors[key] = old * math.exp(min(max(step, -cap), cap))
         self.observed += 1
-        if self.observed % SAVE_EVERY == 0:
+        if self.observed % SAVE_EVERY == 0 and time.monotonic() - self.saved_at >= SAVE_SECONDS:
             self.save()
         return True
 
@@ -97,6 +101,7 @@ class Corrections:
         """Write the factors to `path` (if any; a failed write is not the engine's problem: they are kept in memory)."""
         if self.path is None or not self.factors:
             return
+        self.saved_at = time.monotonic()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
