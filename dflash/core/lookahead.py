@@ -30,12 +30,6 @@ class PlainEngine(CycleEngine, Protocol):
     lookahead: Lookahead
 
 
-@functools.cache
-def _pipelines(kind: type) -> bool:
-    """Whether targets of this class are Pipelining (asked every plain step; a Protocol's isinstance takes ~10 us)."""
-    return issubclass(kind, Pipelining)
-
-
 class Lookahead:
     """The one step issued ahead of an engine's rows, if any."""
 
@@ -47,7 +41,7 @@ class Lookahead:
     @staticmethod
     def runs(engine: PlainEngine) -> bool:
         """Whether the engine's plain steps can run one ahead."""
-        return engine.logprobs is None and _pipelines(type(engine.target))
+        return engine.logprobs is None and isinstance(engine.target, Pipelining)
 
     def step(self, engine: PlainEngine, anchors: Sequence[int], again: bool = True) -> list[Step]:
         """A plain step for every row: the one issued ahead if it reads these anchors, else one issued now. `again`:
