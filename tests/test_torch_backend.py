@@ -201,3 +201,30 @@ def test_rows_join_and_leave_after_a_draft_forward_grew_the_cache(target, random
     assert batch.cache.lengths == [5]
     batch.crop(3)
     assert batch.position == 3
+
+
+def test_feature_capture_wraps_the_layers_without_hooks_and_unwraps_in_either_order(tiny_target_dir):
+    """The captured layers' outputs are hidden_states[i + 1]; no forward hook is left on a layer (a hook sends every
+    call through nn.Module's slow path); two captures on one model record both and come off in either order, leaving
+    each layer its class's own forward."""
+    from dflash.backends.torch.target import LayerCapture, decoder_layers
+
+    model = load_target(tiny_target_dir, torch.float32, "cpu")
+    layers = decoder_layers(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():  # (on another instance: transformers leaves hooks on the layers it recorded)
+        reference = load_target(tiny_target_dir, torch.float32, "cpu")
+        hidden = reference(input_ids=ids, output_hidden_states=True).hidden_states
+    for order in ((0, 1), (1, 0)):
+        captures = [LayerCapture(model, [0, 1]), LayerCapture(model, [1])]
+        assert not any(layer._forward_hooks for layer in layers)
+        with torch.inference_mode():
+            model(input_ids=ids)
+        torch.testing.assert_close(captures[0].pop(), torch.cat([hidden[1], hidden[2]], dim=-1))
+        torch.testing.assert_close(captures[1].pop(), hidden[2])
+        for k in order:
+            captures[k].remove()
+        assert not any("forward" in layer.__dict__ for layer in layers)
+        with torch.inference_mode():
+            model(input_ids=ids)
+        assert not captures[0].outputs and not captures[1].outputs
