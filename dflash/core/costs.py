@@ -2,14 +2,15 @@
 
 `--verify auto` needs T_draft(rows) and T_verify(rows, n) in seconds: on an H200 a verify is nearly flat up to
 hundreds of tokens, on a 2-core CPU it grows with every token, and a batch of rows costs a GPU little more than one
-row below its compute knee and a CPU every row's tokens; the budget rule (dflash/core/budget.py) has to know which. The
-profile runs the engine's own primitives (the plain step, the tree forward, the draft) after a short context, so it measures exactly
-what the cycles will run: one row at token counts doubling up to where a verify costs 4 plain steps, the draft at the
-drafter's block and at shorter ones, batches of 4 and 16 rows at a few tokens per row where one row of as many
-tokens is fast (more rows and tokens are interpolated or extrapolated); then a plain step, a block's verify and a draft of one row after a longer context. Every point is
-timed in ROUNDS to MAX_ROUNDS interleaved rounds and the median kept (a burst of other load spoils one sample of each
-point, not every sample of one). It takes a few seconds and prints one line when it starts and one when done (stderr); it is
-then read from $DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
+row below its compute knee and a CPU every row's tokens; the budget rule (dflash/core/budget.py) has to know which.
+The profile runs the engine's own primitives (the plain step, the tree forward, the draft) after a short context, so
+it measures exactly what the cycles will run: one row at token counts doubling up to where a verify costs 4 plain
+steps, the draft at the drafter's block and at shorter ones, batches of 4 and 16 rows at a few tokens per row where
+one row of as many tokens is fast (more rows and tokens are interpolated or extrapolated); then a plain step, a
+block's verify and a draft of one row after a longer context. Every point is timed in ROUNDS to MAX_ROUNDS
+interleaved rounds and the median kept (a burst of other load spoils one sample of each point, not every sample of
+one). It takes a few seconds and prints one line when it starts and one when done (stderr); it is then read from
+$DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
 
 A cached profile is used only if it is sane: more tokens never cost less, and its plain step is within LIVE_TOLERANCE
 of one timed now (a profile measured while another process held the core is measured again). What remains off is
@@ -47,7 +48,7 @@ BATCH_SECONDS = 0.25  # batches are measured where one row of as many tokens tak
 ROUNDS = 3  # timings of every point, interleaved; the median is kept
 MAX_ROUNDS = 9  # ... more where they are cheap: a small model's 1- and 2-token verifies differ by less than three
 # timings' noise, and a profile that priced them alike verified a node of 1% every probe of a drafter never right
-ROUNDS_SECONDS = 4.0  # the rounds of one set of points take at most about this long (fewer than ROUNDS on a slow device)
+ROUNDS_SECONDS = 4.0  # the rounds of one set of points take about this long at most (fewer than ROUNDS if slow)
 LIVE_TOLERANCE = 3.0  # a cached plain step this many times slower or faster than one timed now is measured again
 # a cached profile whose saved corrections put the cycles' wall time this many times over or under its predictions
 # on average (over every cycle run with it: the corrections' all-shapes factor) is measured again at the next load
