@@ -150,8 +150,9 @@ class LayerCapture:
         self.outputs: dict[int, torch.Tensor] = {}
         self.live = True
         self.wrapped: list[tuple[torch.nn.Module, _Recording]] = []
+        layers = decoder_layers(model)
         for i in self.layer_ids:
-            layer = decoder_layers(model)[i]
+            layer = layers[i]
             recording = _Recording(layer.forward, self, i, layer.__dict__.get("forward"))
             layer.forward = recording
             self.wrapped.append((layer, recording))

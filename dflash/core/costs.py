@@ -7,7 +7,7 @@ The profile runs the engine's own primitives (the plain step, the tree forward, 
 it measures exactly what the cycles will run: one row at token counts doubling up to where a verify costs 4 plain
 steps, the draft at the drafter's block and at shorter ones, batches of 4 and 16 rows at a few tokens per row where
 one row of as many tokens is fast (more rows and tokens are interpolated or extrapolated); then a plain step, a
-block's verify and a draft of one row after a longer context. Every point is timed in ROUNDS to MAX_ROUNDS
+block's verify and a draft of one row after a longer context. Every point is timed in up to MAX_ROUNDS
 interleaved rounds and the median kept (a burst of other load spoils one sample of each point, not every sample of
 one). It takes a few seconds and prints one line when it starts and one when done (stderr); it is then read from
 $DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
@@ -45,10 +45,11 @@ DRAFT_BLOCKS = (2, 4, 8)  # shorter draft forwards measured too (auto drafts few
 CONTEXT = 64  # positions before the measured forwards ...
 LONGER_CONTEXT = 320  # ... and again after these (a serving load's rows: prompt + answer), at fewer points
 BATCH_SECONDS = 0.25  # batches are measured where one row of as many tokens takes less than this
-ROUNDS = 3  # timings of every point, interleaved; the median is kept
-MAX_ROUNDS = 9  # ... more where they are cheap: a small model's 1- and 2-token verifies differ by less than three
-# timings' noise, and a profile that priced them alike verified a node of 1% every probe of a drafter never right
-ROUNDS_SECONDS = 4.0  # the rounds of one set of points take about this long at most (fewer than ROUNDS if slow)
+# timings of every point, interleaved, the median kept: as many rounds as take about ROUNDS_SECONDS, at most
+# MAX_ROUNDS (a small model's 1- and 2-token verifies differ by less than three timings' noise, and a profile that
+# priced them alike verified a node of 1% every probe of a drafter never right)
+ROUNDS_SECONDS = 4.0
+MAX_ROUNDS = 9
 LIVE_TOLERANCE = 3.0  # a cached plain step this many times slower or faster than one timed now is measured again
 # a cached profile whose saved corrections put the cycles' wall time this many times over or under its predictions
 # on average (over every cycle run with it: the corrections' all-shapes factor) is measured again at the next load
@@ -221,14 +222,13 @@ def settled(fn, tries: int = 8) -> None:
 
 
 def rounds(points: dict, first: dict[str, float], budget: float = ROUNDS_SECONDS) -> dict[str, float]:
-    """The median per point of its `first` timing and of further interleaved rounds: as many as take `budget`
-    seconds, between ROUNDS and MAX_ROUNDS in all (fewer than ROUNDS where one round takes more than budget /
-    ROUNDS). points: name -> a function that times it once."""
+    """The median per point of its `first` timing and of further interleaved rounds: as many rounds in all as take
+    `budget` seconds (one round: the first timings' sum), at most MAX_ROUNDS, at least the first. points: name -> a
+    function that times it once."""
     samples = {k: [t] for k, t in first.items()}
     one = sum(first.values())
-    fit = int(budget / one) if one > 0 else MAX_ROUNDS
-    extra = min(max(fit, ROUNDS), MAX_ROUNDS) - 1 if fit >= ROUNDS else max(min(fit, 2) - 1, 0)
-    for _ in range(extra):
+    total = min(int(budget / one), MAX_ROUNDS) if one > 0 else MAX_ROUNDS
+    for _ in range(total - 1):
         for name, fn in points.items():
             samples[name].append(fn())
     return {k: statistics.median(v) for k, v in samples.items()}
