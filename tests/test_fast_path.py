@@ -135,3 +135,18 @@ def test_flex_mask_equals_dense_on_cuda():
     dense = T.packed_forward(drafter, embed, feats, bids, pos, T.dense_mask(anchors, s, 16))
     flex = T.packed_forward(drafter, embed, feats, bids, pos, T.flex_mask(anchors, s, 16))
     torch.testing.assert_close(flex, dense, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.slow
+def test_compiled_drafter_lossless_cpu(pair):
+    """The fixed-shape drafter through torch.compile (one cache write per buffer, device-side offsets): the same
+    proposals and tokens as the dynamic drafter."""
+    target_dir, draft_dir, prompts = pair
+    model, drafter = load_target(target_dir, torch.float32, "cpu"), load_drafter(draft_dir)
+    compiled = torch_engine(model, drafter, cache_len=128, compile=True, compile_draft=True)
+    assert isinstance(compiled.drafter.cache, StaticDraftCache)  # the fixed-shape forward, compiled
+    dynamic = torch_engine(model, drafter)
+    for p in prompts[:2]:
+        a = generate(compiled, p, max_new_tokens=48, trace=True)
+        b = generate(dynamic, p, max_new_tokens=48, trace=True)
+        assert a.tokens == b.tokens and a.drafted == b.drafted
