@@ -177,6 +177,15 @@ class StaticDraftCache(DraftContextCache):
             raise DFlashError(f"context: {self.layout.position + n} positions exceed the static draft cache "
                               f"({self.capacity}); raise cache_len")
 
+    def put(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v (1, kv_heads, len(slots), head_dim) at `slots` of `layer`: one index_put on each whole buffer,
+        every index a tensor (compiled, a write through a view of the buffers became a copy of all of it)."""
+        device = slots.device
+        index = (torch.tensor(layer, device=device), torch.tensor(0, device=device),
+                 torch.arange(k.shape[1], device=device)[:, None], slots[None])
+        self._k.index_put_(index, k[0])
+        self._v.index_put_(index, v[0])
+
     def static_mask(self, layer: int, start: torch.Tensor, n: torch.Tensor, block: int, window: int) -> torch.Tensor:
         """The layer's mask over the first `window` slots for a block whose anchor sits at device-side position
         start + n."""

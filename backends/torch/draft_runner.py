@@ -119,14 +119,13 @@ def static_draft(model: DFlashDrafter, block: torch.Tensor, features: torch.Tens
     rope_q = (rope_kv[0][:, :, b:], rope_kv[1][:, :, b:])
 
     # one write per buffer: slot start + j takes the context's entry j (j < n), then the block's; indices past the
-    # block repeat its last slot and entry. (Two writes to one buffer, the block's over the context's padding, made
-    # the compiled graph copy the whole buffer: a 2.5x slower draft on a CPU)
+    # block repeat its last slot and entry. (Two writes to one buffer, the block's over the context's padding, each
+    # through a view of it, made the compiled graph copy every buffer whole: 10.8 ms a draft on a CPU, now 2.4)
     j = torch.minimum(torch.arange(2 * b, device=block.device), n + b - 1)
     source, written = torch.where(j < n, j, j - n + b), start + j
 
     def attend(i, q, k, v):
-        k_cache[i][:, :, written] = k.index_select(2, source)
-        v_cache[i][:, :, written] = v.index_select(2, source)
+        cache.put(i, written, k.index_select(2, source), v.index_select(2, source))
         mask = cache.static_mask(i, start, n, b, window)
         return F.scaled_dot_product_attention(q, k_cache[i][:, :, :window], v_cache[i][:, :, :window],
                                               attn_mask=mask, enable_gqa=True)
