@@ -151,9 +151,10 @@ def merge_runs(runs: list[dict]) -> dict:
 def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out: Path, *, sequential: bool,
                 openblas: bool, seed: int, progress: bool, repeats: int = 1, processes: int = 1, log=print) -> dict:
     """{method name: {"records": [record or None per prompt], "ready": ..., "done": ..., "error": ...}}.
-    processes: worker processes per method, run r of prompt i on process (i + r) % processes. One process of a method
-    can run 5-25% faster than another for its whole life (a 2-core Xeon, the same plain decoder in fresh processes:
-    5.0-6.4 ms a token), which one process per method makes the method's; dealt over several, it is averaged."""
+    processes: worker processes per method, run r of the i-th prompt (batch, with batch_size > 1) on process
+    (i + r) % processes. One process of a method can run 5-25% faster than another for its whole life (a 2-core
+    Xeon, the same plain decoder in fresh processes: 5.0-6.4 ms a token), which one process per method makes the
+    method's; dealt over several, it is averaged."""
     from tqdm import tqdm
 
     (out / "logs").mkdir(parents=True, exist_ok=True)
