@@ -7,6 +7,10 @@
   self-prompts    prompts the target writes itself (Magpie): sample its chat template's user-turn prefix:
                     python -m dflash.data self-prompts --model T --num-prompts 2000 --output prompts.jsonl \
                         --exclude dflash/bench/prompts/chat.jsonl
+  answers         self-prompted answers at batch scale: the target writes requests and answers them in lanes
+                  refilled as they finish, into numbered token shards (2 bytes a token); resumable:
+                    python -m dflash.data answers --model T --out answers/ --answers 25000 \
+                        --exclude dflash/bench/prompts/chat.jsonl
   draft-vocab     give a drafter a draft vocabulary of the N tokens most frequent in the target's answers (FR-Spec;
                   EAGLE-3's d2t/t2d, as vLLM reads them):
                     python -m dflash.data draft-vocab --model T --data answers.jsonl --draft D --size 8192 --out D8K
@@ -76,6 +80,20 @@ def parse_args(argv=None):
     m.add_argument("--seed", type=int, default=0)
     _common(m)
 
+    a = sub.add_parser("answers", help="self-prompted answers into token shards (resumable)")
+    a.add_argument("--model", required=True, help="an aligned chat target: local HF directory or hub id")
+    a.add_argument("--out", required=True, help="shard directory to add to (rerun the same command to resume)")
+    a.add_argument("--answers", type=int, required=True, help="answers the directory should hold in the end")
+    a.add_argument("--exclude", nargs="*", default=[], help="prompt files no request may copy (the benchmark split)")
+    a.add_argument("--lanes", type=int, default=128, help="conversations decoded together (default: %(default)s)")
+    a.add_argument("--max-answer-tokens", type=int, default=320, help="an answer is cut here (default: %(default)s)")
+    a.add_argument("--sampled-fraction", type=float, default=0.25,
+                   help="answers drawn at --answer-temperature, the rest greedy (default: %(default)s)")
+    a.add_argument("--answer-temperature", type=float, default=0.7)
+    a.add_argument("--shard-rows", type=int, default=256, help="answers per shard file (default: %(default)s)")
+    a.add_argument("--seed", type=int, default=0)
+    _common(a)
+
     v = sub.add_parser("draft-vocab", help="give a drafter a draft vocabulary ranked from the target's answers")
     v.add_argument("--model", required=True, help="target: local HF directory or hub id (its LM head's rows)")
     v.add_argument("--data", required=True, help="the target's answers: training JSONL or datasets directory (the "
@@ -138,6 +156,8 @@ def main(argv=None) -> int:
         return 0
     if args.command == "draft-vocab":
         return draft_vocab(args)
+    if args.command == "answers":
+        return answers(args)
     if args.command == "regenerate":
         from dflash.backends.torch import regenerate
 
@@ -165,6 +185,25 @@ def regenerate_through(args) -> int:
                               log=lambda m: print(m, file=sys.stderr))
     print(json.dumps(stats))
     return 0 if stats["failed"] == 0 else 1
+
+
+def answers(args) -> int:
+    from dflash.backends.torch.answer_lanes import Settings, write_answers
+
+    for flag, value in (("--answers", args.answers), ("--lanes", args.lanes), ("--shard-rows", args.shard_rows),
+                        ("--max-answer-tokens", args.max_answer_tokens)):
+        if value < 1:
+            raise DFlashError(f"{flag}: got {value}, expected >= 1")
+    if not 0 <= args.sampled_fraction <= 1:
+        raise DFlashError(f"--sampled-fraction: got {args.sampled_fraction}, expected a fraction in [0, 1]")
+    settings = Settings(max_answer_tokens=args.max_answer_tokens, answer_temperature=args.answer_temperature,
+                        sampled_fraction=args.sampled_fraction)
+    stats = write_answers(hub.resolve(args.model, "--model"), args.out, answers=args.answers, lanes=args.lanes,
+                          settings=settings, exclude=args.exclude, seed=args.seed, shard_rows=args.shard_rows,
+                          device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                          progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(stats))
+    return 0
 
 
 def draft_vocab(args) -> int:

@@ -88,6 +88,9 @@ HELP = {
     "keep_checkpoints": "checkpoints to keep",
     "resume": "resume from the newest checkpoint in --out",
     "eval_every": "measure real acceptance (speculative loop) every N steps",
+    "eval_at": "also measure it after these steps, e.g. 250,500,1000,2000,4000 (a learning curve's points)",
+    "data_rows": "START:STOP, rows of an answers directory (python -m dflash.data answers) to train on, in order "
+                 "of writing (e.g. 0:20000; another run can take 20000: and never see them)",
     "eval_at_start": "also evaluate the untrained drafter before the first step (the curve's baseline; costs one "
                      "full evaluation)",
     "eval_data": "held-out prompts (JSONL / datasets dir) for the acceptance measurement",

@@ -42,12 +42,12 @@ def user_turn_prefix(tokenizer, system: str | None = None) -> str:
     return text[:text.index(SENTINEL)]
 
 
-def _normal(text: str) -> str:
+def normalise(text: str) -> str:
     return " ".join(re.findall(r"\w+", text.lower()))
 
 
-def _runs(text: str) -> set[tuple[str, ...]]:
-    words = _normal(text).split()
+def word_runs(text: str) -> set[tuple[str, ...]]:
+    words = normalise(text).split()
     return {tuple(words[i:i + SHARED_RUN]) for i in range(len(words) - SHARED_RUN + 1)}
 
 
@@ -58,8 +58,8 @@ def excluded_prompts(paths) -> tuple[set[str], set[tuple[str, ...]]]:
         for i, _, row in input_rows(path):
             for m in prompt_messages(row_messages(row, f"{path}:{i + 1}")):
                 if m["role"] == "user":
-                    texts.add(_normal(m["content"]))
-    runs = set().union(*(_runs(t) for t in texts)) if texts else set()
+                    texts.add(normalise(m["content"]))
+    runs = set().union(*(word_runs(t) for t in texts)) if texts else set()
     return texts, runs
 
 
@@ -84,7 +84,7 @@ def write_self_prompts(model_dir, output_path, *, num_prompts: int, batch_size: 
     if output_path.exists():
         for line in output_path.read_text(encoding="utf-8").splitlines():
             if line.strip():
-                seen.add(_normal(json.loads(line)["prompt"]))
+                seen.add(normalise(json.loads(line)["prompt"]))
     excluded, excluded_runs = excluded_prompts(exclude)
     stats = {"written": 0, "duplicate": 0, "excluded": 0, "short": 0, "unfinished": 0}
     if len(seen) >= num_prompts:
@@ -114,12 +114,12 @@ def write_self_prompts(model_dir, output_path, *, num_prompts: int, batch_size: 
                     stats["unfinished"] += 1  # ran out of tokens mid-question
                     continue
                 text = tokenizer.decode(r.tokens[:-1], skip_special_tokens=True).strip()
-                key = _normal(text)
+                key = normalise(text)
                 if len(text) < min_chars:
                     stats["short"] += 1
                 elif key in seen:
                     stats["duplicate"] += 1
-                elif key in excluded or _runs(text) & excluded_runs:
+                elif key in excluded or word_runs(text) & excluded_runs:
                     stats["excluded"] += 1
                 elif len(seen) < num_prompts:
                     seen.add(key)

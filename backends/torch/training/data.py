@@ -27,11 +27,23 @@ def load_samples(cfg, tokenizer, cache=None) -> list[dict]:
     elif cfg.data:
         from dflash.core.training.datasets import load_samples as tokenise
 
-        samples = tokenise(cfg.data, tokenizer, max_length=cfg.max_length, enable_thinking=cfg.enable_thinking)
+        samples = tokenise(cfg.data, tokenizer, max_length=cfg.max_length, enable_thinking=cfg.enable_thinking,
+                           rows=row_range(cfg.data_rows) if cfg.data_rows else None)
     else:
         raise DFlashError("--data: training data is required (JSONL / datasets dir, or --features DIR)")
     return [dict(x, input_ids=array("i", x["input_ids"][:cfg.max_length]),
                  loss_mask=array("b", x["loss_mask"][:cfg.max_length])) for x in samples]
+
+
+def row_range(rows: str | None) -> tuple[int, int | None]:
+    """--data-rows "START:STOP" (either side may be empty) as (start, stop)."""
+    if not rows:
+        return 0, None
+    try:
+        start, stop = rows.split(":")
+        return int(start or 0), int(stop) if stop else None
+    except ValueError:
+        raise DFlashError(f"--data-rows: got {rows!r}, expected START:STOP row numbers, e.g. 0:20000") from None
 
 
 def split_eval_prompts(cfg, samples: list[dict], tokenizer) -> tuple[list[dict], list[list[int]]]:

@@ -116,7 +116,7 @@ def train(cfg: TrainConfig, target_dir: str | os.PathLike | None = None) -> Trai
     while step < run.total:
         log.step(train_step(run, step))
         step += 1
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < run.total:
+        if (cfg.eval_every and step % cfg.eval_every == 0 or step in (cfg.eval_at or ())) and step < run.total:
             evaluate_run(run, log, step)
         if cfg.save_every and step % cfg.save_every == 0 and step < run.total:
             save(step)

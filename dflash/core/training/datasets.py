@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import DFlashError
+from .answer_shards import shard_paths, training_samples
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                    "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system",
@@ -154,10 +155,21 @@ def tokenize_conversation(tokenizer, messages: list[dict], enable_thinking: bool
     return list(ids), mask
 
 
-def load_samples(path, tokenizer=None, *, max_length: int | None = None, enable_thinking: bool | None = None):
-    """Training samples [{"id", "input_ids": array('i'), "loss_mask": array('b')}] from JSONL / datasets rows. Rows without an assistant turn
-    are an error (train on the target's own answers: run `python -m dflash.data regenerate` first); rows whose status
-    is not "ok" are skipped; rows with no supervised token left after truncation are dropped."""
+def load_samples(path, tokenizer=None, *, max_length: int | None = None, enable_thinking: bool | None = None,
+                 rows: tuple[int, int | None] | None = None):
+    """Training samples [{"id", "input_ids": array('i'), "loss_mask": array('b')}] from JSONL / datasets rows, or
+    from an answers shard directory (`python -m dflash.data answers`; `rows`: (start, stop) of it). Rows without an
+    assistant turn are an error (train on the target's own answers: run `python -m dflash.data regenerate` first);
+    rows whose status is not "ok" are skipped; rows with no supervised token left after truncation are dropped."""
+    if Path(path).is_dir() and shard_paths(path):
+        start, stop = rows or (0, None)
+        samples = training_samples(path, start, stop, max_length=max_length)
+        if not samples:
+            raise DFlashError(f"{path}: no answers in rows {start}:{'' if stop is None else stop}")
+        return samples
+    if rows is not None:
+        raise DFlashError(f"--data-rows: only for an answers directory (python -m dflash.data answers); {path} is "
+                          "not one")
     samples, skipped = [], 0
     for i, row in read_rows(path):
         where = f"{path}:{i + 1}"

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 class TrainConfig:
     # what to train on
     target: str = ""  # target model directory (or hub id)
-    data: str | None = None  # JSONL / datasets dir of chat or tokenised rows
+    data: str | None = None  # JSONL / datasets dir of chat or tokenised rows, or an answers shard directory
+    data_rows: str | None = None  # "START:STOP": only these rows of an answers shard directory
     features: str | None = None  # a cache-features directory (samples + offline features); replaces --data
     out: str = "runs/dflash"
     samples: list | None = field(default=None, repr=False)  # in-process: [{"input_ids", "loss_mask"}]
@@ -68,6 +69,7 @@ class TrainConfig:
     resume: bool = True
     # evaluation: real acceptance length of the speculative loop on held-out prompts
     eval_every: int = 0
+    eval_at: list[int] | None = None  # also evaluate after these steps (a learning curve's points)
     eval_at_start: bool = False  # also measure the untrained drafter (a full evaluation before step 1)
     eval_at_end: bool = True  # measure the exported drafter (with held-out prompts; announced when it starts)
     eval_data: str | None = None
