@@ -91,3 +91,27 @@ def test_an_interrupted_run_keeps_its_answers(tiny_target_dir, tmp_path, monkeyp
     monkeypatch.setattr(AnswerLanes, "step", interrupted)
     _write(tiny_target_dir, tmp_path, 50)
     assert count(tmp_path)["answers"] == len(returned) > 0  # the shard under way was written, not lost
+
+
+def test_a_kill_keeps_the_answers_of_the_shard_under_way(tiny_target_dir, tmp_path):
+    """SIGTERM (and SIGINT, which a shell's background job ignores) stop the writer after its step."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("from dflash.backends.torch.answer_lanes import Settings, write_answers\n"
+            f"write_answers({str(tiny_target_dir)!r}, {str(tmp_path)!r}, answers=10**6, lanes=3, shard_rows=10**6, "
+            "settings=Settings(max_prompt_tokens=48, max_answer_tokens=20, min_prompt_chars=1), device='cpu', "
+            "dtype='float32', progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (tmp_path / "manifest.json").exists():
+        time.sleep(0.2)
+    time.sleep(8)  # some answers finish (the tiny target writes a few a second)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert "interrupted: keeping the" in out, out
+    assert count(tmp_path)["answers"] > 0

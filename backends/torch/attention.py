@@ -11,6 +11,7 @@ native grouped-query path.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -21,9 +22,16 @@ GROUPED_SDPA = "sdpa_grouped"
 
 
 def sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                 **kwargs):
+                 row_windows: list[tuple[int, int, int]] | None = None, **kwargs):
     """query (b, heads, t, d), key / value (b, kv_heads, S, d), attention_mask (b, 1 or heads, t, S) or None;
-    returns (b, t, heads, d) as transformers' attention functions do."""
+    returns (b, t, heads, d) as transformers' attention functions do. `row_windows` (a forward's keyword, passed
+    down by transformers): [(start, stop, window)], rows start..stop-1 attend over the first `window` keys only (the
+    mask hides the rest from them), so rows of short sequences beside long ones read only their own part of the
+    cache (backends/torch/answer_lanes.py)."""
+    if row_windows is not None:
+        return torch.cat([sdpa_grouped(module, query[a:b], key[a:b, :, :w], value[a:b, :, :w],
+                                       None if attention_mask is None else attention_mask[a:b, ..., :w],
+                                       dropout, scaling, **kwargs)[0] for a, b, w in row_windows]), None
     groups = getattr(module, "num_key_value_groups", 1)
     b, heads, t, d = query.shape
     if (groups == 1 or t == 1 or attention_mask is None or attention_mask.dim() != 4
