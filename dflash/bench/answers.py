@@ -8,7 +8,9 @@ padded) greedily with up to `--max-answer-tokens` each, with its default dynamic
 a row's tokens count up to its end of turn. The lanes (`python -m dflash.data answers`) run as long as that call
 took, writing their own requests and answering them; only answer tokens count, so the requests they write are
 their overhead. The methods alternate round by round in one process; the first round of each is a warm-up (the
-lanes' window grows to its working size there). One thread; prints and writes one JSON object.
+lanes' window grows to its working size there). Each round also times the target's forward over 16 whole answers the
+lanes wrote (batches of 8): what training on stored answers pays again per token to read the target's features.
+One thread; prints and writes one JSON object.
 """
 
 from __future__ import annotations
@@ -72,13 +74,29 @@ def main(argv=None) -> int:
         new = out[:, batch["input_ids"].shape[1]:].tolist()
         return sum(next((i + 1 for i, t in enumerate(row) if t in end), len(row)) for row in new), seconds
 
+    written = []
+
     def run_lanes(seconds: float) -> tuple[int, float]:
         start, tokens = time.perf_counter(), 0
         while time.perf_counter() - start < seconds:
-            tokens += sum(len(r.ids) - r.answer_start for r in lanes.step())
+            rows = lanes.step()
+            written.extend(rows)
+            tokens += sum(len(r.ids) - r.answer_start for r in rows)
         return tokens, time.perf_counter() - start
 
-    rates: dict[str, list[float]] = {"generate": [], "generate_static": [], "lanes": []}
+    def forward_answers() -> tuple[int, float]:
+        tokens, start = 0, time.perf_counter()
+        for i in range(0, 16, 8):
+            rows = [r.ids for r in written[-16:][i:i + 8]]
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [end[0]] * (width - len(r)) for r in rows])
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+            with torch.inference_mode():
+                model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+            tokens += int(mask.sum())
+        return tokens, time.perf_counter() - start
+
+    rates: dict[str, list[float]] = {"generate": [], "generate_static": [], "lanes": [], "forward": []}
     for r in range(args.rounds + 1):
         for name, cache in (("generate", None), ("generate_static", "static")):
             tokens, seconds = generate(cache)
@@ -87,11 +105,14 @@ def main(argv=None) -> int:
             tokens, seconds = run_lanes(seconds)
             if r:
                 rates["lanes"].append(tokens / seconds)
-        print(f"round {r}{' (warm-up)' if not r else ''}: " +
-                   ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items() if v and r) + " answer tokens/s", file=sys.stderr)
-    medians = {k: statistics.median(v) for k, v in rates.items()}
+        if r and len(written) >= 16:
+            tokens, seconds = forward_answers()
+            rates["forward"].append(tokens / seconds)
+        measured = ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items() if v and r)
+        print(f"round {r}: {measured or 'warm-up'} tokens/s", file=sys.stderr)
+    medians = {k: statistics.median(v) for k, v in rates.items() if v}
     result = {"model": str(args.model), "dtype": str(dtype).removeprefix("torch."), "lanes": args.lanes,
-              "max_answer_tokens": args.max_answer_tokens, "answer_tokens_per_s": medians,
+              "max_answer_tokens": args.max_answer_tokens, "tokens_per_s": medians,
               "lanes_vs_generate": round(medians["lanes"] / medians["generate"], 2),
               "lanes_vs_generate_static": round(medians["lanes"] / medians["generate_static"], 2), "rounds": rates}
     print(json.dumps(result))
