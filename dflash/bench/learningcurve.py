@@ -1,17 +1,17 @@
 """Held-out acceptance against answer tokens trained on, for one or more training runs (their train_log.jsonl
 evaluations): a table in markdown and a plot of tau and position-1 acceptance.
 
-    python scripts/learning_curve.py --run "cross-entropy=runs/ce" --run "KL, top 16=runs/kl" \
-        --out docs/smollm2_learning_curve.png
+    python -m dflash.bench learning-curve --run "cross-entropy=runs/ce" --run "KL, top 16=runs/kl" \
+        --out runs/learning_curve.png
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from dflash.core.extras.plots import pyplot, save
+from .. import cli
+from ..core.extras.plots import pyplot, save
 
 
 def evaluations(run: Path) -> list[dict]:
@@ -62,7 +62,7 @@ def plot(runs: dict[str, list[dict]], png: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.Parser(prog="python -m dflash.bench learning-curve", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="a training run directory")
     p.add_argument("--out", type=Path, help="the plot (PNG)")
     p.add_argument("--tau", type=float, default=2.0, help="project the answer tokens this tau needs")
@@ -82,7 +82,3 @@ def main(argv=None) -> int:
     if args.out:
         plot(runs, args.out)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
