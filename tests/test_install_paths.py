@@ -93,12 +93,16 @@ def test_every_install_that_pulls_torch_pins_it():
 
 def test_readme_first_lines():
     lines = (ROOT / "README.md").read_text().splitlines()
-    assert lines[3].startswith('pip install "torch==2.13.0" -e ".[torch]" && python -m dflash.generate --prompt ')
-    assert lines[4].startswith('pip install "torch==2.13.0" -e ".[all]" && python -m pytest -q')
+    # a CPU-only machine gets torch's CPU wheel: the index comes before the first install
+    assert lines[3].startswith("export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu ")
+    assert lines[4].startswith('pip install "torch==2.13.0" -e ".[torch]" && python -m dflash.generate --prompt ')
+    assert lines[5].startswith('pip install "torch==2.13.0" -e ".[all]" && python -m pytest -q')
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'python -m pip install -q "torch==2.13.0" -e ".[all]"' in ci and "python -m pytest -q" in ci
-    intro = " ".join(lines[6:14])
+    test_command = lines[5].split("&& ", 1)[1].split("#")[0].strip()
+    assert 'python -m pip install -q "torch==2.13.0" -e ".[all]"' in ci and test_command in ci
+    intro = " ".join(lines[7:14])
     assert "8.4M-parameter" in intro and "toy" in intro and "--model Qwen/Qwen3-8B" in intro
+    assert re.search(r"test command ran in \d+-\d+ s on a quiet 2-core", intro)  # its time beside it
 
 
 def test_generate_on_the_bundled_pair_says_what_it_is():
