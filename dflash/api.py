@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from .core.model_files.checkpoint import check_target_dir
 from .core.costs import measured_costs
 from .core.engine import Engine
 from .core.errors import DFlashError
+from .core.progress import Heartbeat
 from .core.loop import Generation, GenerationResult, Increment, generate_batch
 from .core.sampling import SamplingParams
 from .core.spec import DraftSpec
@@ -132,9 +134,10 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         extra = {"compile": True, "cache_len": cache_len}
         print(f"dflash: --compile: a static cache of {cache_len} positions; compiling its forwards (a minute or two "
               "on a CPU, less once torch's compile cache holds them)", file=sys.stderr)
-    be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
-                      draft_window=draft_window, trust_remote_code=trust_remote_code, spec=spec,
-                      target_config=target_config, **extra)
+    with Heartbeat("compiling") if compile else contextlib.nullcontext():
+        be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
+                          draft_window=draft_window, trust_remote_code=trust_remote_code, spec=spec,
+                          target_config=target_config, **extra)
     if len(tokenizer) > be.info.vocab_size:
         raise DFlashError(f"{target_dir}: the tokenizer has {len(tokenizer)} tokens but the target's embedding table "
                           f"has {be.info.vocab_size} rows (a tokenizer of another model?)")
