@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The shipped SmolLM2-135M-Instruct drafter on a CPU: data, features, training (docs/smollm2_drafter.md):
+# The shipped SmolLM2-135M-Instruct drafter on a CPU: data, features, training (docs/real_model.md):
 #   bash scripts/smollm2_drafter.sh [WORK_DIR]
 # Every step is resumable (rerun the script after an interruption) and seeded. No prompt of the benchmark split
 # (dflash/bench/prompts/chat.jsonl) reaches the training data: the self-written prompts are filtered against it.
