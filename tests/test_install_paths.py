@@ -145,9 +145,6 @@ def test_readme_paths_exist_or_are_written_by_a_named_command():
     readme = (ROOT / "README.md").read_text()
     for path in sorted(set(re.findall(r"\b((?:docs|tests|scripts|backends|dflash|converters)/[\w./{},*-]+\w)",
                                       readme))):
-        if path.startswith("docs/gpu_check"):
-            assert "`python -m dflash.bench gpu-check` writes its results to docs/gpu_check.json" in " ".join(readme.split())
-            continue
         expanded = [path.replace("{1,4,8}", n) for n in "148"] if "{" in path else [path]
         for p in expanded:
             assert list(ROOT.glob(p)) or list((ROOT / "docs").glob(p)), path
