@@ -258,6 +258,7 @@ def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -
     point walks the grid; the rest are interleaved rounds, and each point is the median."""
     drafter, block = engine.drafter, engine.block_size
     compiles = engine.target.capabilities.compiles
+    note(f"prefilling {context} positions")
     probe = Probe(engine, context)
     points, first = {}, {}
 
@@ -268,6 +269,7 @@ def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -
         points[name], first[name] = fn, fn()  # (a first call slowed by allocation is outvoted by the rounds)
         return first[name]
 
+    note(f"a warm-up step after {context} positions")
     probe.verify(1)  # (warm-up)
     plain = 0.0
     room = (engine.max_context or context + max_tokens) - context  # (the forwards must fit after the context)
@@ -283,8 +285,7 @@ def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -
         timed("d", probe.draft)
         for b in (b for b in DRAFT_BLOCKS if b < block and full):
             timed(f"b{b}", lambda b=b: probe.draft(1, b))
-    note(f"repeating every point after {context} positions (up to {MAX_ROUNDS} rounds, about "
-           f"{ROUNDS_SECONDS:.0f} s)")
+    note(f"timing every point again after {context} positions, up to {MAX_ROUNDS} rounds, for its median")
     medians = rounds(points, first)
     verify = monotone([(n, medians[f"v{n}"]) for n in singles])
     draft = medians.get("d", 0.0)
