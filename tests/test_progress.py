@@ -27,3 +27,22 @@ def test_a_long_prefill_says_so_and_a_short_one_is_quiet(tiny_target_dir, random
     loop.generate(engine, list(range(5, 12)), max_new_tokens=2)  # 7 tokens: under LONG_PROMPT, no heartbeat
     assert capsys.readouterr().err == ""
     assert progress.Heartbeat.now is None
+
+
+def test_heartbeats_nest_and_only_the_innermost_speaks(monkeypatch, capsys):
+    monkeypatch.setattr(progress, "HEARTBEAT_SECONDS", 0.002)
+    with progress.Heartbeat("loading"):
+        time.sleep(0.02)
+        with progress.Heartbeat("measuring") as inner:
+            progress.note("a plain step")
+            time.sleep(0.02)
+        assert progress.Heartbeat.now is not inner
+        progress.note("the tokenizer")
+        time.sleep(0.02)
+    assert progress.Heartbeat.now is None
+    lines = capsys.readouterr().err.splitlines()
+    measuring = [i for i, line in enumerate(lines) if line.startswith("dflash: still measuring")]
+    assert measuring and all(lines[i].endswith(": a plain step") for i in measuring)
+    assert lines[0].startswith("dflash: still loading, ") and lines[-1].endswith(": the tokenizer")
+    # the outer one is quiet while the inner one runs (a line it began as the inner one started may land after it)
+    assert not any(line.startswith("dflash: still loading") for line in lines[measuring[0] + 2:measuring[-1]])

@@ -90,6 +90,7 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True, label:
     key = cost_key(engine)
     path = cache_dir() / f"{key}.json"
     corrections = Corrections.load(path.with_suffix(".corrections.json")) if use_cache else Corrections()
+    note("checking the cached cost profile against a plain step timed now")
     costs, stale = cached(engine, path, max_tokens, corrections) if use_cache else (None, Stale())
     if costs is None:
         name = label or f"{engine.info.model_type} ({engine.name})"

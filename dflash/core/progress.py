@@ -13,29 +13,31 @@ HEARTBEAT_SECONDS = 5.0  # at most this long without a line
 class Heartbeat:
     """`with Heartbeat("measuring"):` prints "dflash: still measuring, N s so far: WHAT" every HEARTBEAT_SECONDS,
     WHAT being the latest `note()`. Its thread sleeps between lines, so what it reports on shares the CPU with nothing
-    but a print."""
+    but a print. Heartbeats nest: while an inner one runs, the outer one is quiet."""
 
-    now: Heartbeat | None = None  # the one running, which note() tells what runs (one long wait at a time)
+    now: Heartbeat | None = None  # the innermost one running: note() tells it what runs, and only it speaks
 
     def __init__(self, doing: str, start: float | None = None):
         self.doing, self.what, self.done = doing, "", threading.Event()
         self.start = time.perf_counter() if start is None else start
         self.thread = threading.Thread(target=self.beat, daemon=True)
+        self.outer: Heartbeat | None = None
 
     def beat(self) -> None:
         while not self.done.wait(HEARTBEAT_SECONDS):
-            print(f"dflash: still {self.doing}, {time.perf_counter() - self.start:.0f} s so far" +
-                  (f": {self.what}" if self.what else ""), file=sys.stderr, flush=True)
+            if Heartbeat.now is self:  # (a wait inside this one speaks for both)
+                print(f"dflash: still {self.doing}, {time.perf_counter() - self.start:.0f} s so far" +
+                      (f": {self.what}" if self.what else ""), file=sys.stderr, flush=True)
 
     def __enter__(self) -> Heartbeat:
-        Heartbeat.now = self
+        self.outer, Heartbeat.now = Heartbeat.now, self
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.done.set()
         self.thread.join()
-        Heartbeat.now = None
+        Heartbeat.now = self.outer
 
 
 def note(what: str) -> None:
