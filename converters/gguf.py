@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 
 from dflash.core.model_files.checkpoint import check_target_dir
@@ -77,6 +78,9 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype
     # always dequantizes)
     dense = {"quantization_config": transformers.GgufConfig(dequantize=True)} \
         if hasattr(transformers, "GgufConfig") else {}
+    # (tens of seconds on a CPU for a 100 MB file, silent unless transformers shows its bar: say what runs)
+    print(f"dflash: dequantizing {path.name} ({path.stat().st_size / 2**20:.0f} MB, '{arch}') to {dtype} with "
+          "transformers' GGUF loader, then writing it ...", file=sys.stderr, flush=True)
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype),
                                                      **dense)

@@ -19,6 +19,7 @@ from .core.model_files.checkpoint import check_target_dir
 from .core.costs import measured_costs
 from .core.engine import Engine
 from .core.errors import DFlashError
+from .core.progress import Heartbeat
 from .core.loop import Generation, GenerationResult, Increment, generate_batch
 from .core.sampling import SamplingParams
 from .core.spec import DraftSpec
@@ -132,18 +133,20 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         extra = {"compile": True, "cache_len": cache_len}
         print(f"dflash: --compile: a static cache of {cache_len} positions; compiling its forwards (a minute or two "
               "on a CPU, less once torch's compile cache holds them)", file=sys.stderr)
-    be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
-                      draft_window=draft_window, trust_remote_code=trust_remote_code, spec=spec,
-                      target_config=target_config, **extra)
-    if len(tokenizer) > be.info.vocab_size:
-        raise DFlashError(f"{target_dir}: the tokenizer has {len(tokenizer)} tokens but the target's embedding table "
-                          f"has {be.info.vocab_size} rows (a tokenizer of another model?)")
-    if draft_dir is not None and verify != "chain":
-        costs = None
-        if verify == "auto" and be.capabilities.trees:
-            costs = measured_costs(be, max_tokens=(tree_budget or 256) + 1,
-                                   label=str(model) if model is not None else "the bundled pair")
-        be.set_verify(verify, tree_budget, costs, copy_branch, itl_limit or None)
+    label = str(model) if model is not None else "the bundled pair"
+    # (loading, compiling and checking a cached cost profile are silent for seconds, tens of them under load)
+    with Heartbeat(f"loading {label}" + (" and compiling its forwards" if compile else "")):
+        be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
+                          draft_window=draft_window, trust_remote_code=trust_remote_code, spec=spec,
+                          target_config=target_config, **extra)
+        if len(tokenizer) > be.info.vocab_size:
+            raise DFlashError(f"{target_dir}: the tokenizer has {len(tokenizer)} tokens but the target's embedding "
+                              f"table has {be.info.vocab_size} rows (a tokenizer of another model?)")
+        if draft_dir is not None and verify != "chain":
+            costs = None
+            if verify == "auto" and be.capabilities.trees:
+                costs = measured_costs(be, max_tokens=(tree_budget or 256) + 1, label=label)
+            be.set_verify(verify, tree_budget, costs, copy_branch, itl_limit or None)
     return Pipeline(be, tokenizer, Path(target_dir), draft_dir, name)
 
 

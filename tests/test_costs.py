@@ -2,6 +2,7 @@
 when read back, and corrected online from the cycles the engine ran."""
 
 import json
+import time
 
 import pytest
 torch = pytest.importorskip("torch")
@@ -9,7 +10,7 @@ torch = pytest.importorskip("torch")
 from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter
 from dflash.backends.torch.target import load_target
-from dflash.core import costs
+from dflash.core import costs, progress
 from dflash.core.chain_budget import ChainBudget
 from dflash.core.cost_model import Costs
 from dflash.core.loop import generate
@@ -42,7 +43,9 @@ def test_measured_once_with_a_notice_then_read_from_the_cache(engine, cache, mon
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("dflash: measuring this device's draft and verify costs for tiny")
     assert "first run only" in err[0]
-    assert err[1].startswith("dflash: measured in ")  # one line when it starts, one when done
+    # one line when it starts, one when done, and between them (on a machine slow enough) progress lines
+    assert all(line.startswith("dflash: still measuring, ") for line in err[1:-1])
+    assert err[-1].startswith("dflash: measured in ")
     ns = [n for n, _ in first.verify]
     assert ns[0] == 1 and ns == sorted(ns) and first.draft > 0 and costs.insane(first) is None
     assert sorted(first.batch) == list(costs.BATCH_ROWS) and sorted(first.draft_batch) == list(costs.BATCH_ROWS)
@@ -173,3 +176,18 @@ def test_drafters_of_different_shapes_get_their_own_profiles(tiny_target_dir, ra
     # a draft vocabulary makes the draft head a fraction of the target's: its own profile too
     small = DFlashDrafter(type(spec)(**{**vars(spec), "draft_vocab_size": spec.vocab_size // 4}))
     assert costs.cost_key(a) != costs.cost_key(torch_engine(model, small, block_size=8))
+
+
+def test_a_long_measurement_says_what_it_times(engine, cache, monkeypatch, capsys, steady):
+    """A profile measured under load takes a minute or two: a line every few seconds names the point being
+    timed, so the wait never reads as a hang."""
+    monkeypatch.setattr(progress, "HEARTBEAT_SECONDS", 0.001)
+    slow = costs.Probe.verify
+    monkeypatch.setattr(costs.Probe, "verify", lambda self, n, rows=1: (time.sleep(0.005), slow(self, n, rows))[1])
+    costs.measured_costs(engine, max_tokens=17, use_cache=False, label="tiny")
+    err = capsys.readouterr().err.splitlines()
+    beats = [line for line in err if line.startswith("dflash: still measuring, ")]
+    assert beats and err[-1].startswith("dflash: measured in ")
+    assert any(" so far: a verify of 4 tokens after " in line for line in beats), beats[:5]
+    assert any(" in each of 4 rows after " in line for line in beats)
+    assert progress.Heartbeat.now is None  # the thread is gone with the measurement

@@ -54,10 +54,12 @@ def test_prompt_ids_and_stream(tiny_target_dir, random_draft_dir):
 
 
 def test_stderr_holds_only_our_lines(tiny_target_dir, random_draft_dir):
-    """No transformers weight-loading bar before the generation: stderr is the summary line and nothing else."""
+    """No transformers weight-loading bar before the generation: stderr is the summary line and nothing else (but,
+    on a machine so loaded that the tiny model takes over 5 s to load, our own "still loading" lines)."""
     p = run("--backend", "torch", "--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "def f(x):",
             "--max-new-tokens", 8, "--verify", "chain")
-    assert p.returncode == 0 and p.stderr.startswith("tau ") and p.stderr.count("\n") == 1, p.stderr
+    lines = [line for line in p.stderr.splitlines() if not line.startswith("dflash: still loading ")]
+    assert p.returncode == 0 and len(lines) == 1 and lines[0].startswith("tau "), p.stderr
 
 
 def test_a_prompt_over_the_context_is_our_line_alone(tiny_target_dir, random_draft_dir):
@@ -125,7 +127,9 @@ def test_cuda_on_a_cpu_only_torch_is_one_line(tiny_target_dir, random_draft_dir)
     p = run("--backend", "torch", "--model", tiny_target_dir, "--draft", random_draft_dir, "--prompt", "x",
             "--device", "cuda")
     assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: --device cuda: this PyTorch ("), p.stderr
+    # (one line; on a machine so loaded that importing torch takes over 5 s, our "still loading" lines before it)
+    err = "".join(line for line in p.stderr.splitlines(keepends=True) if not line.startswith("dflash: still loading "))
+    assert err.count("\n") == 1 and err.startswith("error: --device cuda: this PyTorch ("), p.stderr
     assert "use --device cpu" in p.stderr
 
 

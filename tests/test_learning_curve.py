@@ -1,24 +1,21 @@
-"""scripts/learning_curve.py: evaluation rows of a training log against the answer tokens trained on, and the
+"""`python -m dflash.bench learning-curve`: evaluation rows of a training log against the answer tokens trained on, and the
 log-linear projection of the data a goal needs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "learning_curve.py"
+from dflash.bench import learningcurve
+from dflash.bench import main as bench_main
 
 
 @pytest.fixture(scope="module")
 def curve():
-    spec = importlib.util.spec_from_file_location("learning_curve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return learningcurve
 
 
 def write_log(run: Path, points) -> Path:
@@ -45,6 +42,6 @@ def test_evaluations_projection_and_table(curve, tmp_path):
 
 def test_main_writes_the_plot(curve, tmp_path, capsys):
     run = write_log(tmp_path / "run", [(10, 1000, 1.1, 0.1), (20, 2000, 1.2, 0.15)])
-    assert curve.main(["--run", f"kl={run}", "--out", str(tmp_path / "c.png")]) == 0
+    assert bench_main(["learning-curve", "--run", f"kl={run}", "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").stat().st_size > 0
     assert "kl: tau 2.0 projected at" in capsys.readouterr().out

@@ -97,7 +97,7 @@ def test_bundled_drafter_is_lossless(prepared, capsys):
     """The drafter in the package (found by --model smollm2 alone) changes no token of target-only greedy decoding
     in float32, and accepts more than one token per cycle on the benchmark split it never trained on. (In bfloat16
     a verify of several tokens rounds differently from a one-token step on this CPU, so near-ties flip: transformers'
-    own prompt lookup and assisted generation differ from its greedy output there too; docs/smollm2_drafter.md.)"""
+    own prompt lookup and assisted generation differ from its greedy output there too; docs/real_model.md.)"""
     dtype = "float32"
     taus = []
     for prompt in PROMPTS[1:]:

@@ -153,6 +153,52 @@ def test_sigkill_mid_run_then_resume_gives_identical_weights(tiny_target_dir, da
         torch.load(last / f, weights_only=True)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_run_writes_a_checkpoint_and_the_rerun_resumes_from_it(sig, tiny_target_dir, data_file, tmp_path):
+    """Ctrl-C / SIGTERM mid-run: the step in flight finishes, a checkpoint of it is written (with no periodic ones,
+    --save-every 0, it is the only one), the run exits 130 saying so, and the rerun ends with the weights of a run
+    never stopped."""
+    from safetensors.torch import load_file
+
+    steps = 16
+    ref = tmp_path / "ref"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the subprocess's OMP_NUM_THREADS: the same reduction order, whatever ran before
+    try:
+        train(TrainConfig(target=str(tiny_target_dir), data=str(data_file), out=str(ref), num_layers=2, block_size=4,
+                          num_anchors=8, lr=3e-3, progress=False, plot=False, seed=1, batch_size=2, max_steps=steps,
+                          save_every=0, quiet=True, device="cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    out = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "dflash.train"] + base_args(tiny_target_dir, data_file, out, batch_size=2,
+                                                             max_steps=steps, save_every=0)
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "train_log.jsonl"
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline and \
+            (not log.is_file() or log.read_text().count('"loss"') < 3):
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run finished before it could be stopped"
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "stopping after this step and writing a checkpoint" in stderr and "Traceback" not in stderr
+    said = [line for line in stdout.splitlines() if line.startswith(f"stopped by {sig.name} at step ")]
+    assert said and "rerun the same command to resume" in said[0], stdout[-2000:]
+    stopped_at = int(said[0].split(" at step ")[1].split()[0])
+    assert 3 <= stopped_at < steps
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{stopped_at:08d}"]
+    assert not (out / "draft").exists()
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"(step {stopped_at})" in r.stdout  # "resumed from ... (step N)"
+    a = load_file(str(ref / "draft" / "model.safetensors"))
+    b = load_file(str(out / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(out) == losses(ref)
+
+
 def test_cli_config_file_and_errors(tiny_target_dir, data_file, tmp_path, capsys):
     from dflash.train import main
 

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     p = cli.Parser(prog="python -m dflash.bench.gpucheck", description=__doc__,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="tiny shapes (runs on CPU)")
-    p.add_argument("--out", default="docs/gpu_check", help="report path prefix (.json and .md are written)")
+    p.add_argument("--out", default="runs/gpu_check", help="report path prefix (.json and .md are written)")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """python -m dflash.bench long-context: acceptance against context length, with and without a draft window.
 
-    python -m dflash.bench long-context --model smollm2 --out docs/smollm2_long_context
+    python -m dflash.bench long-context --model smollm2 --out runs/smollm2_long_context
     python -m dflash.bench long-context --model smollm2 --lengths 256 1024 --num-prompts 2 --draft-window none 512
 
 Prompts: for each length L in --lengths, --num-prompts chat prompts of at most L tokens through the target's chat

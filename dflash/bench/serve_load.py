@@ -52,7 +52,7 @@ def parse_args(argv=None):
                    help="servers to load, side by side (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server (default: %(default)s)")
     p.add_argument("--server-arg", action="append", default=[], help="extra dflash.serve flag (repeatable)")
-    p.add_argument("--out", default="docs/serve_bench", help="output directory (default: %(default)s)")
+    p.add_argument("--out", default="runs/serve_bench", help="output directory (default: %(default)s)")
     return p.parse_args(argv)
 
 

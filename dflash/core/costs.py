@@ -9,8 +9,9 @@ steps, the draft at the drafter's block and at shorter ones, batches of 4 and 16
 one row of as many tokens is fast (more rows and tokens are interpolated or extrapolated); then a plain step, a
 block's verify and a draft of one row after a longer context. Every point is timed in up to MAX_ROUNDS
 interleaved rounds and the median kept (a burst of other load spoils one sample of each point, not every sample of
-one). It takes a few seconds and prints one line when it starts and one when done (stderr); it is then read from
-$DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
+one). It takes a few seconds on a quiet machine, a minute or two under load; it prints one line when it starts, one
+every few seconds naming the point being timed (dflash/core/progress.py), and one when done (stderr); it is then
+read from $DFLASH_CACHE_DIR/costs/ (default ~/.cache/dflash/costs/).
 
 A cached profile is used only if it is sane: more tokens never cost less, and its plain step is within LIVE_TOLERANCE
 of one timed now (a profile measured while another process held the core is measured again). What remains off is
@@ -36,6 +37,7 @@ from .budget import MAX_TOP_K
 from .cost_model import Costs, interpolate
 from .corrections import Corrections
 from .io import cache_root
+from .progress import Heartbeat, note
 from .tree import TreeInputs, chain_tree
 
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # single-row verify tokens (the planner interpolates between them)
@@ -88,14 +90,17 @@ def measured_costs(engine, max_tokens: int = 257, use_cache: bool = True, label:
     key = cost_key(engine)
     path = cache_dir() / f"{key}.json"
     corrections = Corrections.load(path.with_suffix(".corrections.json")) if use_cache else Corrections()
+    note("checking the cached cost profile against a plain step timed now")
     costs, stale = cached(engine, path, max_tokens, corrections) if use_cache else (None, Stale())
     if costs is None:
         name = label or f"{engine.info.model_type} ({engine.name})"
         print(f"dflash: measuring this device's draft and verify costs for {name} " +
-              (f"again ({stale.why})" if stale.why else "(--verify auto; first run only)") + " ...",
+              (f"again ({stale.why})" if stale.why else "(--verify auto, first run only)") +
+              ": seconds on a quiet machine, a minute or two under load ...",
               file=sys.stderr, flush=True)
         start = time.perf_counter()
-        costs = measure(engine, max_tokens)
+        with Heartbeat("measuring", start):
+            costs = measure(engine, max_tokens)
         print(f"dflash: measured in {time.perf_counter() - start:.1f} s" +
               (f"; cached in {path.parent}" if use_cache else ""), file=sys.stderr, flush=True)
         corrections = Corrections(path=corrections.path)  # (what was learnt against the old profile does not apply)
@@ -254,15 +259,18 @@ def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -
     point walks the grid; the rest are interleaved rounds, and each point is the median."""
     drafter, block = engine.drafter, engine.block_size
     compiles = engine.target.capabilities.compiles
+    note(f"prefilling {context} positions")
     probe = Probe(engine, context)
     points, first = {}, {}
 
-    def timed(name: str, fn) -> float:
+    def timed(name: str, fn, rows: int = 1) -> float:
+        note(f"{describe(name)}{f' in each of {rows} rows' if rows > 1 else ''} after {context} positions")
         if compiles:
             settled(fn)
         points[name], first[name] = fn, fn()  # (a first call slowed by allocation is outvoted by the rounds)
         return first[name]
 
+    note(f"a warm-up step after {context} positions")
     probe.verify(1)  # (warm-up)
     plain = 0.0
     room = (engine.max_context or context + max_tokens) - context  # (the forwards must fit after the context)
@@ -278,6 +286,7 @@ def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -
         timed("d", probe.draft)
         for b in (b for b in DRAFT_BLOCKS if b < block and full):
             timed(f"b{b}", lambda b=b: probe.draft(1, b))
+    note(f"timing every point again after {context} positions, up to {MAX_ROUNDS} rounds, for its median")
     medians = rounds(points, first)
     verify = monotone([(n, medians[f"v{n}"]) for n in singles])
     draft = medians.get("d", 0.0)
@@ -296,9 +305,9 @@ def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -
                 probe.rows(rows)
             held, points, first = rows, {}, {}
             for t in tokens:
-                timed(f"v{t}", lambda t=t, rows=rows: probe.verify(t, rows))
+                timed(f"v{t}", lambda t=t, rows=rows: probe.verify(t, rows), rows)
             if drafter is not None:
-                timed("d", lambda rows=rows: probe.draft(rows))
+                timed("d", lambda rows=rows: probe.draft(rows), rows)
             medians = rounds(points, first)
             batch[rows] = monotone([(t, medians[f"v{t}"]) for t in tokens])
             if drafter is not None:
@@ -307,6 +316,16 @@ def measure_at(engine, context: int, max_tokens: int = 257, full: bool = True) -
     if blocks:
         blocks[block] = {1: draft}
     return Costs(draft, verify, batch, draft_batch, context, draft_blocks=blocks)
+
+
+def describe(point: str) -> str:
+    """A profile point's name in words: v16 -> a verify of 16 tokens, d -> a draft, b4 -> a draft of 4 positions."""
+    if point == "d":
+        return "a draft forward"
+    n = int(point[1:])
+    if point[0] == "b":
+        return f"a draft forward of {n} positions"
+    return "a plain step" if n == 1 else f"a verify of {n} tokens"
 
 
 def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:

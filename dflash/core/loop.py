@@ -6,6 +6,7 @@ state over the backend's Target and Drafter (dflash/core/contract.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -13,11 +14,13 @@ from typing import Iterable, Iterator, Sequence, cast
 
 from .engine import Engine
 from .errors import DFlashError, SettingError
+from .progress import Heartbeat
 from .sampling import SamplingParams
 from .stats import cycle_counts, mean_acceptance_length
 from .text import Detokenizer, find_stop
 
 log = logging.getLogger("dflash.batch")
+LONG_PROMPT = 1024  # prompts of this many tokens prefill under a heartbeat (dflash/core/progress.py)
 
 
 @dataclass
@@ -208,7 +211,9 @@ class Batch:
             first = engine.admit(gen.prompt_ids, gen.sampling)
         else:  # a lone sequence: the engine reuses the longest cached prefix of the previous one
             engine.set_sampling(gen.sampling)
-            first = engine.prefill([gen.prompt_ids])[0]
+            n = len(gen.prompt_ids)  # (a long prompt on a CPU prefills for tens of seconds: say so past a few)
+            with Heartbeat(f"prefilling the prompt's {n} tokens") if n >= LONG_PROMPT else contextlib.nullcontext():
+                first = engine.prefill([gen.prompt_ids])[0]
         row = _Row(gen)
         row.rule = engine.accept_rules[-1] if engine.accept_rules else "greedy"
         row.started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Checkpoints that survive SIGKILL, and the exported drafter.
+"""Checkpoints that survive SIGKILL, one written when Ctrl-C or SIGTERM stops a run, and the exported drafter.
 
   runs/X/checkpoints/step_N/  model.pt, optimizer.pt (full, unsharded), trainer.pt (step), rng_rank{r}.pt, DONE
 Built in a hidden temporary directory, fsynced, then renamed: a directory without DONE never counts. Everything
@@ -13,6 +13,9 @@ import os
 import pickle
 import random
 import shutil
+import signal
+import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -161,3 +164,33 @@ def export_drafter(module, drafter: DFlashDrafter, fsdp: bool, d, draft_dir: Pat
         final = DFlashDrafter(drafter.spec)
         final.load_state_dict({k: v.cpu() for k, v in state.items()})
         save_drafter(final, draft_dir)
+
+
+class StopRequests:
+    """Ctrl-C (SIGINT) or SIGTERM during the steps: the first lets the current step finish, after which the loop
+    writes a checkpoint and stops, so rerunning the command resumes there; a second stops at once, losing the steps
+    since the last checkpoint. Installed only for one process in the main thread: the ranks of a distributed run see
+    a signal at different steps while a checkpoint is collective, so they keep the periodic checkpoints."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.signal: str | None = None  # the name of the signal that asked the run to stop
+        self.previous: dict = {}
+
+    def __enter__(self) -> "StopRequests":
+        if self.enabled:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+        print(f"{self.signal}: stopping after this step and writing a checkpoint; send it again to stop at once, "
+              "losing the steps since the last checkpoint", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+

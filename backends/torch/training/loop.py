@@ -94,7 +94,8 @@ def train_step(run: Run, step: int) -> dict:
 
 def train(cfg: TrainConfig, target_dir: str | os.PathLike | None = None) -> TrainResult:
     """Train a drafter for the target in `target_dir` (default: cfg.target as a local directory) and export it to
-    cfg.out/draft. Resumes from the newest checkpoint in cfg.out."""
+    cfg.out/draft. Resumes from the newest checkpoint in cfg.out. Ctrl-C or SIGTERM (one process) finishes the
+    current step, writes a checkpoint and raises KeyboardInterrupt."""
     started = time.perf_counter()
     run = prepare(cfg, Path(target_dir or cfg.target))
     d, out, spec = run.d, Path(cfg.out), run.drafter.spec
@@ -113,14 +114,24 @@ def train(cfg: TrainConfig, target_dir: str | os.PathLike | None = None) -> Trai
         evaluate_run(run, log, 0)  # the untrained drafter's tau: the baseline the curve starts from
 
     run.module.train()
-    while step < run.total:
-        log.step(train_step(run, step))
-        step += 1
-        if (cfg.eval_every and step % cfg.eval_every == 0 or step in (cfg.eval_at or ())) and step < run.total:
-            evaluate_run(run, log, step)
-        if cfg.save_every and step % cfg.save_every == 0 and step < run.total:
-            save(step)
-    log.end_of_steps()
+    with ckpt.StopRequests(enabled=d.world == 1) as stop:
+        while step < run.total and not stop.signal:
+            log.step(train_step(run, step))
+            step += 1
+            due = cfg.eval_every and step % cfg.eval_every == 0 or step in (cfg.eval_at or ())
+            if due and step < run.total and not stop.signal:
+                evaluate_run(run, log, step)
+            if cfg.save_every and step % cfg.save_every == 0 and step < run.total:
+                save(step)
+        log.end_of_steps()
+        if stop.signal and step < run.total:
+            if not ckpt.saved_at(out, step):
+                save(step)  # (a second signal while it is written leaves the previous checkpoint the newest)
+            log.say(f"stopped by {stop.signal} at step {step} of {run.total}: checkpoint "
+                    f"{ckpt.checkpoint_dirs(out)[-1]}; rerun the same command to resume from it")
+            log.close()
+            run.close()
+            raise KeyboardInterrupt
 
     if cfg.save_every and not ckpt.saved_at(out, run.total):
         save(step)
