@@ -31,7 +31,7 @@ from .errors import DFlashError
 from .lookahead import Lookahead, lands
 from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
-from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, row_draws
+from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, finite_logprob, row_draws
 from .tree import TreeInputs
 from .verification import Verification
 
@@ -419,7 +419,9 @@ class Engine:
             return out, None
         tokens, (chosen, top_ids, top_lps) = out
         chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
-        return tokens, (chosen, [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)])
+        chosen = [[finite_logprob(v) for v in row] for row in chosen]
+        return tokens, (chosen, [[[(i, finite_logprob(v)) for i, v in zip(pi, pv)] for pi, pv in zip(ri, rv)]
+                                 for ri, rv in zip(top_ids, top_lps)])
 
     def take_pending(self) -> Pending | None:
         """Every target feature the drafter has not read, for the next draft; none pending after."""

@@ -15,7 +15,7 @@ from .engine import Engine
 from .errors import DFlashError, SettingError
 from .sampling import SamplingParams
 from .stats import cycle_counts, mean_acceptance_length
-from .text import Detokenizer, find_stop
+from .text import Detokenizer, find_stop, held_back
 
 log = logging.getLogger("dflash.batch")
 
@@ -27,8 +27,13 @@ class Increment:
 
     tokens: list[int]
     text: str
+    # with logprobs: one entry per token whose text this increment releases (token_texts[i] is what that token
+    # added to the output, so the entries of a whole generation join to exactly its text: a token cut by a stop
+    # string keeps the part before it, a token wholly inside it has no entry); a token's entry comes out with the
+    # last of its text, which a possible stop string may hold back for a cycle
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    token_texts: list[str] | None = None
 
 
 @dataclass
@@ -95,6 +100,16 @@ class GenerationResult:
         return out
 
 
+@dataclass
+class _Scored:
+    """A token's log-probabilities and the span of the output text it added."""
+
+    start: int
+    end: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 class _Row:
     """One sequence's output policy: EOS (kept), exact max_new_tokens, stop strings, and the text streamed so far
     (never a partial stop string)."""
@@ -109,7 +124,8 @@ class _Row:
         self.drafted: list[list[int]] = []
         self.finish: str | None = None
         self.emitted = 0
-        self.hold = max((len(s) for s in gen.stop_strings), default=1) - 1  # a stop string may still be forming
+        self.hold = max((len(s) for s in gen.stop_strings), default=1) - 1  # the longest a stop string's start runs
+        self.scored: list[_Scored] = []  # (with logprobs) tokens whose entry has not been released
         self.seconds = 0.0
         self.prefill_seconds = 0.0
         self.started = 0.0  # when its prefill ended
@@ -121,19 +137,38 @@ class _Row:
         new, finish = self._cut(new)
         kept, searched = len(self.tokens), len(detok.text)
         self.tokens.extend(new)
-        detok.add(new)
+        scored = gen.logprobs is not None and logprobs is not None
+        if scored:  # token by token, to know the text each one adds
+            for tok, lp, top in zip(new, logprobs, top_logprobs):
+                start = len(detok.text)
+                detok.add([tok])
+                self.scored.append(_Scored(start, len(detok.text), lp, top))
+        else:
+            detok.add(new)
         if finish is not None:
             detok.flush()
+            if self.scored:
+                self.scored[-1].end = len(detok.text)
         if gen.stop_strings:
             at, end = find_stop(detok.text, gen.stop_strings, searched)
             if at != -1:
                 self.tokens, finish = self._tokens_reaching(kept, end), "stop"
                 detok.text = detok.text[:at]
-        visible = len(detok.text) if finish else max(self.emitted, len(detok.text) - self.hold)
+                self.scored = [_Scored(e.start, min(e.end, at), e.logprob, e.top) for e in self.scored
+                               if e.start < at]
+        if finish:
+            visible = len(detok.text)
+        else:  # hold back only text that may still become a stop string
+            tail = detok.text[max(self.emitted, len(detok.text) - self.hold):]
+            visible = max(self.emitted, len(detok.text) - held_back(tail, gen.stop_strings))
         increment = Increment(self.tokens[kept:], detok.text[self.emitted:visible])
-        if gen.logprobs is not None and logprobs is not None:
-            n = len(increment.tokens)
-            increment.logprobs, increment.top_logprobs = logprobs[:n], top_logprobs[:n]
+        if gen.logprobs is not None:
+            released = 0
+            while released < len(self.scored) and self.scored[released].end <= visible:
+                released += 1
+            out, self.scored = self.scored[:released], self.scored[released:]
+            increment.logprobs, increment.top_logprobs = [e.logprob for e in out], [e.top for e in out]
+            increment.token_texts = [detok.text[e.start:e.end] for e in out]
         self.emitted, self.finish = visible, finish
         return increment
 

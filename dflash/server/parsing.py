@@ -11,6 +11,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from ..core.text import held_back
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -28,17 +30,6 @@ class Delta:
 def starts_in_reasoning(prompt_text: str) -> bool:
     """True when the chat template left a `<think>` open at the end of the prompt (the model continues inside it)."""
     return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
-
-
-def _held(text: str, tags: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a tag (it may still become one)."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
 
 
 class OutputParser:
@@ -77,7 +68,7 @@ class OutputParser:
                     self._emit_content(out, TOOL_OPEN + self.buffer)
                     self.buffer = ""
                 return out
-            keep = 0 if final else _held(self.buffer, tags)
+            keep = 0 if final else held_back(self.buffer, tags)
             self._emit(out, self.buffer[:len(self.buffer) - keep])
             self.buffer = self.buffer[len(self.buffer) - keep:]
             return out
