@@ -40,6 +40,7 @@ class OutputParser:
         self.content_started = False  # a <think> is recognised only before any content
         self.after_think = False  # strip the blank lines a model writes after </think>
         self.calls: list[dict] = []
+        self.after_call = False
 
     def _tags(self) -> list[str]:
         if self.mode == "reasoning":
@@ -88,6 +89,7 @@ class OutputParser:
             else:
                 self.calls.append(call)
                 out.tool_calls.append(call)
+                self.after_call = True
 
     def _emit(self, out: Delta, text: str) -> None:
         if self.mode == "tool":
@@ -98,6 +100,11 @@ class OutputParser:
             self._emit_content(out, text)
 
     def _emit_content(self, out: Delta, text: str) -> None:
+        if self.after_call:  # the blank lines between and after tool calls are not content (as vLLM's parser)
+            text = text.lstrip()
+            if not text:
+                return
+            self.after_call = False
         if self.after_think or not self.content_started:
             text = text.lstrip("\n") if self.after_think else text
             if not text.strip() and self.reasoning:
