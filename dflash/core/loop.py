@@ -224,11 +224,16 @@ class Batch:
     def generations(self) -> list["Generation"]:
         return [r.gen for r in self.rows]
 
-    def begin(self, gen: "Generation", chunk: int):
+    def begin(self, gen: "Generation", chunk: int, alone: bool = False):
         """Start `gen`'s prefill beside the running rows, `chunk` prompt tokens per `.advance()` of the returned
         admission, for a caller that interleaves it with cycles (a joining prompt then never stalls the running
-        streams for its whole prefill); join(gen, admission) adds the row once advance() says the prompt is in."""
+        streams for its whole prefill); join(gen, admission) adds the row once advance() says the prompt is in.
+        `alone`: no row runs and no other prompt is being prefilled, so the prompt goes into the engine's own caches
+        (reusing the previous sequence's prefix, as join() without an admission does)."""
         self._want_logprobs(extra=gen)
+        if alone:
+            assert not self.rows, "a prompt is prefilled alone only into an idle engine"
+            return self.engine.begin_prefill(gen.prompt_ids, gen.sampling, chunk)
         return self.engine.begin_admit(gen.prompt_ids, gen.sampling, chunk)
 
     def join(self, gen: "Generation", admission=None) -> Increment:
