@@ -1,10 +1,11 @@
 """Soak test of python -m dflash.serve: C clients for M minutes, streamed and whole, chat and completions, with a few
-clients that hang up mid-stream, seeded sampled requests, a penalty mix (greedy and seeded sampled requests with
-repetition / presence / frequency penalties and a logit bias, beside plain greedy rows in the same batches) and
-hostile ones (numerics that once killed every running row, a template in the request, malformed tool calls, vLLM's
-top_k -1, penalty fields out of OpenAI's ranges). Every greedy or seeded answer must equal the one the same request
-got alone at the start (nothing failed, nothing garbled), every hostile request must get its expected status, and the
-server's RSS must stay flat after the warm-up (the first minute).
+clients that hang up mid-stream, seeded sampled requests, a mix (greedy and seeded sampled requests with repetition /
+presence / frequency penalties and a logit bias, log-probabilities under stop strings and under top-k / top-p, beside
+plain greedy rows in the same batches) and hostile ones (numerics that once killed every running row, a template in
+the request, malformed tool calls, vLLM's top_k -1, penalty fields out of OpenAI's ranges, fields the server does not
+serve). Every greedy or seeded answer must equal the one the same request got alone at the start (nothing failed,
+nothing garbled), its log-probabilities (when asked) must be strict JSON and join to its text, every hostile request
+must get its expected status, and the server's RSS must stay flat after the warm-up (the first minute).
 
     OMP_NUM_THREADS=1 python scripts/serve_soak.py --minutes 10 --concurrency 16 [--out soak.json]
     python scripts/serve_soak.py --minutes 3 --concurrency 4 --backend mlx
@@ -38,6 +39,17 @@ HOSTILE = [
     ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "logit_bias": {"the": 1}}, 400),  # not a token id
     ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "logit_bias": {"99999999": -100}}, 400),
     ({"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "logit_bias": {"13": 1e9}}, 400),
+    # fields the server does not serve are refused by name, never ignored
+    ({"prompt": "def f(x):", "max_tokens": 16, "best_of": 3}, 400),
+    ({"prompt": "def f(x):", "max_tokens": 16, "temprature": 0}, 400),  # unknown field
+    ({"prompt": "def f(x):", "max_tokens": 16, "stop": ["a", "b", "c", "d", "e"]}, 400),
+    ({"prompt": "def f(x):", "max_tokens": 16, "stream_options": {"include_usage": True}}, 400),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "reasoning_effort": "low"}, 400),
+    # (the bundled pair's template renders no tools: refused, not served blind)
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
 ]
 # a request's sampling fields by name: plain greedy, seeded sampled, and the penalty mix (asked on PENALTY_PROMPTS)
 SETTINGS = {
@@ -50,8 +62,12 @@ SETTINGS = {
     "seeded+penalties": {"temperature": 0.8, "seed": 11, "repetition_penalty": 1.1, "presence_penalty": 0.5,
                          "frequency_penalty": 0.3, "logit_bias": {"13": 3}},
     "seeded+repetition": {"temperature": 0.7, "seed": 5, "repetition_penalty": 1.05},
+    # log-probabilities (k alternatives) under a stop string and under filters that exclude most alternatives:
+    # every answer's entries must be valid JSON and join to its text
+    "greedy+stop+logprobs": {"temperature": 0, "stop": ["\n\n", "return"], "logprobs": 3},
+    "seeded+filters+logprobs": {"temperature": 0.8, "seed": 3, "top_k": 4, "top_p": 0.9, "logprobs": 5},
 }
-PENALTY_MIX = [name for name in SETTINGS if "+" in name]
+PENALTY_MIX = [name for name in SETTINGS if "+" in name]  # (the mix: penalties, logprobs, stops, filters)
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "def parse(text):", "for i in range(10):",
            "def __init__(self, name):", "try:\n    import json", "def read(path):", "while True:",
            "if __name__ == '__main__':", "def add(a, b):", "class Node(object):", "with open(",
@@ -71,31 +87,53 @@ def hostile(url: str, body: dict) -> int:
     return httpx.post(url + path, json=body, timeout=300).status_code
 
 
+def strict_json(text: str):
+    """JSON as a strict client reads it: -Infinity or NaN is an error."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def logprob_tokens(choice: dict, chat: bool) -> list[str]:
+    lp = choice.get("logprobs")
+    if not lp:
+        return []
+    return [e["token"] for e in lp["content"]] if chat else lp["tokens"]
+
+
 def ask(url: str, prompt: str, max_tokens: int, stream: bool, chat: bool, hang_up: bool = False,
         setting: str = "greedy") -> str | None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = {"max_tokens": max_tokens, "stream": stream, **SETTINGS[setting]}
+    if chat and "logprobs" in body:  # (chat spells k as top_logprobs)
+        body.update(logprobs=True, top_logprobs=body["logprobs"])
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    text, tokens = [], []
     if not stream:
         r = httpx.post(url + path, json=body, timeout=300)
         r.raise_for_status()
-        c = r.json()["choices"][0]
-        return c["message"]["content"] if chat else c["text"]
-    text = []
-    with httpx.stream("POST", url + path, json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if hang_up and len(text) > 2:
-                return None
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk["choices"]:
-                c = chunk["choices"][0]
-                text.append((c["delta"].get("content") or "") if chat else c["text"])
-    return "".join(text)
+        c = strict_json(r.text)["choices"][0]
+        text.append(c["message"]["content"] if chat else c["text"])
+        tokens += logprob_tokens(c, chat)
+    else:
+        with httpx.stream("POST", url + path, json=body, timeout=300) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if hang_up and len(text) > 2:
+                    return None
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = strict_json(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                if chunk["choices"]:
+                    c = chunk["choices"][0]
+                    text.append((c["delta"].get("content") or "") if chat else c["text"])
+                    tokens += logprob_tokens(c, chat)
+    out = "".join(text)
+    if "logprobs" in body and "".join(tokens) != out:
+        raise RuntimeError(f"logprobs: the tokens join to {''.join(tokens)[:40]!r}, the text is {out[:40]!r}")
+    return out
 
 
 def main() -> int:

@@ -50,12 +50,18 @@ class FakeTarget:
         pass
 
     def sample(self, logits, histories, block, rows, paths=None, logprobs=None, draws=None, draft=None):
-        """Greedy, each row under its own logit bias (the one setting a fake honours)."""
+        """Greedy, each row under its own logit bias (the one setting a fake honours); with logprobs=k also (chosen,
+        top-k ids, top-k log-probs) of the biased logits' log-softmax."""
         logits = logits.copy()
         for i, row in enumerate(rows):
             for token, bias in row.params.logit_bias:
                 logits[i, :, token] += bias
-        return logits.argmax(-1)
+        tokens = logits.argmax(-1)
+        if logprobs is None:
+            return tokens
+        lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        top = np.argsort(-lp, axis=-1, kind="stable")[..., :logprobs]
+        return tokens, (np.take_along_axis(lp, tokens[..., None], -1)[..., 0], top, np.take_along_axis(lp, top, -1))
 
     def forward(self, ids, last_only):
         if not self.rows:

@@ -147,3 +147,52 @@ def test_detokenizing_and_stop_search_stay_incremental():
     assert r.generation_tokens == 180 and r.finish_reason == "length"
     assert max(tok.sizes) <= 2 * 8  # a window of at most two cycles' tokens, never the whole output
     assert sum(tok.sizes) <= 4 * 180
+
+
+class PairTokenizer(FakeTokenizer):
+    """Token i decodes to two characters, so a stop string may start inside a token."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.alphabet[i] + self.alphabet[(i * 3 + 1) % V] for i in ids)
+
+
+def test_text_that_cannot_become_a_stop_string_streams_at_once():
+    """Only the longest tail that is the start of a stop string is held back: with a long stop string that never
+    begins, each cycle's text goes out in that cycle (holding back len(stop) - 1 characters held it all)."""
+    tok = FakeTokenizer()
+    ref_text = tok.decode(reference([1], 40))
+    stop = "#" * 500  # (never in the alphabet)
+    gen = Generation(fake_engine(8, 3), [1], tokenizer=tok, max_new_tokens=40, stop_strings=[stop])
+    incs = list(gen)
+    assert all(inc.text == tok.decode(inc.tokens) for inc in incs)
+    assert "".join(inc.text for inc in incs) == ref_text
+    # a stop string whose start the text ends with is held until it is decided
+    held = ref_text[11:13] + "#"
+    gen = Generation(fake_engine(8, 3), [1], tokenizer=tok, max_new_tokens=40, stop_strings=[held])
+    streamed = ""
+    for inc in gen:
+        streamed += inc.text
+        assert not streamed.endswith(held[:2]) or len(streamed) == len(ref_text)
+    assert streamed == ref_text
+
+
+@pytest.mark.parametrize("where", range(0, 30, 3))
+def test_logprob_entries_join_to_the_returned_text(where):
+    """A stop string may begin inside a token: the entries stop with the token it begins in, spelled as the text it
+    kept, so they join to the returned text (streamed as well as whole); a token wholly inside it has none."""
+    tok = PairTokenizer()
+    text = tok.decode(reference([1, 2, 3], 40))
+    stop = text[where + 1:where + 4]
+    at = text.index(stop)
+    gen = Generation(fake_engine(8, 7), [1, 2, 3], tokenizer=tok, max_new_tokens=40, stop_strings=[stop], logprobs=2)
+    incs = list(gen)
+    assert "".join(i.text for i in incs) == gen.result.text == text[:at]
+    texts = [t for i in incs for t in i.token_texts]
+    assert "".join(texts) == text[:at] and len(texts) == (at + 1) // 2
+    assert all(len(i.logprobs) == len(i.top_logprobs) == len(i.token_texts) for i in incs)
+    assert all(len(top) == 2 for i in incs for top in i.top_logprobs)
+    released = ""
+    for inc in incs:  # an entry comes out with (never before) the last of its text
+        released += "".join(inc.token_texts)
+        streamed = "".join(i.text for i in incs[:incs.index(inc) + 1])
+        assert streamed.startswith(released)

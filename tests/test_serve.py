@@ -119,6 +119,18 @@ def test_logprobs_are_the_targets(client, solo):
     assert len(lp.token_logprobs) == 5 and all(len(t) == 2 for t in lp.top_logprobs)
 
 
+def test_logprobs_are_finite_and_join_to_the_text(server):
+    from serving import logprobs_are_finite_and_join_to_the_text
+
+    logprobs_are_finite_and_join_to_the_text(server.url, {"Authorization": f"Bearer {KEY}"})
+
+
+def test_the_served_model_can_be_retrieved(client):
+    assert client.models.retrieve("dflash-bundled").id == "dflash-bundled"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("another-model")
+
+
 def test_sixteen_concurrent_clients_equal_batch1(server, client, solo):
     want = [solo.generate(p, max_new_tokens=48).text for p in PROMPTS]
     got, errors = [None] * len(PROMPTS), []

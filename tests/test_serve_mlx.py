@@ -89,3 +89,9 @@ def test_penalty_fields_equal_target_only_decoding(server):
         r = client.completions.create(model="dflash-bundled", prompt=prompt, max_tokens=40, temperature=0, **field)
         want = generate("--prompt", prompt, "--max-new-tokens", "40", "--no-draft", *flags)
         assert r.choices[0].text == want["text"] != plain["text"], field
+
+
+def test_mlx_logprobs_are_finite_and_join_to_the_text(server):
+    from serving import logprobs_are_finite_and_join_to_the_text
+
+    logprobs_are_finite_and_join_to_the_text(server.url)

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from dflash.core.admission import Admission  # noqa: E402
 from dflash.core.contract import Capabilities, Step  # noqa: E402
 from dflash.server.app import Server  # noqa: E402
 
@@ -49,7 +50,9 @@ class CharTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **kwargs):
         self.seen.append(kwargs)
         opened = "<think>\n" if kwargs.get("enable_thinking", True) else ""
-        return "".join(m["content"] for m in messages) + "\n" + opened
+        tools = f"<tools>{json.dumps(kwargs['tools'])}</tools> answer <tool_call>{{json}}</tool_call>\n" \
+            if kwargs.get("tools") else ""
+        return tools + "".join(m["content"] for m in messages) + "\n" + opened
 
 
 class ScriptedEngine:
@@ -62,7 +65,7 @@ class ScriptedEngine:
 
     def __init__(self, script: list[int]):
         self.script, self.rows, self.logprobs, self.first_logprobs, self.last_reused = script, [], None, None, 0
-        self.shared, self.cached_tokens = False, []
+        self.shared, self.cached_tokens, self.chunks = False, [], 0
 
     def set_sampling(self, params):
         pass
@@ -74,6 +77,23 @@ class ScriptedEngine:
     def admit(self, prompt, sampling=None):
         self.rows.append(0)
         return self.script[0]
+
+    def begin_prefill(self, prompt, sampling=None, chunk=None):
+        """Its prompt in chunks of `chunk` tokens (nothing is computed: each chunk is counted)."""
+        chunk = chunk or len(prompt)
+        steps = [None] * ((len(prompt) - 1) // chunk) + [self.script[0]]
+
+        def chunks():
+            for first in steps:
+                self.chunks += 1
+                yield first
+        return Admission(self, chunks(), len(prompt))
+
+    begin_admit = begin_prefill
+
+    def end_admit(self, admission, alone=False):
+        self.rows.append(0)
+        return admission.first
 
     def step(self, anchors):
         out = []
@@ -112,7 +132,7 @@ def test_reasoning_and_tool_calls_whole():
     assert body["choices"][0]["finish_reason"] == "tool_calls"
     (call,) = msg["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    assert tok.seen[-1]["tools"] == TOOLS
+    assert any(seen.get("tools") == TOOLS for seen in tok.seen)
 
 
 def test_reasoning_and_tool_calls_streamed():

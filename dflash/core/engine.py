@@ -31,7 +31,7 @@ from .errors import DFlashError
 from .lookahead import Lookahead, lands
 from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
-from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, row_draws
+from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, finite_logprob, row_draws
 from .tree import TreeInputs
 from .verification import Verification
 
@@ -206,6 +206,8 @@ class Engine:
         if first is None:
             raise DFlashError("end_admit: the row's prefill has not finished")
         self.first_logprobs, self.last_reused = row.first_logprobs, row.last_reused
+        if row is self:  # (begin_prefill's: prefilled in place)
+            return first
         if alone or not self.rows:
             if self.rows and not self.shared:
                 self.keep_prefix(0)  # (the finished sequence, for later prompts)
@@ -220,15 +222,30 @@ class Engine:
         self.row_sampling.append(row.row_sampling[0])
         return first
 
+    @lands
+    def begin_prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
+                      chunk: int | None = None) -> Admission[Engine]:
+        """prefill() of one prompt on an idle engine in steps, `chunk` tokens per Admission.advance(), for a caller
+        that checks between chunks whether the prompt is still wanted; the row is this engine itself (its caches,
+        reusing the longest cached prefix), so end_admit has nothing to merge. A prompt dropped part-way leaves its
+        chunks so far as a cached prefix."""
+        prompt_ids = list(prompt_ids)
+        check_fits(prompt_ids, self.max_context)
+        if self.shared:
+            self.reset()
+        return Admission(self, self._lone_chunks(prompt_ids, sampling, chunk or self.prefill_chunk), len(prompt_ids))
+
     def _prefill_alone(self, prompt_ids: list[int], sampling: SamplingParams | None, generated: int = 0) -> int:
         """A lone row's prefill, from the kept prefix that beats the caches' own; `sampling` becomes the engine's."""
+        for first in self._lone_chunks(prompt_ids, sampling, self.prefill_chunk, generated):
+            pass
+        return first
+
+    def _lone_chunks(self, prompt_ids: list[int], sampling: SamplingParams | None, chunk: int, generated: int = 0):
         if sampling is not None:
             self.set_sampling(sampling)
         self._adopt_prefix(prompt_ids)
-        for first in self.prefill_chunks(prompt_ids, self._admitted(None, len(prompt_ids) - generated),
-                                         self.prefill_chunk):
-            pass
-        return first
+        yield from self.prefill_chunks(prompt_ids, self._admitted(None, len(prompt_ids) - generated), chunk)
 
     def _admitted(self, params: SamplingParams | None, prompt_tokens: int) -> RowSampling:
         """A new row's sampling (default: the engine's settings), with a fresh noise seed unless the request has one
@@ -419,7 +436,9 @@ class Engine:
             return out, None
         tokens, (chosen, top_ids, top_lps) = out
         chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
-        return tokens, (chosen, [[list(zip(i, v)) for i, v in zip(ri, rv)] for ri, rv in zip(top_ids, top_lps)])
+        chosen = [[finite_logprob(v) for v in row] for row in chosen]
+        return tokens, (chosen, [[[(i, finite_logprob(v)) for i, v in zip(pi, pv)] for pi, pv in zip(ri, rv)]
+                                 for ri, rv in zip(top_ids, top_lps)])
 
     def take_pending(self) -> Pending | None:
         """Every target feature the drafter has not read, for the next draft; none pending after."""

@@ -9,167 +9,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Iterable, Iterator, Sequence, cast
 
 from .engine import Engine
 from .errors import DFlashError, SettingError
+from .output import GenerationResult as GenerationResult  # (re-exported: the loop's public types)
+from .output import Increment as Increment
+from .output import OutputRow
 from .progress import Heartbeat
 from .sampling import SamplingParams
-from .stats import cycle_counts, mean_acceptance_length
-from .text import Detokenizer, find_stop
 
 log = logging.getLogger("dflash.batch")
 LONG_PROMPT = 1024  # prompts of this many tokens prefill under a heartbeat (dflash/core/progress.py)
-
-
-@dataclass
-class Increment:
-    """What one cycle added: token ids and the printable text they completed; with Generation(logprobs=k), each
-    token's log-probability and its top-k (id, log-probability) alternatives."""
-
-    tokens: list[int]
-    text: str
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]
-    text: str
-    prompt_tokens: int
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
-    acceptance_lengths: list[int]
-    prefill_seconds: float
-    decode_seconds: float
-    block_size: int
-    drafted: list[list[int]] = field(default_factory=list)
-    verify_mode: str = "chain"
-    verified: list[int] = field(default_factory=list)  # draft tokens the target verified, per cycle
-    draft_forwards: list[bool] = field(default_factory=list)  # per cycle: whether it ran a draft forward
-    verify_note: str = ""
-    accept_rule: str = "greedy"  # greedy, or a sampled row's rule (dflash.core.sampling.acceptance_rule)
-    error: str = ""  # finish_reason "error": why this row failed (the batch's other rows went on)
-
-    @property
-    def generation_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return mean_acceptance_length(self.acceptance_lengths)
-
-    @property
-    def cycles_without_draft(self) -> int:
-        """Cycles that ran no draft forward: --no-draft, or --verify auto pausing the drafter."""
-        return self.draft_forwards.count(False)
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        # the first token comes out of the prefill; decode time covers the rest
-        n = max(self.generation_tokens - 1, 0)
-        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    def to_json(self, trace: bool = False) -> dict:
-        out = {
-            "tokens": self.tokens,
-            "text": self.text,
-            "prompt_tokens": self.prompt_tokens,
-            "generation_tokens": self.generation_tokens,
-            "acceptance_lengths": self.acceptance_lengths,
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "prefill_seconds": self.prefill_seconds,
-            "decode_seconds": self.decode_seconds,
-            "decode_tokens_per_second": self.decode_tokens_per_second,
-            "finish_reason": self.finish_reason,
-            "block_size": self.block_size,
-            "verify_mode": self.verify_mode,
-            "verified_tokens": sum(self.verified),
-            "verified_per_cycle": self.verified,
-            "cycles_without_draft": self.cycles_without_draft,
-            "drafted_cycles_verifying_none": cycle_counts(self.verified, self.draft_forwards).drafted_verifying_none,
-            "accept_rule": self.accept_rule,
-        }
-        if self.verify_note:
-            out["verify_note"] = self.verify_note
-        if trace:
-            out["drafted"] = self.drafted
-        return out
-
-
-class _Row:
-    """One sequence's output policy: EOS (kept), exact max_new_tokens, stop strings, and the text streamed so far
-    (never a partial stop string)."""
-
-    def __init__(self, gen: "Generation"):
-        self.gen = gen
-        self.detok = Detokenizer(gen.tokenizer)
-        self.tokens: list[int] = []
-        self.lengths: list[int] = []
-        self.verified: list[int] = []
-        self.draft_forwards: list[bool] = []
-        self.drafted: list[list[int]] = []
-        self.finish: str | None = None
-        self.emitted = 0
-        self.hold = max((len(s) for s in gen.stop_strings), default=1) - 1  # a stop string may still be forming
-        self.seconds = 0.0
-        self.prefill_seconds = 0.0
-        self.started = 0.0  # when its prefill ended
-        self.rule = "greedy"  # its acceptance rule
-        self.error = ""
-
-    def add(self, new: list[int], logprobs=None, top_logprobs=None) -> Increment:
-        gen, detok = self.gen, self.detok
-        new, finish = self._cut(new)
-        kept, searched = len(self.tokens), len(detok.text)
-        self.tokens.extend(new)
-        detok.add(new)
-        if finish is not None:
-            detok.flush()
-        if gen.stop_strings:
-            at, end = find_stop(detok.text, gen.stop_strings, searched)
-            if at != -1:
-                self.tokens, finish = self._tokens_reaching(kept, end), "stop"
-                detok.text = detok.text[:at]
-        visible = len(detok.text) if finish else max(self.emitted, len(detok.text) - self.hold)
-        increment = Increment(self.tokens[kept:], detok.text[self.emitted:visible])
-        if gen.logprobs is not None and logprobs is not None:
-            n = len(increment.tokens)
-            increment.logprobs, increment.top_logprobs = logprobs[:n], top_logprobs[:n]
-        self.emitted, self.finish = visible, finish
-        return increment
-
-    def _cut(self, new: list[int]) -> tuple[list[int], str | None]:
-        """Cut a step's tokens at the first EOS (kept) and at max_new_tokens (exact)."""
-        finish = None
-        for i, tok in enumerate(new):
-            if tok in self.gen.eos:
-                new, finish = new[: i + 1], "stop"
-                break
-        room = self.gen.max_new_tokens - len(self.tokens)
-        if len(new) > room or (len(new) == room and finish is None):
-            new, finish = new[:room], "length"
-        return new, finish
-
-    def _tokens_reaching(self, kept: int, end: int) -> list[int]:
-        """The fewest tokens whose text covers a stop string ending at character `end` (none of the first `kept`
-        dropped)."""
-        for k in range(kept + 1, len(self.tokens) + 1):
-            if len(self.gen.tokenizer.decode(self.tokens[:k], skip_special_tokens=True)) >= end:
-                return self.tokens[:k]
-        return self.tokens
-
-    def result(self, engine: Engine) -> "GenerationResult":
-        gen = self.gen
-        assert self.finish is not None, "a row has a result once it finished"
-        return GenerationResult(
-            tokens=self.tokens, text=self.detok.text if gen.tokenizer else "", prompt_tokens=len(gen.prompt_ids),
-            finish_reason=self.finish, acceptance_lengths=self.lengths, prefill_seconds=self.prefill_seconds,
-            decode_seconds=self.seconds, block_size=engine.block_size, drafted=self.drafted,
-            verify_mode=engine.verify_mode, verified=self.verified,
-            draft_forwards=self.draft_forwards, verify_note=engine.verify_note,
-            accept_rule=self.rule, error=self.error)
 
 
 class Batch:
@@ -183,7 +35,7 @@ class Batch:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.rows: list[_Row] = []  # live rows, in the engine's row order
+        self.rows: list[OutputRow] = []  # live rows, in the engine's row order
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -192,11 +44,16 @@ class Batch:
     def generations(self) -> list["Generation"]:
         return [r.gen for r in self.rows]
 
-    def begin(self, gen: "Generation", chunk: int):
+    def begin(self, gen: "Generation", chunk: int, alone: bool = False):
         """Start `gen`'s prefill beside the running rows, `chunk` prompt tokens per `.advance()` of the returned
         admission, for a caller that interleaves it with cycles (a joining prompt then never stalls the running
-        streams for its whole prefill); join(gen, admission) adds the row once advance() says the prompt is in."""
+        streams for its whole prefill); join(gen, admission) adds the row once advance() says the prompt is in.
+        `alone`: no row runs and no other prompt is being prefilled, so the prompt goes into the engine's own caches
+        (reusing the previous sequence's prefix, as join() without an admission does)."""
         self._want_logprobs(extra=gen)
+        if alone:
+            assert not self.rows, "a prompt is prefilled alone only into an idle engine"
+            return self.engine.begin_prefill(gen.prompt_ids, gen.sampling, chunk)
         return self.engine.begin_admit(gen.prompt_ids, gen.sampling, chunk)
 
     def join(self, gen: "Generation", admission=None) -> Increment:
@@ -214,7 +71,7 @@ class Batch:
             n = len(gen.prompt_ids)  # (a long prompt on a CPU prefills for tens of seconds: say so past a few)
             with Heartbeat(f"prefilling the prompt's {n} tokens") if n >= LONG_PROMPT else contextlib.nullcontext():
                 first = engine.prefill([gen.prompt_ids])[0]
-        row = _Row(gen)
+        row = OutputRow(gen)
         row.rule = engine.accept_rules[-1] if engine.accept_rules else "greedy"
         row.started = time.perf_counter()
         row.prefill_seconds = row.started - t0
@@ -238,7 +95,7 @@ class Batch:
         self._leave()
         return out
 
-    def _record(self, row: _Row, step) -> Increment:
+    def _record(self, row: OutputRow, step) -> Increment:
         row.lengths.append(len(step.tokens))
         row.verified.append(step.verified)
         row.draft_forwards.append(step.draft_forward)
@@ -292,7 +149,7 @@ class Batch:
         self._want_logprobs()
         return out
 
-    def _rebuild(self, row: _Row) -> None:
+    def _rebuild(self, row: OutputRow) -> None:
         self.engine.admit(row.gen.prompt_ids + row.tokens[:-1], row.gen.sampling, generated=len(row.tokens) - 1)
 
     def _leave(self) -> None:

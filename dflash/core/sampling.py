@@ -278,6 +278,16 @@ class RowDraw:
         return self.sampling.params
 
 
+# The log-probability reported for a token the request's filters (top-k, top-p, min-p) exclude, as OpenAI reports
+# one: -inf is not JSON, and a finite floor keeps "this token could not be drawn" plain to a client.
+EXCLUDED_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """A reported log-probability: EXCLUDED_LOGPROB for an excluded token (-inf, or NaN from an all-excluded row)."""
+    return value if value > EXCLUDED_LOGPROB else EXCLUDED_LOGPROB
+
+
 def common_prefix(a, b) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = 0

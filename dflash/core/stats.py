@@ -48,14 +48,3 @@ class CycleCounts:
 def cycle_counts(verified: list[int], draft_forwards: list[bool]) -> CycleCounts:
     drafted = [v for v, forward in zip(verified, draft_forwards) if forward]
     return CycleCounts(len(verified), len(drafted), drafted.count(0), drafted)
-
-
-def measured_speedup(target_step: float, seconds_per_token: float, tau: float) -> float | None:
-    """Target step time over the time per generated token, or None where the measurement cannot be right: every
-    cycle runs at least one target forward and commits tau tokens on average, so the speedup is at most tau (1 when
-    no draft token was accepted); a figure above that says the probe of a target step cost more than a decode
-    step does (another code path, a busy machine), not that decoding was faster."""
-    if target_step <= 0 or seconds_per_token <= 0:
-        return None
-    speedup = target_step / seconds_per_token
-    return speedup if speedup <= tau else None

@@ -52,3 +52,17 @@ def find_stop(text: str, stop_strings: list[str], start: int) -> tuple[int, int]
         if i != -1 and (best[0] == -1 or i < best[0]):
             best = (i, i + len(s))
     return best
+
+
+def held_back(text: str, strings: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `strings`: the characters a stream
+    holds back because they may still become one of them (text that can no longer match goes out at once)."""
+    if not text:
+        return 0
+    best, last = 0, text[-1]
+    for s in strings:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s[n - 1] == last and text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -115,8 +115,14 @@ class Server:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                "created": int(self.started), "owned_by": "dflash"}]}
+            return {"object": "list", "data": [self.model_card(self.model_name)]}
+
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str):
+            if model not in self.names:
+                raise ApiError(404, f"model: {model!r} is not served here (serving {self.model_name!r})", "model",
+                               "model_not_found")
+            return self.model_card(model)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
@@ -127,6 +133,9 @@ class Server:
             return await self.generate(request, chat=False)
 
         return app
+
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(self.started), "owned_by": "dflash"}
 
     async def drain(self, started: float, abandoned=lambda: False) -> None:
         """SIGTERM / SIGINT at time.monotonic() `started`: /health turns unready (503) and new requests get 503 at

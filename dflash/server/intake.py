@@ -15,7 +15,7 @@ from ..core.engine import check_fits
 from ..core.errors import DFlashError, SettingError
 from ..core.loop import Generation
 from ..core.sampling import SamplingParams
-from . import render
+from . import render, tools
 from .parsing import THINK_CLOSE, THINK_OPEN, OutputParser, starts_in_reasoning
 from .protocol import MAX_TOP_LOGPROBS, ApiError, ChatRequest, CompletionRequest, chat_messages
 
@@ -75,6 +75,8 @@ def _field_error(e: ValidationError) -> ApiError:
     if err["type"] == "json_invalid":
         return ApiError(400, f"body: not valid JSON ({err['msg']})", None, "invalid_json")
     loc = _location(err["loc"])
+    if err["type"] == "extra_forbidden":
+        return ApiError(400, f"{loc}: unknown field (not one this endpoint serves)", loc, "unknown_field")
     got = err.get("input")
     shown = "" if err["type"] == "missing" else f" (got {str(got)[:60]!r})"
     return ApiError(400, f"{loc}: {err['msg']}{shown}", loc, "invalid_type" if "type" in err["type"] else None)
@@ -94,18 +96,6 @@ def _location(loc) -> str:
     return out or "body"
 
 
-def _unsupported(req, chat: bool) -> None:
-    """Fields dflash does not implement are refused by name, never silently ignored."""
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schemas)",
-                       "response_format")
-    if not chat and req.suffix is not None:
-        raise ApiError(400, "suffix: not supported (no fill-in-the-middle)", "suffix")
-    if chat and req.top_logprobs is not None and not req.logprobs:
-        raise ApiError(400, "top_logprobs: needs \"logprobs\": true", "top_logprobs")
-
-
 class Intake:
     def __init__(self, pipe, names: set[str], model_name: str, chat_template: str | None = None,
                  sampling_defaults: dict | None = None):
@@ -119,9 +109,6 @@ class Intake:
         if req.model is not None and req.model not in self.names:
             raise ApiError(404, f"model: {req.model!r} is not served here (serving {self.model_name!r})", "model",
                            "model_not_found")
-        if req.n != 1:
-            raise ApiError(400, f"n: got {req.n}, only n=1 is supported (send n requests instead)", "n")
-        _unsupported(req, chat)
         try:
             sampling = req.sampling(self.sampling_defaults).validate(self.engine.info.vocab_size)
         except SettingError as e:  # named by the field the client sent (top_p), not the CLI's flag
@@ -132,9 +119,10 @@ class Intake:
         if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
             field = "top_logprobs" if chat else "logprobs"
             raise ApiError(400, f"{field}: got {k}, expected 0 .. {MAX_TOP_LOGPROBS}", field)
-        in_reasoning = False
+        in_reasoning, uses_tools = False, False
         if chat:
-            ids, prompt_text = self.chat_prompt(req)
+            uses_tools = tools.wanted(req)
+            ids, prompt_text = self.chat_prompt(req, uses_tools)
             in_reasoning = self.reasoning and starts_in_reasoning(prompt_text)
         else:
             ids = self.completion_prompt(req)
@@ -148,12 +136,12 @@ class Intake:
         gen = Generation(self.engine, ids, tokenizer=self.tokenizer, max_new_tokens=limit, sampling=sampling,
                          eos_token_ids=self.pipe.eos_token_ids, stop_strings=stops, logprobs=k)
         parser = OutputParser(reasoning=self.reasoning and chat, in_reasoning=in_reasoning,
-                              tools=chat and bool(getattr(req, "tools", None)))
+                              tools=uses_tools)
         rid = render.new_id("chatcmpl" if chat else "cmpl")
         access = {"id": rid, "prompt_tokens": len(ids), "max_tokens": limit}
         return gen, RequestState(chat, rid, parser, limit, capped, access)
 
-    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], str]:
+    def chat_prompt(self, req: ChatRequest, uses_tools: bool) -> tuple[list[int], str]:
         tok = self.tokenizer
         if not (self.chat_template or getattr(tok, "chat_template", None)):
             raise ApiError(400, "messages: this model has no chat template; use /v1/completions (or start the "
@@ -166,15 +154,21 @@ class Intake:
                        else "the server sets it" if key != "tools" else "send the top-level \"tools\" field")
                 raise ApiError(400, f"chat_template_kwargs.{key}: not accepted ({why})",
                                f"chat_template_kwargs.{key}")
-        if req.tools:
-            kwargs["tools"] = req.tools
         if self.chat_template:
             kwargs["chat_template"] = self.chat_template
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-        except Exception as e:  # jinja2 errors and bad message shapes: the client's input
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ApiError(400, f"messages: the chat template refused them ({first})", "messages") from None
+
+        def render_with(tool_list: list | None) -> str:
+            try:
+                return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                               **kwargs, **({"tools": tool_list} if tool_list else {}))
+            except Exception as e:  # jinja2 errors and bad message shapes: the client's input
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ApiError(400, f"messages: the chat template refused them ({first})", "messages") from None
+
+        if uses_tools:
+            text = tools.check_template(render_with, [t.for_template() for t in req.tools or []])
+        else:
+            text = render_with(None)
         bound = CHARS_PER_TOKEN_BOUND * (self.engine.max_context or 1 << 16)
         if len(text) > bound:
             raise ApiError(400, f"messages: the rendered prompt has {len(text)} characters, more than the context "
@@ -183,8 +177,6 @@ class Intake:
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
-        if req.echo:
-            raise ApiError(400, "echo: not supported", "echo")
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt: a list of {len(prompt)} prompts; send one request per prompt",

@@ -11,6 +11,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from ..core.text import held_back
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -30,17 +32,6 @@ def starts_in_reasoning(prompt_text: str) -> bool:
     return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
 
 
-def _held(text: str, tags: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a tag (it may still become one)."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
-
-
 class OutputParser:
     def __init__(self, reasoning: bool = False, in_reasoning: bool = False, tools: bool = False):
         self.reasoning, self.tools = reasoning, tools
@@ -49,6 +40,7 @@ class OutputParser:
         self.content_started = False  # a <think> is recognised only before any content
         self.after_think = False  # strip the blank lines a model writes after </think>
         self.calls: list[dict] = []
+        self.after_call = False
 
     def _tags(self) -> list[str]:
         if self.mode == "reasoning":
@@ -77,7 +69,7 @@ class OutputParser:
                     self._emit_content(out, TOOL_OPEN + self.buffer)
                     self.buffer = ""
                 return out
-            keep = 0 if final else _held(self.buffer, tags)
+            keep = 0 if final else held_back(self.buffer, tags)
             self._emit(out, self.buffer[:len(self.buffer) - keep])
             self.buffer = self.buffer[len(self.buffer) - keep:]
             return out
@@ -97,6 +89,7 @@ class OutputParser:
             else:
                 self.calls.append(call)
                 out.tool_calls.append(call)
+                self.after_call = True
 
     def _emit(self, out: Delta, text: str) -> None:
         if self.mode == "tool":
@@ -107,6 +100,11 @@ class OutputParser:
             self._emit_content(out, text)
 
     def _emit_content(self, out: Delta, text: str) -> None:
+        if self.after_call:  # the blank lines between and after tool calls are not content (as vLLM's parser)
+            text = text.lstrip()
+            if not text:
+                return
+            self.after_call = False
         if self.after_think or not self.content_started:
             text = text.lstrip("\n") if self.after_think else text
             if not text.strip() and self.reasoning:

@@ -59,9 +59,10 @@ class Logprobs:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def add(self, inc: Increment) -> list[dict]:
+        """Entries for the tokens whose text `inc` releases; a chosen token is spelled as the text it added to the
+        output (so the entries join to the returned text), an alternative as the tokenizer spells it."""
         new = []
-        for tok, lp, top in zip(inc.tokens, inc.logprobs or [], inc.top_logprobs or []):
-            text = self._text(tok)
+        for text, lp, top in zip(inc.token_texts or [], inc.logprobs or [], inc.top_logprobs or []):
             new.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
                         "top_logprobs": [{"token": self._text(i), "logprob": v, "bytes": list(self._text(i).encode())}
                                          for i, v in top]})

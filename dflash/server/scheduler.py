@@ -5,8 +5,9 @@ that created the arrays) and interpreter exit joins it (a daemon thread killed i
 Requests wait in a bounded FIFO; the thread takes waiting requests while the batch has free rows, drops cancelled
 rows, and runs one cycle for every live row. A request that joins running rows is prefilled into caches of its own,
 `prefill_step` prompt tokens between two cycles (chunked prefill: the running streams never wait for a whole long
-prompt), and merges into the batch once its prompt is in; a request that finds no running row is prefilled at
-once. Each request's increments go back to its event loop with call_soon_threadsafe.
+prompt), and merges into the batch once its prompt is in; a request that finds no running row is prefilled
+into the engine's own caches, chunk by chunk as well (a request whose client has gone is dropped between two chunks).
+Each request's increments go back to its event loop with call_soon_threadsafe.
 """
 
 from __future__ import annotations
@@ -175,22 +176,22 @@ class Scheduler:
         job.send(kind, payload)
 
     def _begin(self, job: Job) -> None:
-        """A request leaves the queue: prefilled at once when no row runs (nobody waits for it), else it joins
-        the admissions that _prefill advances between cycles."""
+        """A request leaves the queue and joins the admissions that _prefill advances chunk by chunk (into the
+        engine's own caches when nothing else runs or joins: the previous sequence's prefix is reused)."""
         if job.cancelled:
             self._answer(job, "done", None)
-        elif not self.batch and not self.joining:
-            self._join(job)
-        else:
-            try:
-                self.joining.append((job, self.batch.begin(job.gen, self.prefill_step)))
-            except Exception as e:  # noqa: BLE001  (its own failure: a prompt that cannot fit, say)
-                self._fail_prefill(job, e)
+            return
+        alone = not self.batch and not self.joining
+        try:
+            self.joining.append((job, self.batch.begin(job.gen, self.prefill_step, alone=alone)))
+        except Exception as e:  # noqa: BLE001  (its own failure: a prompt that cannot fit, say)
+            self._fail_prefill(job, e)
 
     def _prefill(self) -> None:
         """Joining prompts, oldest first, chunk by chunk up to prefill_step prompt tokens per cycle of the running
-        rows (all of them while no row runs: nobody waits); a finished one joins the batch. Cancelled admissions
-        are dropped, a failing one fails alone: its caches were its own, so the running rows go on as they were."""
+        rows (all of them while no row runs: nobody waits); a finished one joins the batch. Whether a request is
+        still wanted is checked before every chunk, so a client that has gone costs at most one chunk; a failing
+        admission fails alone: its caches were its own (or an idle engine's), so the running rows go on."""
         spent = 0
         while self.joining and (spent < self.prefill_step or not self.batch):
             job, admission = self.joining[0]
@@ -202,6 +203,8 @@ class Scheduler:
                 done = admission.advance()
             except Exception as e:  # noqa: BLE001
                 self.joining.popleft()
+                if not self.batch:
+                    self.engine.reset()  # a prefill in the idle engine's own caches may have left them half-written
                 self._fail_prefill(job, e)
                 continue
             spent += min(self.prefill_step, admission.prompt_tokens)
