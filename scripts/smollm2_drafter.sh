@@ -22,9 +22,10 @@ if [ "${RECIPE:-scale}" = scale ]; then
     ANSWERS_DIR=${ANSWERS_DIR:-scripts/smollm2_data/answers}
     ANSWERS=${ANSWERS:-25000}        # answers the directory should hold (~200 answer tokens each)
     TRAIN_ROWS=${TRAIN_ROWS:-$ANSWERS}
+    LANES=${LANES:-128}              # conversations decoded together (a GPU wants ~1024)
     step "data: $ANSWERS self-prompted answers in $ANSWERS_DIR (every core; resumable)"
     OMP_NUM_THREADS=$(nproc) python -m dflash.data answers --model smollm2 --out "$ANSWERS_DIR" \
-        --answers "$ANSWERS" --exclude "$BENCH"
+        --answers "$ANSWERS" --lanes "$LANES" --exclude "$BENCH"
     [ "${DATA_ONLY:-0}" = 1 ] && exit 0
     BATCH=4
     STEPS=$((TRAIN_ROWS / BATCH))

@@ -107,21 +107,27 @@ def test_dflash2_two_process_fsdp_curve_matches_one_process(tiny_target_dir, dat
     assert losses(out) == pytest.approx(one, rel=1e-4, abs=1e-5)
 
 
+def reference_run(target, data, out, steps: int, save_every: int):
+    """An uninterrupted run in this process, with the subprocesses' one thread (the same reduction order, whatever
+    ran before): what a stopped and resumed run must end as."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(TrainConfig(target=str(target), data=str(data), out=str(out), num_layers=2, block_size=4, num_anchors=8,
+                          lr=3e-3, progress=False, plot=False, seed=1, batch_size=2, max_steps=steps,
+                          save_every=save_every, quiet=True, device="cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 @pytest.mark.slow
 def test_sigkill_mid_run_then_resume_gives_identical_weights(tiny_target_dir, data_file, tmp_path):
     from safetensors.torch import load_file
 
     steps, every = 30, 4
     # uninterrupted reference, in-process
-    ref = tmp_path / "ref"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the subprocess's OMP_NUM_THREADS: the same reduction order, whatever ran before
-    try:
-        train(TrainConfig(target=str(tiny_target_dir), data=str(data_file), out=str(ref), num_layers=2, block_size=4,
-                          num_anchors=8, lr=3e-3, progress=False, plot=False, seed=1, batch_size=2, max_steps=steps,
-                          save_every=every, quiet=True, device="cpu"))
-    finally:
-        torch.set_num_threads(threads)
+    ref = reference_run(tiny_target_dir, data_file, tmp_path / "ref", steps, save_every=every)
     # the same run as a CLI subprocess, killed with SIGKILL right after its second checkpoint, then rerun
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "dflash.train"] + base_args(tiny_target_dir, data_file, out, batch_size=2,
@@ -161,15 +167,7 @@ def test_a_stopped_run_writes_a_checkpoint_and_the_rerun_resumes_from_it(sig, ti
     from safetensors.torch import load_file
 
     steps = 16
-    ref = tmp_path / "ref"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the subprocess's OMP_NUM_THREADS: the same reduction order, whatever ran before
-    try:
-        train(TrainConfig(target=str(tiny_target_dir), data=str(data_file), out=str(ref), num_layers=2, block_size=4,
-                          num_anchors=8, lr=3e-3, progress=False, plot=False, seed=1, batch_size=2, max_steps=steps,
-                          save_every=0, quiet=True, device="cpu"))
-    finally:
-        torch.set_num_threads(threads)
+    ref = reference_run(tiny_target_dir, data_file, tmp_path / "ref", steps, save_every=0)
     out = tmp_path / "stopped"
     cmd = [sys.executable, "-m", "dflash.train"] + base_args(tiny_target_dir, data_file, out, batch_size=2,
                                                              max_steps=steps, save_every=0)
