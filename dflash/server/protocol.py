@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..core.sampling import AcceptRule, SamplingParams
 
+
 class ApiError(Exception):
     """A request the server refuses: becomes OpenAI's error object with this status."""
 
