@@ -112,7 +112,6 @@ class Lane:
     system: int  # which system turn it writes under
     tokens: list[int] = field(default_factory=list)  # after the system prefix
     phase: str = "prompt"  # "prompt" -> "header" (forced assistant header) -> "answer"
-    prompt_end: int = 0  # len(tokens) when the request ended (its end-of-turn token included)
     answer_start: int = 0
     sampled: bool = False
     forced: list[int] = field(default_factory=list)
@@ -196,9 +195,6 @@ class AnswerLanes:
             self.next_input[lane] = prefix[-1]
             self.temperature[lane] = self.settings.prompt_temperature
 
-    def _drop(self, lane: int, reason: str) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
-
     def _sort_lanes(self) -> None:
         """Lanes in order of length (longest first), so that neighbours share a window."""
         order = torch.argsort(self.cache.slots, descending=True, stable=True)
@@ -208,8 +204,8 @@ class AnswerLanes:
 
     def _row_windows(self) -> list[tuple[int, int, int]]:
         n, size = len(self.lanes), -(-len(self.lanes) // WINDOW_GROUPS)
-        longest = self.cache.slots.view(-1)
-        return [(a, min(a + size, n), int(longest[a:a + size].max()) + 1) for a in range(0, n, size)]
+        slots = self.cache.slots
+        return [(a, min(a + size, n), int(slots[a:a + size].max()) + 1) for a in range(0, n, size)]
 
     @torch.inference_mode()
     def step(self) -> list[AnswerRow]:
@@ -243,7 +239,7 @@ class AnswerLanes:
             if lane.phase == "prompt":
                 reason = self._end_of_prompt(lane, token)
                 if reason is not None:
-                    self._drop(i, reason)
+                    self.dropped[reason] = self.dropped.get(reason, 0) + 1
                     restart.append(i)
             elif lane.phase == "answer":
                 ended = token in self.end_of_turn
@@ -267,7 +263,7 @@ class AnswerLanes:
             return "too short"
         reason = self.accept_prompt(text)
         if reason is None:
-            lane.phase, lane.prompt_end, lane.forced = "header", len(lane.tokens), list(self.header[1:])
+            lane.phase, lane.forced = "header", list(self.header[1:])
         return reason
 
 
