@@ -25,9 +25,13 @@ class Heartbeat:
 
     def beat(self) -> None:
         while not self.done.wait(HEARTBEAT_SECONDS):
-            if Heartbeat.now is self:  # (a wait inside this one speaks for both)
-                print(f"dflash: still {self.doing}, {time.perf_counter() - self.start:.0f} s so far" +
-                      (f": {self.what}" if self.what else ""), file=sys.stderr, flush=True)
+            self.speak()
+
+    def speak(self) -> None:
+        """One line, if this is the innermost heartbeat running (a wait inside this one speaks for both)."""
+        if Heartbeat.now is self:
+            print(f"dflash: still {self.doing}, {time.perf_counter() - self.start:.0f} s so far" +
+                  (f": {self.what}" if self.what else ""), file=sys.stderr, flush=True)
 
     def __enter__(self) -> Heartbeat:
         self.outer, Heartbeat.now = Heartbeat.now, self
