@@ -16,7 +16,6 @@ from . import backends, hub
 from .core.extras import blas
 from .core.budget import ITL_LIMIT, VERIFY_MODES
 from .core.model_files.checkpoint import check_target_dir
-from .core.costs import measured_costs
 from .core.engine import Engine
 from .core.errors import DFlashError
 from .core.progress import Heartbeat
@@ -91,8 +90,8 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
          tree_budget: int | None = None, copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT,
          compile: bool = False, cache_len: int | None = None) -> Pipeline:
     """verify: chain (the drafter's B-1 proposals), tree (`tree_budget` nodes of the most probable prefixes each
-    cycle) or auto (each cycle the node count that maximises tokens per second on this device, from costs measured
-    at load and cached; see dflash/core/budget.py). itl_limit (auto): a cycle takes at most this many plain steps
+    cycle) or auto (each cycle the node count that maximises tokens per second on this device, at the seconds its
+    own cycles took: nothing is measured at load; see dflash/core/budget.py). itl_limit (auto): a cycle takes at most this many plain steps
     per token any of its rows expects, so that in a batch a row whose drafts are rarely accepted is not slowed
     down by the others' trees (None or 0: no limit). compile (torch): the target's K/V in a preallocated static
     cache of `cache_len` positions (default: the target's context, at most COMPILED_CACHE_LEN) and the decoding
@@ -134,7 +133,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
         print(f"dflash: --compile: a static cache of {cache_len} positions; compiling its forwards (a minute or two "
               "on a CPU, less once torch's compile cache holds them)", file=sys.stderr)
     label = str(model) if model is not None else "the bundled pair"
-    # (loading, compiling and checking a cached cost profile are silent for seconds, tens of them under load)
+    # (loading and compiling are silent for seconds, tens of them under load)
     with Heartbeat(f"loading {label}" + (" and compiling its forwards" if compile else "")):
         be = package.load(target_dir, draft_dir, dtype=dtype, device=device, block_size=block_size,
                           draft_window=draft_window, trust_remote_code=trust_remote_code, spec=spec,
@@ -143,10 +142,7 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
             raise DFlashError(f"{target_dir}: the tokenizer has {len(tokenizer)} tokens but the target's embedding "
                               f"table has {be.info.vocab_size} rows (a tokenizer of another model?)")
         if draft_dir is not None and verify != "chain":
-            costs = None
-            if verify == "auto" and be.capabilities.trees:
-                costs = measured_costs(be, max_tokens=(tree_budget or 256) + 1, label=label)
-            be.set_verify(verify, tree_budget, costs, copy_branch, itl_limit or None)
+            be.set_verify(verify, tree_budget, None, copy_branch, itl_limit or None)
     return Pipeline(be, tokenizer, Path(target_dir), draft_dir, name)
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dflash.core.chain_budget import ChainBudget
 from dflash.core.contract import Pipelining
-from dflash.core.cost_model import Costs
+from dflash.core.cycle_times import CycleTimes
 from dflash.core.loop import generate
 from fakes import Counting
 
-STEEP = Costs(draft=0.5, verify=[(1, 1.0), (2, 1.2), (16, 1.6), (64, 4.0)])  # a tree pays: auto drafts at first
+STEEP = CycleTimes.fixed(plain=1.0, token=0.05, draft=0.5)  # a tree pays: auto drafts at first
 
 
 class ScriptedPauses(ChainBudget):

@@ -3,31 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import httpx
-
-# a CPU-like device where every verified token costs: --verify auto then sizes each row's tree by its own drafts
-# (and verifies copied branches alone while drafting pauses), so rows' trees differ in width
-STEEP_COSTS = {"draft_seconds": 0.5, "verify_seconds": [[1, 1.0], [2, 1.2], [16, 1.6], [64, 4.5]]}
-
-
-def seed_costs(cache_dir: Path, backend: str, costs: dict = STEEP_COSTS) -> None:
-    """Write `costs` as the bundled pair's --verify auto profile on `backend` under cache_dir (DFLASH_CACHE_DIR),
-    keyed as a server started with the same environment keys it, so the server runs auto under these costs instead
-    of measuring its own."""
-    code = ("import dflash; from dflash.core.costs import cost_key; "
-            f"print(cost_key(dflash.load(backend={backend!r}, verify='chain').engine))")
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", DFLASH_CACHE_DIR=str(cache_dir))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         check=True)
-    path = cache_dir / "costs" / f"{out.stdout.split()[-1]}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(costs))
 
 
 def complete(server, prompt: str, max_tokens: int, **fields) -> str:

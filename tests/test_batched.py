@@ -11,7 +11,7 @@ from dflash.backends.torch.target import load_target
 from dflash.core import engine as engine_module
 from dflash.core import rows
 from dflash.core.budget import RowPauses
-from dflash.core.cost_model import Costs
+from dflash.core.cycle_times import CycleTimes
 from dflash.core.rows import RowLayout
 from dflash.core.errors import DFlashError
 from dflash.core.loop import Batch, Generation, generate, generate_batch
@@ -374,7 +374,7 @@ def test_cycles_of_copied_nodes_alone_leave_features_pending_for_the_next_draft(
 
     def run(eager: bool):
         be = batched(target, drafter)
-        be.set_verify("auto", costs=Costs(draft=0.3, verify=[(1, 1.0), (512, 1.3)]))  # verifying is nearly free
+        be.set_verify("auto", times=CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3))  # verifying is nearly free
         anchors = be.prefill(repeating)
         out, copied = [], 0
         for kind in ["copy", "draft", "copy", "copy", "draft"]:
@@ -424,7 +424,7 @@ def test_rows_out_of_the_draft_forward_keep_their_batch1_output(pair, mixed_prom
     monkeypatch.setattr(RowPauses, "drafting", drafting)
     want = [generate(single(target, drafter), p, max_new_tokens=48).tokens for p in mixed_prompts[:6]]
     be = batched(target, drafter)
-    be.set_verify("auto", costs=Costs(draft=0.3, verify=[(1, 1.0), (512, 1.3)]))
+    be.set_verify("auto", times=CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3))
     be.verification.planner.path = lambda: "tree"
     drafted_rows, propose = [], be.drafter.propose
     be.drafter.propose = lambda *a, rows=None, **k: drafted_rows.append(rows) or propose(*a, rows=rows, **k)

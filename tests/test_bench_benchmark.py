@@ -5,6 +5,7 @@ the AR draft distillation."""
 import copy
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -256,6 +257,24 @@ def test_one_line_errors(capsys):
     assert cli.run(bench.main, ["--methods", "no_draft,eagle"]) == 2
     assert "--methods: unknown method 'eagle'" in capsys.readouterr().err
     assert [m.name for m in benchmark.resolve_methods("mlx_dflash_b8")] == ["mlx_no_draft", "mlx_dflash_b8"]
+
+
+def test_a_method_runs_another_checkouts_code_beside_this_ones(tmp_path, capsys):
+    """NAME@DIR: the commit before a change, measured in the same interleaved run: its worker imports DIR's dflash."""
+    from dflash import bench, cli
+    from dflash.bench.workers import worker_env
+
+    old = tmp_path / "before"
+    (old / "dflash").mkdir(parents=True)
+    (old / "dflash" / "__init__.py").write_text("")
+    methods = benchmark.resolve_methods(f"dflash_tree,dflash_tree@{old}")
+    assert [m.name for m in methods] == ["no_draft", "dflash_tree", "dflash_tree@before"]
+    before = methods[-1]
+    assert before.base == "dflash_tree" and before.verify == "auto" and before.code == str(old.resolve())
+    assert worker_env(before, 1, False)["PYTHONPATH"].split(os.pathsep)[0] == str(old.resolve())
+    assert worker_env(methods[1], 1, False)["PYTHONPATH"].split(os.pathsep)[0] != str(old.resolve())
+    assert cli.run(bench.main, ["--methods", f"dflash_tree@{tmp_path / 'nothing'}"]) == 2
+    assert "is not a checkout of this project" in capsys.readouterr().err
 
 
 def test_reference_ar_draft_distils_chat_and_completion_answers(tmp_path, tiny_target_dir):

@@ -1,9 +1,11 @@
 """dflash/core/chain_budget.py: the length of a rejection chain under --verify auto, from acceptance measured under the
 rule in use and the device's costs."""
 
+import pytest
+
 from dflash.core.chain_budget import ChainBudget
-from dflash.core.cost_model import Costs
-from test_cost_model import CPU, HEAVY
+from dflash.core.cycle_times import CycleTimes
+from cycle_devices import CPU, HEAVY
 
 
 def test_length_follows_the_acceptance_measured():
@@ -24,7 +26,7 @@ def test_a_drafter_that_is_never_right_pauses_with_backoff():
     lengths = []
     for _ in range(60):  # the device's cycles: a drafted one costs its forwards, nothing is ever accepted
         n = budget.length(can_pause=True)
-        budget.observe(n, [0], CPU.verify_seconds(n + 1) + (CPU.draft if n else 0.0))
+        budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, n > 0, None, n + 1))
         lengths.append(n)
     assert lengths.count(0) > 45  # mostly plain steps ...
     assert 0 < sum(n > 0 for n in lengths[20:]) < 6  # ... with probes between growing pauses
@@ -39,7 +41,7 @@ def test_a_text_that_turns_easy_is_drafted_again_within_a_few_pauses():
     for cycle in range(400):
         n = budget.length(can_pause=True)
         easy = cycle >= 150
-        budget.observe(n, [n if easy else 0], CPU.verify_seconds(n + 1) + (CPU.draft if n else 0.0))
+        budget.observe(n, [n if easy else 0], CPU.cycle_seconds(n + 1, 1, n > 0, None, n + 1))
         lengths.append(n)
     assert lengths[100:150].count(0) > 45  # (the hard stretch: long pauses)
     assert sum(n > 0 for n in lengths[-100:]) > 90
@@ -49,28 +51,27 @@ def test_a_new_request_drafts_its_first_cycle_and_keeps_the_pause_length():
     budget = ChainBudget(16, CPU)
     for _ in range(200):  # never accepted: long pauses
         n = budget.length(can_pause=True)
-        budget.observe(n, [0], CPU.verify_seconds(n + 1) + (CPU.draft if n else 0.0))
+        budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, n > 0, None, n + 1))
     backoff = budget.backoff
     budget.reset()
     n = budget.length(can_pause=True)
     assert n > 0
-    budget.observe(n, [0], CPU.verify_seconds(n + 1) + CPU.draft)  # a losing probe: paused as long as before
+    budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, True, None, n + 1))  # a losing probe: paused as long as before
     assert budget.length(can_pause=True) == 0 and budget.backoff >= backoff
 
 
-def test_a_stale_profile_is_corrected_by_the_cycles_own_times():
-    """A profile measured on a busy machine (every forward twice its real time) first favours drafting; the plain
-    steps timed now and then correct it."""
-    busy = Costs(draft=1.0, verify=[(1, 2.0), (16, 9.5)])
-    budget = ChainBudget(16, busy)
+def test_cycle_times_learnt_from_nothing_find_that_plain_steps_win():
+    """Nothing known at first (the prior drafts); the cycles' own times and acceptance show plain steps win."""
+    budget = ChainBudget(16, CycleTimes(16))
     for _ in range(200):
         n = budget.length(can_pause=True)
-        accepted = [min(n, 1)] if (_ % 10) < 3 else [0]  # position 1 accepted 30% of the time
-        budget.observe(n, accepted, CPU.verify_seconds(n + 1) + (CPU.draft if n else 0.0))
-    # real: one token per 1.0 plain, 1.3 tokens per 1.75 drafted: plain steps win
+        accepted = [min(n, 1)] if (_ % 10) < 2 else [0]  # position 1 accepted 20% of the time
+        budget.observe(n, accepted, CPU.cycle_seconds(n + 1, 1, n > 0, None, n + 1))
+    # real: one token per 1.0 plain, 1.2 tokens per 1.31 drafting one position: plain steps win
     assert budget.length(can_pause=True) == 0
 
 
 def test_a_rejection_chain_drafts_only_the_positions_it_verifies():
     budget = ChainBudget(16, HEAVY)
-    assert budget.forwards(3, rows=16) == HEAVY.verify_seconds(4, 16) + 1.0  # the draft of 4 positions
+    # the draft of 4 positions for 16 rows: a quarter of the whole block's 16 x 0.25
+    assert budget.seconds(3, rows=16) == pytest.approx(HEAVY.cycle_seconds(4, 16, False) + 1.0)

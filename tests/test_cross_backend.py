@@ -91,21 +91,18 @@ def test_draft_top_k_agrees_and_matches_the_proposals(trained_pair):
 def test_identical_trees_paths_and_tokens(trained_pair, mode, budget):
     """Tree verification: the same trees (tokens, parents; up to a near-tie at a plan's last nodes), the same accepted
     paths and tokens on both backends, each backend's output equal to its target-only output."""
-    from dflash.core.cost_model import Costs
+    from dflash.core.cycle_times import CycleTimes
 
     target_dir, draft_dir = trained_pair
     tb, mb = load_both(target_dir, draft_dir, block_size=16)
     ar = backends.get("mlx").load(target_dir, None, dtype="float32", device="cpu")
-    costs = Costs(draft=0.3, verify=[(1, 1.0), (512, 1.3)])  # deterministic: a device where verifying is flat
+    costs = CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3)  # deterministic: a device where verifying is flat
     records = {}
     for name, be in (("torch", tb), ("mlx", mb)):
         be.set_verify(mode, budget, costs)
         planner = be.verification.planner
-        if planner.mode == "auto":  # auto's chain-or-tree choice and its clock follow wall time; its rule does not
+        if planner.mode == "auto":  # auto's chain-or-tree choice follows wall time; its rule does not
             planner.path = lambda: "tree"
-            for clock in planner.clock.values():  # (the profile as it is: pauses then follow the plans alone)
-                clock.observe = lambda *a: None
-            costs.corrections.observe = lambda *a: None  # (nor its per-shape corrections from the cycles' times)
         seen = records[name] = []
         step = be.step
 

@@ -103,7 +103,7 @@ def test_rows_out_of_the_draft_forward_keep_their_batch1_output(trained_pair, mi
     """MLX's draft of some rows (a different third of the rows out of every draft forward, under --verify auto):
     every row's greedy output is its batch-1 output, and a draft of some rows proposes what the whole batch's does."""
     from dflash.core.budget import RowPauses
-    from dflash.core.cost_model import Costs
+    from dflash.core.cycle_times import CycleTimes
 
     engines = [load(trained_pair) for _ in range(2)]
     anchors = [e.prefill(mixed_prompts[:4]) for e in engines][0]
@@ -118,7 +118,7 @@ def test_rows_out_of_the_draft_forward_keep_their_batch1_output(trained_pair, mi
 
     monkeypatch.setattr(RowPauses, "drafting", drafting)
     engine = load(trained_pair)
-    engine.set_verify("auto", costs=Costs(draft=0.3, verify=[(1, 1.0), (512, 1.3)]))
+    engine.set_verify("auto", times=CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3))
     engine.verification.planner.path = lambda: "tree"
     got = generate_batch(engine, mixed_prompts, max_new_tokens=64)
     assert [g.tokens for g in got] == alone and len(cycles) >= 4

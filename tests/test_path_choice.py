@@ -1,14 +1,14 @@
 """dflash.core.path_choice: auto's chain-or-tree choice from estimates, with rare probes of the path not in use."""
 
 from dflash.core.budget import TreePlanner
-from dflash.core.cost_model import Costs
+from dflash.core.cycle_times import CycleTimes
 from dflash.core.path_choice import PROBE_LAST, PathChoice
 
 
 def test_the_faster_path_is_kept_and_the_other_probed_ever_more_rarely():
-    costs = Costs(draft=1.0, verify=[(1, 1.0), (16, 1.2)])
+    costs = CycleTimes.fixed(plain=1.0, token=0.2 / 15, draft=1.0)
     planner = TreePlanner("auto", 4, 8, costs)
-    model = costs.draft_seconds(1) + costs.verify_seconds(4)
+    model = costs.cycle_seconds(4)
     seen = []
     for _ in range(3000):  # tree cycles take twice the chain's seconds and commit a third more: the chain wins
         path = planner.path()
@@ -29,7 +29,7 @@ def test_the_faster_path_is_kept_and_the_other_probed_ever_more_rarely():
 def test_each_drafted_plan_says_what_its_trees_and_the_chain_are_expected_to_commit():
     """From the same calibration: the chosen nodes' values for the tree; for the chain, the drafter's rank-1 node at
     every depth (whether or not the tree keeps them), valued the way the tree's nodes are."""
-    planner = TreePlanner("auto", 4, 8, Costs(draft=0.0, verify=[(1, 1.0), (512, 1.0)]), copy_branch=False)
+    planner = TreePlanner("auto", 4, 8, CycleTimes.fixed(plain=1.0, token=0, draft=0.0), copy_branch=False)
     plan = planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
     tree, chain = planner.choice.tokens
     nodes = plan.trees[0]
@@ -45,7 +45,7 @@ def test_each_drafted_plan_says_what_its_trees_and_the_chain_are_expected_to_com
 
 
 def test_auto_enumerates_twice_the_nodes_it_last_verified():
-    costs = Costs(draft=0.0, verify=[(1, 1.0), (512, 1.0)])  # verifying is free: every candidate is taken
+    costs = CycleTimes.fixed(plain=1.0, token=0, draft=0.0)  # verifying is free: every candidate is taken
     planner = TreePlanner("auto", 4, 100, costs, copy_branch=False)
     assert planner.reach == 6
     top_ids, top_probs = [[list(range(8))] * 3], [[[0.125] * 8] * 3]
@@ -66,7 +66,7 @@ def test_the_gain_is_the_ratio_of_expected_tokens_per_predicted_second():
 def test_a_tree_cycle_is_timed_against_its_own_width():
     """The tree path's factor is its overhead over the cost model at the tree's width: a small tree's cycle is not
     counted as a cheap chain cycle, and a tree that is the chain is not costed as the chain's path is."""
-    costs = Costs(draft=1.0, verify=[(1, 1.0), (16, 2.0)])
+    costs = CycleTimes.fixed(plain=1.0, token=1 / 15, draft=1.0)
     planner = TreePlanner("auto", 4, 8, costs, copy_branch=False)
     planner.plan([0], [[[5], [6], [7]]], [[[0.9], [0.01], [0.01]]])  # deep nodes not worth their verify tokens
     width = planner.planned_width
@@ -81,7 +81,7 @@ def test_a_chain_that_is_the_copied_branch_is_valued_as_the_tree_of_the_same_nod
     """Where the drafter's rank-1 proposals are the branch copied from the context, the chain verifies the tree's
     nodes: both are expected to commit the same (before, the chain's q alone made it look worse, and auto kept the
     tree's slower path on text that the chain committed whole)."""
-    planner = TreePlanner("auto", 4, 3, Costs(draft=0.0, verify=[(1, 1.0), (512, 1.0)]))
+    planner = TreePlanner("auto", 4, 3, CycleTimes.fixed(plain=1.0, token=0, draft=0.0))
     for d in range(1, 4):  # copies of this context have been accepted
         planner.calibration.copy_offered[d] = planner.calibration.copy_accepted[d] = 50
     planner.plan([0], [[[5, 6], [7, 6], [8, 6]]], [[[0.4, 0.3]] * 3], copies=[[5, 7, 8]])
@@ -90,8 +90,7 @@ def test_a_chain_that_is_the_copied_branch_is_valued_as_the_tree_of_the_same_nod
 
 
 def test_a_short_blocks_plan_says_nothing_of_the_chain():
-    planner = TreePlanner("auto", 16, 16, Costs(draft=1.0, verify=[(1, 1.0), (16, 1.2)],
-                                                draft_blocks={4: {1: 0.3}, 16: {1: 1.0}}), copy_branch=False)
+    planner = TreePlanner("auto", 16, 16, CycleTimes.fixed(plain=1.0, token=0.2 / 15, draft=1.0), copy_branch=False)
     planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])  # a draft of 4 positions: 3 proposals
     assert planner.choice.tokens == [0.0, 0.0]
 
@@ -100,11 +99,12 @@ def test_a_shorter_block_must_beat_the_chains_path_where_that_is_faster():
     """The copied branch holds the whole chain, so a draft of 8 positions loses no node and saves 10% of a cycle by
     the profile; its cycles run on a tree's path. Once the chain's path is measured 25% faster than the tree's at the
     whole block, the whole block is kept."""
-    costs = Costs(draft=0.3, verify=[(1, 1.0), (16, 1.0)], draft_blocks={8: {1: 0.17}, 16: {1: 0.3}})
+    costs = CycleTimes.fixed(plain=1.0, token=0.0, draft=0.3)
     confident = [[[5, 6]] * 15], [[[0.9, 0.1]] * 15]
 
     def next_block(chain_factor):
         planner = TreePlanner("auto", 16, 16, costs, itl_limit=None)
+        planner.blocks = [8, 16]  # (the shorter blocks would save more still)
         calibration, choice = planner.calibration, planner.choice
         for d in range(1, 16):
             calibration.copy_offered[d] = calibration.copy_accepted[d] = 1000

@@ -275,12 +275,10 @@ def test_seeded_requests_reproduce_under_the_default_verify_mode(client, accept)
 
 
 @pytest.mark.slow  # (the MLX server's, where the batch failed, runs by default)
-def test_greedy_rows_with_a_repetition_penalty_join_greedy_streams(start_server, tmp_path, monkeypatch):
+def test_greedy_rows_with_a_repetition_penalty_join_greedy_streams(start_server):
     """tests/test_serve_mlx.py's case on PyTorch: penalised and plain greedy rows in trees of their own widths."""
-    from serving import penalised_rows_join_greedy_streams, seed_costs
+    from serving import penalised_rows_join_greedy_streams
 
-    seed_costs(tmp_path, "torch")
-    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
     penalised_rows_join_greedy_streams(start_server("--backend", "torch", "--verify", "auto"))
 
 

@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .. import backends, cli, hub
@@ -107,16 +108,28 @@ def parse_args(argv=None):
 
 
 def resolve_methods(spec: str | None) -> list[Method]:
+    """The named methods and each backend's baseline. NAME@DIR runs method NAME with the code of DIR, another
+    checkout of this project (a change measured side by side with the commit before it, in one interleaved run)."""
     names = DEFAULT_METHODS if not spec else [s.strip() for s in spec.split(",") if s.strip()]
-    bad = [n for n in names if n not in METHODS]
+    bad = [n for n in names if n.split("@")[0] not in METHODS]
     if bad:
-        raise DFlashError(f"--methods: unknown method {bad[0]!r}, expected some of {', '.join(METHODS)}")
+        raise DFlashError(f"--methods: unknown method {bad[0]!r}, expected some of {', '.join(METHODS)} "
+                          "(each optionally @DIR, another checkout of this project)")
     if not names:
         raise DFlashError("--methods: empty; name at least one method")
-    chosen = {n for n in names}
-    for n in list(chosen):  # every backend's baseline, for speedups and the greedy check
-        chosen.add(BASELINES[METHODS[n].backend])
-    return [m for m in METHODS.values() if m.name in chosen]
+    other = {}
+    for n in names:
+        if "@" in n:
+            base, code = n.split("@", 1)
+            if not (Path(code) / "dflash" / "__init__.py").is_file():
+                raise DFlashError(f"--methods: {n}: {code} is not a checkout of this project (no dflash/__init__.py)")
+            m = METHODS[base]
+            other[n] = replace(m, name=f"{base}@{Path(code).resolve().name}", code=str(Path(code).resolve()),
+                               label=f"{m.label}, code of {code}")
+    chosen = {n for n in names if "@" not in n}
+    for n in names:  # every backend's baseline, for speedups and the greedy check
+        chosen.add(BASELINES[METHODS[n.split("@")[0]].backend])
+    return [m for m in METHODS.values() if m.name in chosen] + list(other.values())
 
 
 def installed_methods(methods: list[Method], named: bool, log=print) -> list[Method]:

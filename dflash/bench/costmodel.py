@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
@@ -19,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import backends, cli, hub
-from ..core.costs import measure as measure_costs
 from ..core.extras.deps import require
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
 from ..core.spec import DraftSpec, default_target_layer_ids
+from ..core.tree import TreeInputs, chain_tree
 from ..reference import tiny
 
 TINY = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -48,8 +49,6 @@ def _timeit(fn, iters: int, warmup: int) -> float:
 
 def measure(make_backend, block_sizes, context: int, iters: int, warmup: int, vocab: int) -> dict:
     """Median seconds of an autoregressive step and of draft / verify at each block size, at `context` tokens."""
-    import random
-
     prompt = [random.Random(0).randrange(vocab) for _ in range(context)]
 
     def setup(block_size):
@@ -273,7 +272,9 @@ def main(argv=None) -> int:
         print(f"best block size for this acceptance curve: {best} "
               f"(tau {res['blocks'][best]['expected_tau']:.2f}, speedup {res['blocks'][best]['speedup']:.2f}x)")
     if args.tree_budgets:
-        res["trees"] = tree_budgets(make(max(args.block_sizes)), args.tree_budgets, res["t_step"],
+        backend = make(max(args.block_sizes))
+        backend.prefill([[random.Random(0).randrange(vocab) for _ in range(args.context)]])
+        res["trees"] = tree_budgets(backend, args.tree_budgets, res["t_step"],
                                     res["blocks"][max(args.block_sizes)]["t_draft"],
                                     load_tree_curve(args.tree_curve) if args.tree_curve else {})
     if args.json:
@@ -284,11 +285,11 @@ def main(argv=None) -> int:
 def tree_budgets(backend, budgets: list[int], t_step: float, t_draft: float, curve: dict[int, float]) -> dict:
     """T_verify(n + 1) of the tree forward for each budget n, the cycle's cost in target steps, and with a measured
     tau per budget the predicted speedup tau(n) * T_step / (T_draft + T_verify(n + 1))."""
-    costs = measure_costs(backend, max_tokens=max(budgets) + 1)
-    rows = {}
+    rows, verify_seconds = {}, []
     print(f"{'nodes':>5} {'T_verify ms':>11} {'cycle/step':>10}" + ("  tau   speedup" if curve else ""))
     for n in budgets:
-        verify = costs.verify_seconds(n + 1)
+        verify = tree_verify_seconds(backend, n + 1)
+        verify_seconds.append((n + 1, verify))
         row = {"t_verify": verify, "cycle_over_step": (t_draft + verify) / t_step}
         line = f"{n:>5} {verify * 1e3:>11.2f} {row['cycle_over_step']:>10.2f}"
         if n in curve:
@@ -300,8 +301,25 @@ def tree_budgets(backend, budgets: list[int], t_step: float, t_draft: float, cur
     if best:
         n = max(best, key=lambda k: rows[k]["speedup"])
         print(f"best tree budget for this curve on this device: {n} nodes ({rows[n]['speedup']:.2f}x)")
-    return {"budgets": rows, "verify_seconds": costs.verify, "best_budget": max(best, key=lambda k: rows[k]["speedup"])
+    return {"budgets": rows, "verify_seconds": verify_seconds, "best_budget": max(best, key=lambda k: rows[k]["speedup"])
             if best else None}
+
+
+def tree_verify_seconds(backend, tokens: int, iters: int = 9, warmup: int = 2) -> float:
+    """Median seconds of one target forward of a chain-shaped tree of `tokens` tokens (the tree path's own mask and
+    positions) after the backend's cached prompt, its sampling and host read included; the cache is rewound after
+    each."""
+    target = backend.target
+    anchor = backend.tokens[-1]
+    inputs = TreeInputs.of([chain_tree(anchor, [anchor] * (tokens - 1))])
+    ids = target.ids(inputs.ids.tolist())
+
+    def forward():
+        logits, _ = target.forward(ids, last_only=False, tree=inputs)
+        target.to_host(target.sample(logits, backend.rows, ids, backend.row_sampling))
+        target.keep([0], tokens)
+
+    return _timeit(forward, iters, warmup)
 
 
 def load_tree_curve(path: str) -> dict[int, float]:

@@ -4,11 +4,10 @@ model of a GPU (no GPU needed, deterministic).
 A forward of T tokens over r rows costs max(weights / bandwidth, 2 * parameters * T / compute) plus reading every
 row's K/V, plus a fixed cost per forward (`--launch-ms`: 2 ms for eager forwards; a CUDA graph's replay costs a
 fraction of it): flat in T until the compute knee (a few hundred tokens on an H200 for an 8B model), then linear.
-The drafter (5 Qwen3-8B-shaped layers and the target's LM head on its positions) costs the same way. Those costs fill
-a `Costs` with the grid dflash.core.costs measures on a real device, and the engine's own planner
-(dflash.core.budget.TreePlanner: path choice, node counts, draft block, pauses, rows out of the draft forward, its
-clock and corrections) runs cycle after cycle with each cycle's seconds taken from the roofline, against a plain
-batched step and against the fixed chain.
+The drafter (5 Qwen3-8B-shaped layers and the target's LM head on its positions) costs the same way. The engine's own
+planner (dflash.core.budget.TreePlanner: path choice, node counts, draft block, pauses, rows out of the draft forward)
+runs cycle after cycle, each cycle's seconds taken from the roofline and learnt by its cycle times as a device's
+would be (dflash/core/cycle_times.py, from nothing), against a plain batched step and against the fixed chain.
 
 The drafter is synthetic: at every depth its most probable token is the target's with probability 0.86 and each next
 rank with half the previous one's probability, which gives the chain tau 6.5 at block 16 (the DFlash paper's
@@ -26,9 +25,8 @@ import random
 from dataclasses import dataclass, replace
 
 from .. import cli
-from ..core.budget import TreePlanner
-from ..core.cost_model import Costs
-from ..core.costs import BATCH_TOKENS, DRAFT_BLOCKS, GRID
+from ..core.budget import AUTO_BUDGET, TreePlanner
+from ..core.cycle_times import CycleTimes
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
 CYCLES = 400  # per batch and mode; the second half is reported
@@ -63,22 +61,23 @@ def forward_seconds(device: Device, params: float, tokens: int, kv_bytes: float 
     return device.launch + max(memory, 2 * params * tokens / device.compute)
 
 
-def roofline_costs(device: Device = H200, shape: Shape = QWEN3_8B, block_size: int = 16, context: int = 1024,
-                   rows_grid: tuple[int, ...] = CONCURRENCY[1:]) -> Costs:
-    """The grid dflash.core.costs would measure on this device, from the roofline."""
-    kv = shape.kv_bytes_per_token * context
+@dataclass(frozen=True)
+class Roofline:
+    """A cycle's seconds on `device` for `shape` after `context` cached positions per row."""
 
-    def verify(rows: int, n: int) -> float:
-        return forward_seconds(device, shape.target_params, rows * n, rows * kv)
+    device: Device = H200
+    shape: Shape = QWEN3_8B
+    block_size: int = 16
+    context: int = 1024
 
-    def draft(rows: int, block: int = block_size) -> float:
-        return forward_seconds(device, shape.draft_params + shape.head_params, rows * (block - 1))
-
-    tokens = [t for t in BATCH_TOKENS if t <= block_size]
-    blocks = [b for b in DRAFT_BLOCKS if b < block_size] + [block_size]
-    return Costs(draft(1), [(n, verify(1, n)) for n in GRID],
-                 {r: [(n, verify(r, n)) for n in tokens] for r in rows_grid}, {r: draft(r) for r in rows_grid},
-                 draft_blocks={b: {r: draft(r, b) for r in (1, *rows_grid)} for b in blocks})
+    def cycle(self, tokens: int, rows: int, drafted: bool = True, block: int | None = None,
+              draft_rows: int | None = None) -> float:
+        kv = self.shape.kv_bytes_per_token * self.context
+        seconds = forward_seconds(self.device, self.shape.target_params, rows * tokens, rows * kv)
+        if drafted:
+            positions = (draft_rows or rows) * ((block or self.block_size) - 1)
+            seconds += forward_seconds(self.device, self.shape.draft_params + self.shape.head_params, positions)
+        return seconds
 
 
 def synthetic_draft(top1: float, positions: int, k: int = 8) -> tuple[list[list[int]], list[list[float]]]:
@@ -114,14 +113,13 @@ class Target:
         return self.rng.choices([*range(self.k), -1], [*probs, 1 - sum(probs)], k=depths)
 
 
-def run(batch: Rows, costs: Costs, mode: str = "auto", cycles: int = CYCLES, block_size: int = 16,
+def run(batch: Rows, costs: Roofline, mode: str = "auto", cycles: int = CYCLES, block_size: int = 16,
         seed: int = 0) -> dict:
     """`cycles` cycles of one batch under dflash.core.budget's own planner (`auto`) or the fixed chain, each cycle's
-    seconds the roofline's profile itself (the planner's clock and corrections learn them as they would a device's),
-    acceptance drawn from the synthetic drafter. The second half of the cycles is reported (the first lets the
-    calibration settle)."""
-    planner = TreePlanner("auto", block_size, max(block_size - 1, min(256, costs.verify[-1][0] - 1)), costs,
-                          copy_branch=False)
+    seconds the roofline's (the planner's cycle times learn them from nothing, as they would a device's), acceptance
+    drawn from the synthetic drafter. The second half of the cycles is reported (the first lets the calibration and
+    the cycle times settle)."""
+    planner = TreePlanner("auto", block_size, AUTO_BUDGET, CycleTimes(block_size), copy_branch=False)
     target, rows = Target(seed), batch.rows
     tokens = [0] * rows
     seconds = nodes = drafted = draft_rows = 0.0
@@ -131,7 +129,7 @@ def run(batch: Rows, costs: Costs, mode: str = "auto", cycles: int = CYCLES, blo
         path = "chain" if mode == "chain" else planner.path()
         if path == "chain":
             accepted = [next((d for d, t in enumerate(row) if t != 0), block_size - 1) for row in truth]
-            took = costs.measured_cycle(block_size, rows, True)
+            took = costs.cycle(block_size, rows, True)
             planner.observe_speed("chain", accepted, took)
             verified, drafting_rows, was_drafted = block_size - 1, rows, True
         else:
@@ -145,7 +143,7 @@ def run(batch: Rows, costs: Costs, mode: str = "auto", cycles: int = CYCLES, blo
             draft_rows += drafting_rows
             chain_cycles += path == "chain"
     counted = cycles - cycles // 2
-    plain = rows / costs.verify_seconds(1, rows)
+    plain = rows / costs.cycle(1, rows, False)
     rate = sum(tokens) / seconds
     return {"concurrency": rows, "hard_rows": batch.hard, "mode": mode, "speedup": rate / plain,
             "tokens": sum(tokens) / rows / counted, "cycle_ms": 1e3 * seconds / counted,
@@ -153,7 +151,7 @@ def run(batch: Rows, costs: Costs, mode: str = "auto", cycles: int = CYCLES, blo
             "chain_path": chain_cycles / counted, "block": planner.draft_block}
 
 
-def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs: Costs):
+def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs: Roofline):
     """TreeCycle.run's control flow on synthetic drafts: (accepted per row, seconds, nodes per row, drafting rows,
     drafted)."""
     rows, anchors = batch.rows, [0] * batch.rows
@@ -162,14 +160,14 @@ def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs
     if drafting == []:
         drafts = False
     if not drafts:  # a pause (nothing is copied here): the plain step
-        took = costs.measured_cycle(1, rows, False)
+        took = costs.cycle(1, rows, False)
         planner.observe_plain(rows, took)
         return [0] * rows, took, 0, 0, False
     chosen = drafting if drafting is not None else list(range(rows))
     drafts_of = [synthetic_draft(batch.top1(r), planner.draft_block - 1) for r in chosen]
     plan = planner.plan(anchors, [d[0] for d in drafts_of], [d[1] for d in drafts_of], (), drafting)
     width = max(len(t.tokens) for t in plan.trees)
-    took = costs.measured_cycle(width, rows, True, None, plan.block, plan.draft_rows)
+    took = costs.cycle(width, rows, True, plan.block, plan.draft_rows)
     # the target's token after node i is the one drawn at the next depth (independent of the path: synthetic)
     paths = [tree.walk([row[d] if d < len(row) else -1 for d in tree.depths])[0]
              for tree, row in zip(plan.trees, truth)]
@@ -181,10 +179,10 @@ def simulate(concurrency=CONCURRENCY, device: Device = H200, shape: Shape = QWEN
              cycles: int = CYCLES) -> list[dict]:
     """auto and the fixed chain at each concurrency, a fraction `hard` of the rows with a drafter rarely right."""
     out = []
-    for rows in concurrency:  # (each run's own profile: its corrections learn from its cycles only)
+    for rows in concurrency:  # (each run learns its cycle times from its own cycles)
         batch = Rows(rows, round(hard * rows))
-        chain = run(batch, roofline_costs(device, shape), "chain", cycles)
-        out.append(run(batch, roofline_costs(device, shape), "auto", cycles) | {"chain_speedup": chain["speedup"]})
+        chain = run(batch, Roofline(device, shape), "chain", cycles)
+        out.append(run(batch, Roofline(device, shape), "auto", cycles) | {"chain_speedup": chain["speedup"]})
     return out
 
 

@@ -45,6 +45,12 @@ class Method:
     copy_branch: bool = True  # dflash trees: the branch copied from the context
     compile: bool = False  # dflash, torch: static cache + torch.compile (dflash.load(compile=True))
     label: str = ""
+    code: str | None = None  # another checkout of this project whose code the worker runs (NAME@DIR: a change A/B'd)
+
+    @property
+    def base(self) -> str:
+        """The method's name in METHODS (without @DIR)."""
+        return self.name.split("@")[0]
 
     @property
     def speculative(self) -> bool:

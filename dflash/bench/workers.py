@@ -120,8 +120,8 @@ def worker_env(method: Method, threads: int, openblas: bool) -> dict:
         env["LD_PRELOAD"] = ":".join(preload)
     else:
         env.pop("LD_PRELOAD", None)
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([p for p in (env.get("PYTHONPATH"), pkg_root) if p])
+    pkg_root = method.code or str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([p for p in (pkg_root, env.get("PYTHONPATH")) if p])
     return env
 
 
@@ -166,7 +166,7 @@ def run_methods(methods: list[Method], base_cfg: dict, prompts: list[dict], out:
                dynamic_ncols=True)
 
     def start(m: Method, k: int) -> Worker:
-        cfg = dict(base_cfg, method=m.name)
+        cfg = dict(base_cfg, method=m.base)
         log_name = f"{m.name}.log" if processes == 1 else f"{m.name}.{k}.log"
         return Worker(m, cfg, worker_env(m, base_cfg["threads"], openblas), out / "logs" / log_name, k)
 

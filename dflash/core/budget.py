@@ -3,19 +3,17 @@
 `--verify chain` verifies the drafter's B-1 proposals (the DFlash paper's decoding). `--verify tree` verifies a fixed
 budget of the most probable prefixes every cycle (the DDTree paper's). `--verify auto` chooses, every cycle and for
 every row, the node count that maximises expected committed tokens per second on this device: expected tokens from the
-calibrated acceptance estimates of dflash.core.tree, seconds from the costs measured at load (dflash/core/costs.py, read
-through dflash/core/cost_model.py). A short chain, a wide tree or the root alone (an autoregressive step) are all
+calibrated acceptance estimates of dflash.core.tree, seconds from the cycles' own wall times (dflash/core/cycle_times.py:
+no profile at load). A short chain, a wide tree or the root alone (an autoregressive step) are all
 answers it can give. When even the best drafted cycle is predicted to lose to a cycle without a draft forward, it stops
 drafting for a while (1, 2, 4 .. 64 cycles, then a drafted cycle probes again), so a drafter that is almost always wrong
 costs little more than not drafting; the copied branch still runs in those cycles, since it costs no draft forward. For
-a batch the rule is the same over all rows at once: costs of r rows of n tokens each after the batch's context (measured
-at load at two context lengths), one global budget across rows (a row whose drafts are rarely accepted gets no nodes),
+a batch the rule is the same over all rows at once: seconds of r rows of n tokens each, one global budget across rows (a row whose drafts are rarely accepted gets no nodes),
 and a pause skips the whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. A row
 that a drafted cycle's plan gives no drafted node pauses on its own (RowPauses): it leaves the draft forward, which
 then drafts the other rows only, until it probes again. The
 draft forward itself fills 2, 4, 8 or all B positions: the drafter's work grows with them, and where deep nodes do not
-pay (a CPU at high load) the block whose best plan is fastest, its own draft forward counted, is drafted. Every
-prediction goes through a CycleClock fitted online on the cycles' own wall times. Rows that verify by rejection (chains
+pay (a CPU at high load) the block whose best plan is fastest, its own draft forward counted, is drafted. Rows that verify by rejection (chains
 only) choose a chain's length by the same rule: dflash/core/chain_budget.py. Whether a cycle runs on the chain's own
 path or a tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the whole cycle, so a plan is
 taken only while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served row expects
@@ -28,15 +26,17 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .cost_model import Costs, CycleClock
+from .cycle_times import CycleTimes
 from .path_choice import PathChoice
 from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates, to_tree
 
 VERIFY_MODES = ("chain", "tree", "auto")
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
+DRAFT_BLOCKS = (2, 4, 8)  # auto: shorter draft forwards it may choose (where deep nodes do not pay)
 MAX_PAUSE = 64  # the longest run of cycles without a draft forward between probes (a probe costs ~2 steps)
 BLOCK_SMOOTHING = 0.2  # auto: weight of a cycle's predicted rate in each draft block's smoothed one
 BLOCK_MARGIN = 0.1  # auto: how much faster a shorter draft block must be predicted to be to replace the drafted one
+AUTO_BUDGET = 255  # auto: the most draft nodes a row's tree may have (the seconds it learns choose fewer)
 ITL_LIMIT = 1.5  # auto: a cycle takes at most this many plain steps per token its least-served row expects
 
 
@@ -132,9 +132,9 @@ class RowPauses:
 class TreePlanner:
     """Builds each cycle's trees (one per row) and learns from what the target accepted."""
 
-    def __init__(self, mode: str, block_size: int, budget: int, costs: Costs | None = None,
+    def __init__(self, mode: str, block_size: int, budget: int, times: CycleTimes | None = None,
                  copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT):
-        self.mode, self.block_size, self.budget, self.costs = mode, block_size, budget, costs
+        self.mode, self.block_size, self.budget, self.times = mode, block_size, budget, times
         self.copy_branch, self.itl_limit = copy_branch, itl_limit
         self.chain_within = True  # auto: whether the last drafted cycle's rows could wait for a whole chain
         self.top_k = min(MAX_TOP_K, budget)
@@ -147,10 +147,9 @@ class TreePlanner:
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
         self.last_drafted = True
-        self.clock = {True: CycleClock(), False: CycleClock()}  # drafted or not: the profile -> the wall clock
         self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
         # auto: positions of the next draft forward (the measured shorter blocks, or the whole block)
-        self.blocks = sorted({b for b in (costs.draft_blocks if costs else ()) if b < block_size} | {block_size})
+        self.blocks = sorted({b for b in (DRAFT_BLOCKS if times else ()) if b < block_size} | {block_size})
         self.draft_block = self.drafted_block = block_size
         self.block_rates: dict[int, float] = {}  # auto: smoothed predicted tokens/s of each block's best plan
         # drafted cycles before a block is tried again from the one below, and that wait's next length
@@ -172,15 +171,15 @@ class TreePlanner:
 
     def observe_speed(self, kind: str, accepted: Sequence[int], seconds: float) -> None:
         """One cycle on the chain's path or a tree's took `seconds`; row r accepted accepted[r] draft tokens."""
-        if self.costs is not None and kind == "chain":  # (a tree cycle's shape is learnt in observe)
-            self.costs.observe(self.block_size, len(accepted), True, seconds, self.context)
-        if self.costs is None or (kind == "tree" and (not self.last_drafted or self.drafted_block < self.block_size
+        if self.times is not None and kind == "chain":  # (a tree cycle's shape is learnt in observe)
+            self.times.observe(self.block_size, len(accepted), True, seconds, self.context)
+        if self.times is None or (kind == "tree" and (not self.last_drafted or self.drafted_block < self.block_size
                                                       or self.draft_rows is not None)):
             return  # (a cycle without a draft forward, a shorter one or one of some rows, says nothing about either
             # path's chain-sized drafted cycles)
         rows = len(accepted)
         width = self.planned_width if kind == "tree" else self.block_size  # (the factor: the path's overhead alone)
-        self.choice.observe(kind, seconds, self.costs.cycle_seconds(width, rows, True, self.context))
+        self.choice.observe(kind, seconds, self.times.cycle_seconds(width, rows, True, self.context))
 
     @property
     def pauses_next(self) -> bool:
@@ -250,12 +249,12 @@ class TreePlanner:
                         self.row_pauses.observe(r, drafted_nodes)
                 # what this cycle's trees and the chain are each expected to commit, and the seconds of each cycle
                 self.planned_width = 1 + max(counts)
-                costs = self.auto_costs
+                times = self.auto_times
                 if block == self.block_size:  # (a shorter draft has no proposals past its block: no chain to value)
                     self.choice.observe_plan(
                         [1.0 + sum(x.value for x in c[:k]) for c, k in zip(candidates, counts)], chains,
-                        (costs.cycle_seconds(self.planned_width, rows, True, self.context, block, self.draft_rows),
-                         costs.cycle_seconds(self.block_size, rows, True, self.context)))
+                        (times.cycle_seconds(self.planned_width, rows, True, self.context, block, self.draft_rows),
+                         times.cycle_seconds(self.block_size, rows, True, self.context)))
                 self.reach = min(self.budget, max(2 * max(counts), 2 * (self.block_size - 1)))
         trees = [to_tree(a, c[:k]) for a, c, k in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]
@@ -293,13 +292,9 @@ class TreePlanner:
 
     def _timed(self, width: int, rows: int, drafted: bool, seconds: float, block: int | None = None,
                draft_rows: int | None = None) -> None:
-        """(auto) A cycle of `rows` rows verifying `width` tokens took `seconds`: the clock and the costs learn it."""
-        if self.costs is not None:
-            forwards = self.costs.cycle_seconds(width, rows, drafted, self.context, block, draft_rows)
-            # (a shape's first cycle, which may have compiled its graphs for seconds, is left out of the clock too: one
-            # such cycle fitted a slope that priced every smaller forward at the clock's floor, 10x too cheap)
-            if self.costs.observe(width, rows, drafted, seconds, self.context, block, draft_rows):
-                self.clock[drafted].observe(forwards, seconds)
+        """(auto) A cycle of `rows` rows verifying `width` tokens took `seconds`: the cycle times learn it."""
+        if self.times is not None:
+            self.times.observe(width, rows, drafted, seconds, self.context, block, draft_rows)
 
     def _age(self) -> None:
         if self.idle_trees:
@@ -308,16 +303,16 @@ class TreePlanner:
 
     # ---- auto ------------------------------------------------------------------------------------------------------
     @property
-    def auto_costs(self) -> Costs:
-        """The measured costs auto chooses by (Engine.set_verify refuses auto without them)."""
-        assert self.costs is not None, "--verify auto without measured costs"
-        return self.costs
+    def auto_times(self) -> CycleTimes:
+        """The cycle times auto chooses by (auto's planner always has them)."""
+        assert self.times is not None, "--verify auto without cycle times"
+        return self.times
 
     def _counts(self, candidates, drafted: bool, limit: float | None,
                 block: int | None = None) -> tuple[list[int], float]:
         values = [[c.value for c in cs] for cs in candidates]
-        clock, costs, some = self.clock[drafted], self.auto_costs, self.draft_rows
-        seconds = lambda n, r: clock(costs.cycle_seconds(n, r, drafted, self.context, block, some))  # noqa: E731
+        times, some = self.auto_times, self.draft_rows
+        seconds = lambda n, r: times.cycle_seconds(n, r, drafted, self.context, block, some)  # noqa: E731
         return choose_counts(values, seconds, 0.0, self.budget, limit)
 
     def _next_block(self, candidates, counts, rate: float, limit: float | None, block: int) -> tuple[int, float]:
@@ -364,7 +359,7 @@ class TreePlanner:
         """Seconds a cycle may take per token its least-served row expects: itl_limit plain steps of this batch."""
         if not self.itl_limit:
             return None
-        return self.itl_limit * self.clock[False](self.auto_costs.cycle_seconds(1, rows, False, self.context))
+        return self.itl_limit * self.auto_times.cycle_seconds(1, rows, False, self.context)
 
     def _chain_within(self, chains: Sequence[float], limit: float | None) -> bool:
         """Whether a chain cycle (every row verifies the drafter's B-1 rank-1 proposals) keeps within the limit: its
@@ -372,8 +367,8 @@ class TreePlanner:
         if limit is None:
             return True
         rows, least = len(chains), min(chains)
-        seconds = self.auto_costs.cycle_seconds(self.block_size, rows, True, self.context)
-        return self.clock[True](seconds) <= limit * least
+        seconds = self.auto_times.cycle_seconds(self.block_size, rows, True, self.context)
+        return seconds <= limit * least
 
     def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:
         """Compare the predicted rate of drafted cycles with what the same cycles would give without the draft

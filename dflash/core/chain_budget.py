@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .budget import MAX_PAUSE
-from .cost_model import Costs, CycleClock
+from .cycle_times import CycleTimes
 
 PLAIN_EVERY = 32  # drafted cycles in a row before a plain step is timed again
 
@@ -16,33 +16,32 @@ class ChainBudget:
     """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies,
     and whether it drafts at all. Expected tokens of a chain of L proposals are 1 + sum_j prod_{i<=j} a_i with a_i
     the measured rate at which position i accepts when reached (an exponential average over recent cycles, under the
-    rule in use); seconds are T_draft(L + 1 positions) + T_verify(L + 1) from the device profile (the draft fills
-    only the positions verified), taken to the wall clock by a CycleClock fitted on the cycles' own times (either
-    way: a profile measured while the machine was busy overstates). L = 0 is a plain target step without the draft
-    forward; while it wins, drafting pauses for 1, 2, 4 .. 64 cycles between probes, as the tree planner's pauses do."""
+    rule in use; a position never reached yet is taken to accept as the one before it, so that chains grow where the
+    first positions accept); seconds are those of a cycle drafting and verifying L + 1 positions, learnt from the
+    cycles' own wall times (dflash/core/cycle_times.py; the draft fills only the positions verified). L = 0 is a plain
+    target step without the draft forward; while it wins, drafting pauses for 1, 2, 4 .. 64 cycles between probes, as
+    the tree planner's pauses do."""
 
-    def __init__(self, block_size: int, costs: Costs, prior: float = 0.5, smoothing: float = 0.1):
-        self.costs, self.smoothing = costs, smoothing
+    def __init__(self, block_size: int, times: CycleTimes, prior: float = 0.5, smoothing: float = 0.1):
+        self.times, self.smoothing = times, smoothing
         self.rates = [prior] * (block_size - 1)
-        self.clock = {True: CycleClock(smoothing), False: CycleClock(smoothing)}
+        self.reached = 0  # positions some cycle has verified (the rates past them are the prior's)
         self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
         self.skip, self.backoff, self.probing = 0, 0, False
         self.probe = False  # this cycle drafts after a pause (or at a request's start)
         self.since_plain = 0  # drafted cycles since the last plain one
 
     def expected(self, length: int) -> float:
-        tokens, reach = 1.0, 1.0
-        for a in self.rates[:length]:
-            reach *= a
+        tokens, reach, last = 1.0, 1.0, self.rates[0]
+        for i, a in enumerate(self.rates[:length]):
+            last = a if i < max(self.reached, 1) else last
+            reach *= last
             tokens += reach
         return tokens
 
-    def forwards(self, length: int, rows: int = 1) -> float:
-        """The profile's seconds for a cycle verifying `length` proposals per row (0: no draft forward)."""
-        return self.costs.cycle_seconds(length + 1, rows, length > 0, self.context, length + 1)
-
     def seconds(self, length: int, rows: int = 1) -> float:
-        return self.clock[length > 0](self.forwards(length, rows))
+        """A cycle's seconds verifying `length` proposals per row (0: no draft forward)."""
+        return self.times.cycle_seconds(length + 1, rows, length > 0, self.context, length + 1)
 
     def length(self, can_pause: bool = True, rows: int = 1) -> int:
         """Proposals every one of `rows` rows verifies this cycle (0: no draft forward; only when `can_pause`). The
@@ -76,6 +75,7 @@ class ChainBudget:
     def observe(self, length: int, accepted: Sequence[int], seconds: float) -> None:
         """One cycle: `length` proposals verified per row, rows accepted `accepted[r]` of them, in `seconds`."""
         s = self.smoothing
+        self.reached = max(self.reached, length)
         for k in accepted:
             for i in range(min(k + 1, length)):  # position i was reached; accepted unless i == k
                 self.rates[i] += s * ((1.0 if i < k else 0.0) - self.rates[i])
@@ -92,6 +92,4 @@ class ChainBudget:
             self.probe = False
             if sum(accepted) and (1 + sum(accepted) / rows) / seconds > 1 / self.seconds(0, rows):
                 self.backoff //= 4
-        forwards = self.forwards(length, rows)
-        if self.costs.observe(length + 1, rows, drafted, seconds, self.context, length + 1):
-            self.clock[drafted].observe(forwards, seconds)  # (not a shape's warm-up: budget.py's _timed)
+        self.times.observe(length + 1, rows, drafted, seconds, self.context, length + 1)

@@ -26,7 +26,7 @@ from .admission import Admission, join_caches
 from .budget import ITL_LIMIT, MAX_PAUSE
 from .chain_step import chain_step
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
-from .cost_model import Costs
+from .cycle_times import CycleTimes
 from .errors import DFlashError
 from .lookahead import Lookahead, lands
 from .pending import PendingFeatures
@@ -104,10 +104,10 @@ class Engine:
         """Each row's acceptance rule (dflash.core.sampling: greedy, match, rejection, ..., multi)."""
         return [r.rule for r in self.row_sampling]
 
-    def set_verify(self, mode: str = "chain", budget: int | None = None, costs: Costs | None = None,
+    def set_verify(self, mode: str = "chain", budget: int | None = None, times: CycleTimes | None = None,
                    copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT) -> None:
         """chain, tree or auto verification (dflash.core.verification.Verification.choose)."""
-        self.verification = Verification.choose(mode, self.block_size, self.drafter, self.capabilities, budget, costs,
+        self.verification = Verification.choose(mode, self.block_size, self.drafter, self.capabilities, budget, times,
                                                 copy_branch, itl_limit)
 
     @property

@@ -2,7 +2,7 @@
 each cycle's chain, shorter chain, plain step or tree under it.
 
 chain verifies the B-1 proposals. tree verifies a tree of a fixed node count every cycle (dflash/core/tree_step.py).
-auto chooses, each cycle, what maximises committed tokens per second under the device's measured costs: a tree of
+auto chooses, each cycle, what maximises committed tokens per second at the seconds its own cycles took: a tree of
 some size, the chain, or a plain step; rows that verify by rejection (chains only) get a chain length instead
 (dflash/core/budget.py)."""
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from .budget import ITL_LIMIT, VERIFY_MODES, TreePlanner
+from .budget import AUTO_BUDGET, ITL_LIMIT, VERIFY_MODES, TreePlanner
 from .chain_budget import ChainBudget
 from .chain_step import CycleEngine, chain_step
 from .contract import Capabilities, Drafter, Step
-from .cost_model import Costs
+from .cycle_times import CycleTimes
 from .errors import DFlashError, SettingError
 from .tree_step import TreeCycle
 
@@ -33,11 +33,12 @@ class Verification:
 
     @classmethod
     def choose(cls, mode: str, block_size: int, drafter: Drafter | None, capabilities: Capabilities,
-               budget: int | None = None, costs: Costs | None = None, copy_branch: bool = True,
+               budget: int | None = None, times: CycleTimes | None = None, copy_branch: bool = True,
                itl_limit: float | None = ITL_LIMIT) -> Verification:
         """chain: verify the B-1 proposals. tree: a tree of `budget` nodes every cycle. auto: each cycle, the node
-        count that maximises committed tokens per second under `costs` (chain when that is best), in cycles that
-        take at most `itl_limit` plain steps per token any row expects (None: no limit)."""
+        count that maximises committed tokens per second at the seconds its cycles take (chain when that is best),
+        in cycles that take at most `itl_limit` plain steps per token any row expects (None: no limit). `times`:
+        what auto's cycles cost (default: learnt from the engine's own cycles, dflash/core/cycle_times.py)."""
         if mode not in VERIFY_MODES:
             raise SettingError("verify", f"got {mode!r}, expected one of {', '.join(VERIFY_MODES)}")
         if budget is not None and budget < 1:
@@ -50,18 +51,17 @@ class Verification:
             # raw top-k without it. auto still chooses how much of the chain to verify, or a plain step (a target
             # that refuses trees keeps its full chain: a static cache wants one verify shape)
             reason = "DFlash2's selector chooses the proposals"
-            chain_budget = ChainBudget(block_size, costs) if costs else None
+            chain_budget = ChainBudget(block_size, times or CycleTimes(block_size))
         if reason:
             if mode == "tree":
                 raise DFlashError(f"--verify tree: {reason}; use --verify chain or auto")
             return cls("chain", f"auto verifies the chain: {reason}", chain_budget=chain_budget)
-        if mode == "auto" and costs is None:
-            raise DFlashError("--verify auto: needs the device's measured costs (dflash.core.costs.measured_costs)")
-        if budget is None:  # tree: the chain's verify tokens; auto: as many as the measured costs reach
-            budget = block_size - 1 if mode == "tree" or costs is None else max(
-                block_size - 1, min(256, costs.verify[-1][0] - 1))
-        planner = TreePlanner(mode, block_size, budget, costs, copy_branch, itl_limit)
-        return cls(mode, "", planner, ChainBudget(block_size, costs) if mode == "auto" and costs is not None else None)
+        if mode == "tree":
+            return cls(mode, "", TreePlanner(mode, block_size, budget or block_size - 1, None, copy_branch, itl_limit))
+        times = times or CycleTimes(block_size)  # (one machine: the trees' cycles and the chains' learn it together)
+        planner = TreePlanner(mode, block_size, budget or max(block_size - 1, AUTO_BUDGET), times, copy_branch,
+                              itl_limit)
+        return cls(mode, "", planner, ChainBudget(block_size, times))
 
     def step(self, engine: CycleEngine, anchors: Sequence[int]) -> list[Step]:
         """One cycle for every row of `engine`; row i's anchor is its last committed token."""

@@ -1,0 +1,132 @@
+"""What a cycle costs on this machine, learnt from the cycles the engine runs: no profile at load, nothing cached.
+
+--verify auto compares plans (a plain step, a chain, trees of n nodes, a shorter draft, some rows out of the draft)
+by tokens per second, so it needs the seconds of cycles it has not run yet. They come from a linear model over the
+cycle's shape,
+
+    seconds = c_cycle + c_row * rows + c_token * verify tokens + c_draft * drafted + c_position * draft positions
+
+(verify tokens: rows x tokens per row; draft positions: the draft forward's rows x its block), tracked by a Kalman
+filter: each term is a random walk (it drifts by DRIFT of itself per cycle: a context that grows) and each cycle's
+wall time is one noisy observation of their sum.
+
+Before the first cycle the model holds PRIOR, a 2-core CPU's shape in plain steps (a plain step of one row is 1, a
+16-token verify 2.5, a draft of 16 positions 0.57), PRIOR_SD uncertain, at a GUESS of 5 ms a plain step. The first
+cycle sets the level (its seconds over the prior's), and one of the first few that lands LEVEL_MISS times off sets
+it again (a first cycle may have warmed a shape up for many times its length). Terms the cycles do not tell apart
+yet (one row only, never a pause) stay near the prior; the cycles' measurements overrule it. When the cycles keep
+landing further from the model than it expects (a busy neighbour came or went: every forward slower or faster
+alike), its uncertainty is inflated until they do not, so it follows the machine within a few cycles.
+
+A shape is priced optimistically: a plan is chosen by the lower confidence bound of its seconds, the estimate minus
+EXPLORE standard deviations (as LinUCB chooses), so a shape that may be cheaper than the model says is tried once,
+and is then known (a GPU verifies hundreds of tokens in the time of one; a model fitted on 16-token chains alone
+cannot tell, and would keep its trees narrow). A term the cycles stop exercising keeps its estimate while its
+uncertainty grows by the drift, so it is tried again after a while: the machine may have changed.
+
+One cycle that stalls (a page fault, a collection, a graph compiled for a new shape) counts less the further it
+lands above the model: at k > OUTLIER times the prediction its noise is taken k / OUTLIER times larger, so a stall of
+100x moves the model by what a cycle a few percent slow would; one cycle's surprise inflates nothing, a second in a
+row does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# the model's prior, in plain steps of one row: per cycle, per row, per verify token, per draft forward, per draft
+# position (a 2-core CPU's proportions: the reference pair's 16-token chain cycle measured 3.2 plain steps, this says
+# 3.07)
+PRIOR = np.array([0.7, 0.2, 0.1, 0.25, 0.02])
+PRIOR_SD = 1.0  # the prior's standard deviation per term, relative to the term
+DRIFT = 0.01  # how far a term may move per cycle, relative to it (its random walk's standard deviation)
+NOISE = 0.05  # a cycle's wall time's standard deviation around the model, relative to the prediction
+OUTLIER = 3.0  # a cycle further above the prediction than this counts less, in proportion
+EXPLORE = 0.5  # standard deviations below the estimate a shape is priced at
+GUESS = 0.005  # seconds of a plain step before the first cycle: in seconds, so what a plan compares across the first
+# cycle (smoothed rates) is in one unit, if not yet at the machine's level
+LEVEL_MISS = 3.0  # ... a cycle among the first LEVEL_CYCLES this far off the model sets the level again
+LEVEL_CYCLES = 8
+FLOOR = 0.01  # no term falls below this share of the prior at the level (a term at 0 would price a shape free)
+SURPRISE = 4.0  # the recent cycles' squared errors, over what the model expects, past which it is inflated
+SURPRISE_SMOOTHING = 0.1  # weight of one cycle's (capped at 25) in that average
+
+
+def features(tokens: int, rows: int, drafted: bool, block: int | None, draft_rows: int | None,
+             block_size: int) -> np.ndarray:
+    """A cycle's shape as the model's terms: rows verifying `tokens` each, after a draft forward (if `drafted`) of
+    `block` positions (default: the whole block) for `draft_rows` of them (default: all)."""
+    positions = (draft_rows if draft_rows is not None else rows) * (block or block_size) if drafted else 0
+    return np.array([1.0, rows, rows * tokens, float(drafted), positions])
+
+
+class CycleTimes:
+    """Seconds of a cycle of any shape (cycle_seconds), learnt from the cycles that ran (observe)."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size  # a draft forward's positions when a call names none
+        self.learns = True
+        self.level = GUESS  # seconds per plain step of the prior
+        self.theta = PRIOR * GUESS  # the terms' estimates
+        self.spread = np.diag((PRIOR_SD * self.theta) ** 2)  # their covariance
+        self.surprise = 1.0  # the recent cycles' squared errors over the model's expected ones (averaged)
+        self.observed = 0
+        self._memo: dict[tuple, float] = {}  # a plan asks the same few dozen shapes many times
+
+    @classmethod
+    def fixed(cls, plain: float, token: float, draft: float, block_size: int = 16) -> CycleTimes:
+        """A device that does not change and is not learnt (tests, simulations): a plain step of one row costs
+        `plain`, every further verify token `token`, and a draft forward `draft` per row drafted at `block_size`
+        positions (proportionally fewer positions cost proportionally less)."""
+        times = cls(block_size)
+        times.theta = np.array([plain - token, 0.0, token, 0.0, draft / block_size])
+        times.spread, times.learns, times.level = np.zeros((len(PRIOR), len(PRIOR))), False, plain
+        return times
+
+    def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
+                      block: int | None = None, draft_rows: int | None = None) -> float:
+        """A cycle's seconds as a plan prices it: the estimate less EXPLORE standard deviations, at least a tenth of
+        the estimate (`context`: accepted for the planner's calls; the terms' drift follows context growth)."""
+        key = (tokens, rows, drafted, block, draft_rows)
+        seconds = self._memo.get(key)
+        if seconds is None:
+            x = features(tokens, rows, drafted, block, draft_rows, self.block_size)
+            estimate = float(self.theta @ x)
+            seconds = self._memo[key] = max(estimate - EXPLORE * self.deviation(x), 0.1 * estimate)
+        return seconds
+
+    def deviation(self, x: np.ndarray) -> float:
+        """The standard deviation of the estimated seconds of shape x."""
+        return float(np.sqrt(max(float(x @ self.spread @ x), 0.0)))
+
+    def observe(self, tokens: int, rows: int, drafted: bool, seconds: float, context: float | None = None,
+                block: int | None = None, draft_rows: int | None = None) -> bool:
+        """A cycle of this shape took `seconds` on the wall clock. Returns whether it was learnt (a time that is not
+        positive is not)."""
+        if not self.learns or not seconds > 0:
+            return False
+        x = features(tokens, rows, drafted, block, draft_rows, self.block_size)
+        miss = seconds / max(float(self.theta @ x), 1e-12)
+        if not self.observed or (self.observed < LEVEL_CYCLES and not 1 / LEVEL_MISS < miss < LEVEL_MISS):
+            # the level: the prior's plain steps become seconds (the whole model scaled, its shape kept)
+            self.theta, self.spread, self.level = self.theta * miss, self.spread * miss ** 2, self.level * miss
+        else:  # each term drifts between cycles
+            self.spread = self.spread + np.diag((DRIFT * np.maximum(self.theta, 0.1 * self.scale)) ** 2)
+        predicted = max(float(self.theta @ x), 1e-12)
+        noise = (NOISE * predicted * max(1.0, seconds / (OUTLIER * predicted))) ** 2
+        px = self.spread @ x
+        expected = float(x @ px) + (NOISE * predicted) ** 2
+        self.surprise += SURPRISE_SMOOTHING * (min((seconds - predicted) ** 2 / expected, 25.0) - self.surprise)
+        if self.observed and self.surprise > SURPRISE:  # (the machine changed: what was learnt is less sure)
+            self.spread, px = 2 * self.spread, 2 * px
+        gain = px / (float(x @ px) + noise)
+        self.theta = np.maximum(self.theta + gain * (seconds - predicted), FLOOR * PRIOR * self.level)
+        self.spread = self.spread - np.outer(gain, px)
+        self.observed += 1
+        self._memo.clear()
+        return True
+
+    @property
+    def scale(self) -> np.ndarray:
+        """The prior at the level measured (the least each term's drift is sized by)."""
+        return PRIOR * self.level

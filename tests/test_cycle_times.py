@@ -1,0 +1,81 @@
+"""dflash/core/cycle_times.py: a cycle's seconds learnt from the cycles themselves, from nothing, following the machine."""
+
+import random
+
+import numpy as np
+import pytest
+
+from dflash.core.cycle_times import CycleTimes, features
+
+
+def cpu(tokens, rows, drafted, block=16):
+    """A 2-core CPU: every verified token and every drafted position costs."""
+    return 0.003 + 0.0003 * rows + 0.0004 * rows * tokens + (0.001 + 0.00008 * rows * block if drafted else 0.0)
+
+
+def gpu(tokens, rows, drafted, block=16):
+    """A GPU below its knee: a forward costs its launch, whatever it verifies."""
+    return 0.007 + 0.00001 * rows * tokens + (0.002 + 0.00002 * rows * block if drafted else 0.0)
+
+
+def mean(times, tokens, rows=1, drafted=True, block=None):
+    return float(times.theta @ features(tokens, rows, drafted, block, None, times.block_size))
+
+
+def run(times, device, cycles, rng, slow=1.0, widths=(1, 4, 8, 16, 24)):
+    for _ in range(cycles):
+        drafted = rng.random() < 0.8
+        tokens = rng.choice(widths) if drafted else 1
+        times.observe(tokens, 1, drafted, slow * device(tokens, 1, drafted) * (1 + 0.05 * rng.random()))
+
+
+@pytest.mark.parametrize("device", [cpu, gpu])
+def test_cycle_times_are_learnt_from_nothing_within_a_few_dozen_cycles(device):
+    times, rng = CycleTimes(16), random.Random(0)
+    run(times, device, 40, rng)
+    for tokens, drafted in ((1, False), (4, True), (16, True), (24, True)):
+        assert mean(times, tokens, drafted=drafted) == pytest.approx(device(tokens, 1, drafted), rel=0.1)
+
+
+def test_the_model_follows_a_busy_neighbour_who_comes_and_goes():
+    times, rng = CycleTimes(16), random.Random(1)
+    run(times, cpu, 100, rng)
+    run(times, cpu, 15, rng, slow=2.0)  # both cores busy: every forward twice as long
+    assert mean(times, 16) == pytest.approx(2 * cpu(16, 1, True), rel=0.15)
+    run(times, cpu, 15, rng)
+    assert mean(times, 16) == pytest.approx(cpu(16, 1, True), rel=0.15)
+
+
+def test_one_stalled_cycle_barely_moves_the_model():
+    times, rng = CycleTimes(16), random.Random(2)
+    run(times, cpu, 100, rng)
+    before = mean(times, 16)
+    times.observe(16, 1, True, 100 * cpu(16, 1, True))  # a page fault, a collection, a graph compiled
+    assert mean(times, 16) == pytest.approx(before, rel=0.1)
+
+
+def test_a_shape_never_run_is_priced_optimistically_until_it_is_run():
+    """Chains of 16 tokens alone cannot tell a GPU's flat verify from a CPU's steep one: a 128-token tree is priced
+    below its estimate, so a plan tries it; once it ran, its price is its measured time."""
+    times, rng = CycleTimes(16), random.Random(3)
+    run(times, gpu, 60, rng, widths=(16,))
+    wide = features(128, 1, True, None, None, 16)
+    assert times.cycle_seconds(128) < 0.9 * mean(times, 128) and times.deviation(wide) > 0
+    run(times, gpu, 10, rng, widths=(128,))
+    assert times.cycle_seconds(128) == pytest.approx(gpu(128, 1, True), rel=0.15)
+
+
+def test_a_shorter_draft_and_fewer_drafted_rows_cost_less_where_positions_cost():
+    times, rng = CycleTimes(16), random.Random(4)
+    for _ in range(200):
+        rows, block = rng.choice([1, 4, 8]), rng.choice([4, 8, 16])
+        times.observe(4, rows, True, cpu(4, rows, True, block), block=block)
+    assert times.cycle_seconds(4, 8, True, None, 4) < times.cycle_seconds(4, 8, True, None, 16)
+    assert times.cycle_seconds(4, 8, True, None, 16, draft_rows=2) < times.cycle_seconds(4, 8, True, None, 16)
+
+
+def test_a_fixed_device_is_what_it_says_and_learns_nothing():
+    times = CycleTimes.fixed(plain=1.0, token=0.25, draft=0.5)
+    assert times.cycle_seconds(1, drafted=False) == 1.0 and times.cycle_seconds(16) == pytest.approx(4.75 + 0.5)
+    assert times.cycle_seconds(1, 2, True, None, 8) == pytest.approx(1.25 + 0.5)  # two rows, half the block each
+    assert not times.observe(16, 1, True, 100.0) and np.isclose(times.cycle_seconds(16), 5.25)
