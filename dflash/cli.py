@@ -65,7 +65,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="chain: verify the drafter's B-1 proposals; tree: a tree of the --tree-budget most probable "
                    "prefixes; auto: per cycle, the node count that is fastest on this device (default: %(default)s)")
     p.add_argument("--tree-budget", type=int, help="draft nodes per verify: tree's size, auto's maximum "
-                   "(default: block size - 1 for tree; auto: what the device profile allows)")
+                   "(default: block size - 1 for tree; auto: 255, of which its measured cycles choose fewer)")
     p.add_argument("--no-copy-branch", dest="copy_branch", action="store_false",
                    help="trees without the branch copied from the context (prompt lookup)")
     p.add_argument("--itl-limit", type=float, default=ITL_LIMIT,

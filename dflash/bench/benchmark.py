@@ -97,8 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (transformers docs' value)")
     p.add_argument("--mlx-draft-tokens", type=int, default=3, help="mlx-lm num_draft_tokens (mlx_lm.generate's "
                    "CLI default)")
-    p.add_argument("--tree-budget", type=int, help="the tree methods' maximum draft nodes per cycle (default: what "
-                   "the device profile allows)")
+    p.add_argument("--tree-budget", type=int, help="the tree methods' maximum draft nodes per cycle (default: "
+                   "auto's 255, the fixed tree's block size - 1)")
     p.add_argument("--sequential", action="store_true", help="one method at a time instead of interleaving prompts")
     p.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS into MLX workers")
     p.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")

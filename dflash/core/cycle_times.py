@@ -40,9 +40,11 @@ import numpy as np
 PRIOR = np.array([0.7, 0.2, 0.1, 0.25, 0.02])
 PRIOR_SD = 1.0  # the prior's standard deviation per term, relative to the term
 DRIFT = 0.01  # how far a term may move per cycle, relative to it (its random walk's standard deviation)
-NOISE = 0.05  # a cycle's wall time's standard deviation around the model, relative to the prediction
+NOISE = 0.1  # a cycle's wall time's standard deviation around the model, relative to the prediction
 OUTLIER = 3.0  # a cycle further above the prediction than this counts less, in proportion
-EXPLORE = 0.5  # standard deviations below the estimate a shape is priced at
+EXPLORE = 0.5  # standard deviations below the estimate a shape is priced at ...
+CHEAPEST = 0.5  # ... and at least this share of the estimate (an optimism that prices drafting at a fraction of its
+# measured cost probes a drafter that is never right every few cycles)
 GUESS = 0.005  # seconds of a plain step before the first cycle: in seconds, so what a plan compares across the first
 # cycle (smoothed rates) is in one unit, if not yet at the machine's level
 LEVEL_MISS = 3.0  # ... a cycle among the first LEVEL_CYCLES this far off the model sets the level again
@@ -85,14 +87,14 @@ class CycleTimes:
 
     def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
                       block: int | None = None, draft_rows: int | None = None) -> float:
-        """A cycle's seconds as a plan prices it: the estimate less EXPLORE standard deviations, at least a tenth of
+        """A cycle's seconds as a plan prices it: the estimate less EXPLORE standard deviations, at least CHEAPEST of
         the estimate (`context`: accepted for the planner's calls; the terms' drift follows context growth)."""
         key = (tokens, rows, drafted, block, draft_rows)
         seconds = self._memo.get(key)
         if seconds is None:
             x = features(tokens, rows, drafted, block, draft_rows, self.block_size)
             estimate = float(self.theta @ x)
-            seconds = self._memo[key] = max(estimate - EXPLORE * self.deviation(x), 0.1 * estimate)
+            seconds = self._memo[key] = max(estimate - EXPLORE * self.deviation(x), CHEAPEST * estimate)
         return seconds
 
     def deviation(self, x: np.ndarray) -> float:
@@ -118,7 +120,12 @@ class CycleTimes:
         expected = float(x @ px) + (NOISE * predicted) ** 2
         self.surprise += SURPRISE_SMOOTHING * (min((seconds - predicted) ** 2 / expected, 25.0) - self.surprise)
         if self.observed and self.surprise > SURPRISE:  # (the machine changed: what was learnt is less sure)
-            self.spread, px = 2 * self.spread, 2 * px
+            self.spread = 2 * self.spread
+            # (no term less sure than the prior was of it: jitter that inflates again and again leaves it at that)
+            limit = PRIOR_SD * np.maximum(self.theta, FLOOR * PRIOR * self.level)
+            shrink = np.minimum(1.0, limit / np.sqrt(np.maximum(np.diag(self.spread), 1e-30)))
+            self.spread = self.spread * np.outer(shrink, shrink)
+            px = self.spread @ x
         gain = px / (float(x @ px) + noise)
         self.theta = np.maximum(self.theta + gain * (seconds - predicted), FLOOR * PRIOR * self.level)
         self.spread = self.spread - np.outer(gain, px)

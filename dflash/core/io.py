@@ -14,8 +14,8 @@ from .errors import DFlashError
 
 
 def cache_root() -> Path:
-    """$DFLASH_CACHE_DIR, default ~/.cache/dflash: device cost profiles (costs/), prepared models (models/) and the
-    bundled pair's AR draft when built rather than packaged (reference/). The one place the variable is read."""
+    """$DFLASH_CACHE_DIR, default ~/.cache/dflash: prepared models (models/) and the bundled pair's AR draft when
+    built rather than packaged (reference/). The one place the variable is read."""
     return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash")
 
 
