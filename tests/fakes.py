@@ -98,9 +98,6 @@ class FakeTarget:
     def gumbel(self, keys):
         raise AssertionError("the fake target is greedy")
 
-    def device_key(self):
-        return "numpy"
-
     def spawn(self):
         return type(self)(self.bounded, self.rule, self.vocab)
 

@@ -1,5 +1,5 @@
 """Long waits say what runs: a heartbeat line every few seconds (dflash/core/progress.py), here for a long prompt's
-prefill (the device profile's is in tests/test_costs.py)."""
+prefill."""
 
 from __future__ import annotations
 

@@ -9,14 +9,12 @@ each forward gives every row's tokens their own positions and a mask over the ro
 
 from __future__ import annotations
 
-import os
 from typing import Sequence, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from dflash.core.extras.blas import openblas_preloaded
 from dflash.core.contract import Capabilities
 from dflash.core.errors import DFlashError
 from dflash.core.rows import RowLayout, SharedRows
@@ -27,7 +25,7 @@ from dflash.core.tree import TreeInputs
 from .rewind import MLXRewind, needs_rewind
 from .row_slots import RowSlots
 from .sampling import gumbel, multi_candidate_tokens, rejection_tokens, sampler
-from .target import TappedForward, embedding, target_info
+from .target import TappedForward, target_info
 from .tree import explicit_positions, keep_path, positions_refusal
 
 
@@ -151,14 +149,6 @@ class MLXTarget:
         self.cache, self.shared = self._new_cache(), None
 
     # ---- trees -------------------------------------------------------------------------------------------------------
-    def device_key(self) -> str:
-        """What the costs of a forward depend on besides shapes (dflash/core/costs.py)."""
-        dtype = embedding(self.model).weight.dtype
-        blas = "openblas" if openblas_preloaded() else "own blas"  # 20-30x apart on a Linux CPU (dflash/core/blas.py)
-        blas += f" {os.environ.get('OPENBLAS_NUM_THREADS') or os.environ.get('OMP_NUM_THREADS') or 'all'} threads"
-        version = mx.__version__  # type: ignore[attr-defined]  # (mlx's stubs omit it)
-        return f"mlx {version} {mx.default_device()} {dtype} {blas}"
-
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(batch_refusal=self._batch_refusal(), tree_refusal=self._tree_refusal())

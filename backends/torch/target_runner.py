@@ -173,13 +173,6 @@ class TorchTarget:
                 self.forward(zeros(t), last_only=False)
             self.reset()
 
-    def device_key(self) -> str:
-        """What the costs of a forward depend on besides shapes (dflash/core/costs.py)."""
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
-        return f"torch {torch.__version__} {name} {str(self.dtype).removeprefix('torch.')} " \
-               f"{torch.get_num_threads()} threads {self.model.config._attn_implementation}" + \
-               (" compiled" if self._decode_model is not self.model else "")
-
     @property
     def capabilities(self) -> Capabilities:
         return Capabilities(batch_refusal=self._batch_refusal(), tree_refusal=self._tree_refusal(),

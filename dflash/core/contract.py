@@ -135,7 +135,6 @@ class Target(Protocol):
     def trim(self, n: int) -> bool: ...
     def reset(self) -> None: ...
     def close(self) -> None: ...
-    def device_key(self) -> str: ...                                       # device, dtype, threads (costs.py)
 
     # trees (tree.py): a forward with `tree` puts slot j at position + depth under an ancestor mask
     def keep_slots(self, slots: list[list[int]], width: int) -> None: ...  # row i keeps slots[i] of the last forward
@@ -164,7 +163,7 @@ class Drafter(Protocol):
     @property
     def distribution(self) -> bool: ...  # True: its selector has a proper draft distribution of its own (DFlash2)
     @property
-    def spec(self) -> DraftSpec: ...  # its checkpoint's shape (its forwards' cost: costs.py keys profiles by it)
+    def spec(self) -> DraftSpec: ...  # its checkpoint's shape
     @property
     def drafts_some_rows(self) -> bool: ...  # propose(rows=...) runs the draft forward for those rows only
 

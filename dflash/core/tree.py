@@ -8,8 +8,9 @@ n-gram match, as prompt lookup does) may join it at no draft cost.
 
 The budget (how many nodes to verify) maximises expected committed tokens per second: (1 + sum of the chosen nodes'
 acceptance estimates) / (T_draft + T_verify(nodes + 1)). The estimates are the surrogate calibrated online per depth
-against what the target accepted, so an overconfident drafter earns small trees; the costs are measured on the
-device (dflash/core/costs.py). Pure Python, backend-neutral; the engine turns a Tree into one forward.
+against what the target accepted, so an overconfident drafter earns small trees; the seconds are learnt from the
+engine's own cycles (dflash/core/cycle_times.py). Pure Python, backend-neutral; the engine turns a Tree into one
+forward.
 """
 
 from __future__ import annotations
