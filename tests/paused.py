@@ -39,8 +39,8 @@ def check_paused_cycles(backend, ar, prompt, paused=6):
     backend.set_verify("auto", None, STEEP, copy_branch=False)
     want = generate(ar, prompt, max_new_tokens=32).tokens
     plans, read = [], []  # plan() calls; the pending positions each draft forward reads
-    plan, propose = backend.verification.planner.plan, backend.drafter.propose
-    backend.verification.planner.plan = lambda *a, **k: plans.append(1) or plan(*a, **k)
+    plan, propose = backend.policy.planner.plan, backend.drafter.propose
+    backend.policy.planner.plan = lambda *a, **k: plans.append(1) or plan(*a, **k)
     backend.drafter.propose = lambda ids, p, *a, **k: read.append(p and p.counts[0]) or propose(ids, p, *a, **k)
     anchor = backend.step(backend.prefill([prompt]))[0].tokens[-1]  # a drafted cycle: its features wait
     waiting, plain = backend.pending.counts[0], ar.prefill([prompt])
@@ -48,7 +48,7 @@ def check_paused_cycles(backend, ar, prompt, paused=6):
     backend.target, backend.drafter = Counting(backend.target), Counting(backend.drafter)
     ar.target = Counting(ar.target)
     plans.clear()
-    backend.verification.planner.skip = paused
+    backend.policy.planner.skip = paused
     for _ in range(paused):
         step = backend.step([anchor])[0]
         assert not step.draft_forward

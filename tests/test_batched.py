@@ -16,7 +16,7 @@ from dflash.core.rows import RowLayout
 from dflash.core.errors import DFlashError
 from dflash.core.loop import Batch, Generation, generate, generate_batch
 from dflash.core.sampling import SamplingParams, accepted_length
-from dflash.core.chain_step import chain_step
+from dflash.core.cycle import chain_cycle, tree_cycle
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +314,7 @@ def chain_cycles(target, drafter, prompts, kinds, eager: bool, before=None, afte
         notes.append(before(be, kind) if before else None)
         if kind == "plain" and eager:
             be.absorb_pending()
-        steps = chain_step(be, anchors, length=0 if kind == "plain" else None)
+        steps = chain_cycle(be, anchors, length=0 if kind == "plain" else None)
         out.append([s.drafted for s in steps])
         anchors = [s.tokens[-1] for s in steps]
         if after:
@@ -378,12 +378,12 @@ def test_cycles_of_copied_nodes_alone_leave_features_pending_for_the_next_draft(
         anchors = be.prefill(repeating)
         out, copied = [], 0
         for kind in ["copy", "draft", "copy", "copy", "draft"]:
-            be.verification.planner.skip = 1 if kind == "copy" else 0  # (a pause: no draft forward this cycle)
+            be.policy.planner.skip = 1 if kind == "copy" else 0  # (a pause: no draft forward this cycle)
             if kind == "copy" and eager:
                 be.absorb_pending()
-            steps = be.verification.trees.run(be, anchors)
+            steps = tree_cycle(be, anchors, be.policy.trees)
             if kind == "copy":
-                copied += any(len(t.tokens) > 1 for t in be.verification.trees.last_trees)
+                copied += any(len(t.tokens) > 1 for t in be.policy.trees.last_trees)
                 if eager:
                     be.absorb_pending()
             out.append([s.drafted for s in steps])
@@ -425,7 +425,7 @@ def test_rows_out_of_the_draft_forward_keep_their_batch1_output(pair, mixed_prom
     want = [generate(single(target, drafter), p, max_new_tokens=48).tokens for p in mixed_prompts[:6]]
     be = batched(target, drafter)
     be.set_verify("auto", times=CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3))
-    be.verification.planner.path = lambda: "tree"
+    be.policy.planner.path = lambda: "tree"
     drafted_rows, propose = [], be.drafter.propose
     be.drafter.propose = lambda *a, rows=None, **k: drafted_rows.append(rows) or propose(*a, rows=rows, **k)
     got = generate_batch(be, mixed_prompts[:6], max_new_tokens=48)

@@ -4,7 +4,7 @@ drafter's context can be checked against the committed tokens exactly."""
 
 import pytest
 
-from dflash.core.chain_step import chain_step
+from dflash.core.cycle import chain_cycle
 from dflash.core.engine import Engine
 from dflash.core.errors import DFlashError
 from dflash.core.loop import generate, generate_batch
@@ -153,7 +153,7 @@ def test_a_short_chain_drafts_only_the_positions_it_verifies():
     e.drafter.propose = lambda ids, pending, block_size, *a, **k: blocks.append(block_size) or propose(
         ids, pending, block_size, *a, **k)
     first = e.prefill([[1, 2, 3]])[0]
-    steps = chain_step(e, [first], length=3)
+    steps = chain_cycle(e, [first], length=3)
     assert blocks == [4] and len(steps[0].tokens) == 4 and steps[0].verified == 3
     assert e.rows[0][3:] == reference([1, 2, 3], 4)[:4]
     in_sync(e)

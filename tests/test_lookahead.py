@@ -9,7 +9,7 @@ from paused import ScriptedPauses
 from dflash.core.engine import Engine
 from dflash.core.lookahead import Lookahead
 from dflash.core.loop import Batch, Generation, generate, generate_batch
-from dflash.core.verification import Verification
+from dflash.core.policy import Policy
 
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8]]
 
@@ -133,7 +133,7 @@ def test_a_crop_after_a_step_forgets_the_step_ahead():
 def paused_engine(target):
     """A drafter that is never right, paused as --verify auto pauses it."""
     engine = Engine(target, FakeDrafter(good=0), block_size=4)
-    engine.verification = Verification(chain_budget=ScriptedPauses(4))
+    engine.policy = Policy(chain_budget=ScriptedPauses(4))
     return engine
 
 
@@ -144,7 +144,7 @@ def test_a_pause_runs_ahead_but_its_last_cycle_and_the_drafter_reads_every_commi
     assert "".join(".D"[d] for d in r.draft_forwards).startswith("D.D..D....D........D" + "." * 16 + "D")
     # a paused cycle starts the next unless a probe follows it; a drafted cycle reads once and starts nothing
     starts = engine.target.log.count("start")
-    ended_mid_pause = engine.verification.chain_budget.pauses_next
+    ended_mid_pause = engine.policy.chain_budget.pauses_next
     pauses = sum(1 for a, b in zip(r.draft_forwards, r.draft_forwards[1:] + [not ended_mid_pause]) if not a and b)
     assert starts == r.cycles_without_draft - pauses
     # the features of the steps ahead that were taken reached the drafter: its context + pending is the committed

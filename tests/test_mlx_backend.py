@@ -22,7 +22,7 @@ from dflash.core.cycle_times import CycleTimes  # noqa: E402
 from dflash.core.errors import DFlashError  # noqa: E402
 from dflash.core.loop import generate  # noqa: E402
 from dflash.core.sampling import SamplingParams  # noqa: E402
-from dflash.core.verification import Verification  # noqa: E402
+from dflash.core.policy import Policy  # noqa: E402
 
 N = 48  # new tokens per prompt
 
@@ -112,7 +112,7 @@ def test_a_seeded_request_paused_and_run_ahead_draws_the_plain_engines_tokens(ta
     params = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1, seed=7)
     plain = generate(mlx_engine(*target), few[0], max_new_tokens=100, sampling=params).tokens
     backend = mlx_engine(*target, load_drafter(random_draft_dir), block_size=16)
-    backend.verification = Verification(chain_budget=ScriptedPauses(16))
+    backend.policy = Policy(chain_budget=ScriptedPauses(16))
     backend.target = Counting(backend.target)
     r = generate(backend, few[0], max_new_tokens=100, sampling=params)
     assert r.tokens == plain and r.accept_rule == "match"

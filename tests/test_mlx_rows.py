@@ -119,6 +119,6 @@ def test_rows_out_of_the_draft_forward_keep_their_batch1_output(trained_pair, mi
     monkeypatch.setattr(RowPauses, "drafting", drafting)
     engine = load(trained_pair)
     engine.set_verify("auto", times=CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3))
-    engine.verification.planner.path = lambda: "tree"
+    engine.policy.planner.path = lambda: "tree"
     got = generate_batch(engine, mixed_prompts, max_new_tokens=64)
     assert [g.tokens for g in got] == alone and len(cycles) >= 4

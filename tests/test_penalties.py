@@ -26,8 +26,8 @@ def tree_engine(pair, name):
     verified token costs), drafting the whole block."""
     engine = load(pair, name)
     engine.set_verify("auto", 48, CycleTimes.fixed(plain=1.0, token=0.02, draft=0.05), itl_limit=None)
-    engine.verification.planner.path = lambda: "tree"  # (auto's chain-or-tree choice; its sizes are the point here)
-    engine.verification.planner.blocks = [engine.block_size]
+    engine.policy.planner.path = lambda: "tree"  # (auto's chain-or-tree choice; its sizes are the point here)
+    engine.policy.planner.blocks = [engine.block_size]
     return engine
 
 
@@ -47,7 +47,7 @@ def test_penalised_rows_beside_greedy_rows_in_trees_of_different_widths(trained_
     while batch:
         live = [s.repetition_penalty != 1.0 for s in (g.sampling for g in batch.generations)]
         batch.step()
-        widths = [len(t.tokens) for t in engine.verification.trees.last_trees]
+        widths = [len(t.tokens) for t in engine.policy.trees.last_trees]
         narrower += any(p and w < max(widths) for p, w in zip(live, widths))
     assert [g.result.error for g in gens] == [""] * 4
     assert [g.result.tokens for g in gens] == want

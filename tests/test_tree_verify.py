@@ -44,7 +44,7 @@ class Recorder:
 
         def recording(anchors):
             out = step(anchors)
-            trees = backend.verification.trees
+            trees = backend.policy.trees
             self.trees += list(zip(trees.last_trees, trees.last_paths))
             return out
         backend.step = recording
@@ -56,7 +56,7 @@ def test_greedy_tree_is_lossless(trained, mode, budget):
     backend = torch_engine(model, drafter, block_size=16)
     backend.set_verify(mode, budget, FLAT)
     if mode == "auto":  # its chain-or-tree choice follows wall time (tests/test_tree.py); here the tree rule
-        backend.verification.planner.path = lambda: "tree"
+        backend.policy.planner.path = lambda: "tree"
     rec = Recorder(backend)
     lengths = []
     for p, ref in zip(prompts, baseline):
@@ -127,7 +127,7 @@ def test_static_cache_trees_are_lossless(trained, monkeypatch, mode):
     static = torch_engine(model, drafter, cache_len=512, compile=True)
     static.set_verify(mode, 20, FLAT)
     if mode == "auto":
-        static.verification.planner.path = lambda: "tree"
+        static.policy.planner.path = lambda: "tree"
     assert static.verify_mode == mode
     rec = Recorder(static)
     for p, ref in zip(prompts[:4], baseline):
@@ -226,7 +226,7 @@ def empirical_pairs(engine, params, n, first=1):
         r = generate(engine, PROMPT, max_new_tokens=first + 2, sampling=SamplingParams(**{**params.__dict__,
                                                                                         "seed": i}))
         observed[r.tokens[first - 1], r.tokens[first]] += 1
-        trees = engine.verification.trees
+        trees = engine.policy.trees
         descended += any(non_first_child(t, p) for t, p in zip(trees.last_trees, trees.last_paths))
     return observed, descended
 

@@ -152,8 +152,8 @@ def run(batch: Rows, costs: Roofline, mode: str = "auto", cycles: int = CYCLES, 
 
 
 def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs: Roofline):
-    """TreeCycle.run's control flow on synthetic drafts: (accepted per row, seconds, nodes per row, drafting rows,
-    drafted)."""
+    """dflash.core.cycle.tree_cycle's control flow on synthetic drafts: (accepted per row, seconds, nodes per row,
+    drafting rows, drafted)."""
     rows, anchors = batch.rows, [0] * batch.rows
     drafts = planner.drafts_this_cycle()
     drafting = planner.drafting_rows(rows) if drafts else None

@@ -3,8 +3,8 @@
 dflash.core.loop decides what to commit and when to stop; the engine keeps what the caches hold and moves them: the
 committed tokens of every row (whose K/V is in the target cache), the target features the drafter has not read yet,
 prefix reuse and chunked prefill, and the cycle's arrays (draft -> verify -> commit). A batch of one and a batch of
-N are the same code; a running batch admits a row (its prefill) and retires rows between cycles. Which cycle runs
-(chain_step.py, tree_step.py) is verification.py's choice; cycles drive the engine through its public methods.
+N are the same code; a running batch admits a row (its prefill) and retires rows between cycles. A cycle runs in
+dflash/core/cycle.py as the policy (policy.py) plans it, through the engine's public methods.
 
 One cycle, for block size B and a row with n cached positions; its anchor is the last committed token, not yet fed
 to the target, so it sits at position n:
@@ -24,7 +24,7 @@ from typing import Sequence
 
 from .admission import Admission, join_caches
 from .budget import ITL_LIMIT, MAX_PAUSE
-from .chain_step import chain_step
+from .cycle import chain_cycle, run_cycle
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
 from .cycle_times import CycleTimes
 from .errors import DFlashError
@@ -33,7 +33,7 @@ from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
 from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, finite_logprob, row_draws
 from .tree import TreeInputs
-from .verification import Verification
+from .policy import Policy
 
 # features pending past which a cycle without a draft forward hands them to the drafter's context (the work the next
 # draft would do), which bounds what waits; a pause lasts at most MAX_PAUSE cycles, so its features are read once
@@ -68,7 +68,7 @@ class Engine:
         self.first_logprobs: tuple[list[float], list[list[tuple[int, float]]]] | None = None  # last prefill's
         self.prefix_cache: PrefixCache | None = None  # finished rows' caches, for later prompts (enable_prefix_cache)
         self.last_reused = 0  # prompt tokens the last prefill found in the caches
-        self.verification = Verification()  # how each cycle verifies (set_verify)
+        self.policy = Policy()  # what each cycle runs (set_verify)
         self.lookahead = Lookahead()  # a plain step issued ahead of the host (lazy targets)
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
@@ -106,17 +106,17 @@ class Engine:
 
     def set_verify(self, mode: str = "chain", budget: int | None = None, times: CycleTimes | None = None,
                    copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT) -> None:
-        """chain, tree or auto verification (dflash.core.verification.Verification.choose)."""
-        self.verification = Verification.choose(mode, self.block_size, self.drafter, self.capabilities, budget, times,
-                                                copy_branch, itl_limit)
+        """chain, tree or auto verification (dflash.core.policy.Policy.choose)."""
+        self.policy = Policy.choose(mode, self.block_size, self.drafter, self.capabilities, budget, times,
+                                    copy_branch, itl_limit)
 
     @property
     def verify_mode(self) -> str:
-        return self.verification.mode
+        return self.policy.mode
 
     @property
     def verify_note(self) -> str:
-        return self.verification.note
+        return self.policy.note
 
     def enable_prefix_cache(self, max_bytes: int) -> None:
         """Keep finished rows' caches (at most max_bytes, least recently used out) for prompts that share their
@@ -154,7 +154,7 @@ class Engine:
         """A one-row engine's caches (a kept prefix, or a row admitted alone) become this engine's."""
         self.target, self.drafter, self.rows, self.shared = row.target, row.drafter, row.rows, False
         self.pending = pending
-        self.verification.reset()
+        self.policy.reset()
 
     # ---- prefill ---------------------------------------------------------------------------------------------------
     @lands
@@ -256,7 +256,7 @@ class Engine:
     def prefill_chunks(self, prompt_ids: list[int], sampling: RowSampling, chunk: int):
         """Prefill `prompt_ids` as this engine's one row, sampling with `sampling`, `chunk` tokens at a time: yields
         None after every chunk but the last, then the first token."""
-        self.verification.reset()
+        self.policy.reset()
         self.crop(common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
         if not self.rows:  # (a fresh engine, or the crop had to start over)
             self.rows = [[]]
@@ -285,14 +285,14 @@ class Engine:
         i's anchor is its last committed token. A lazy target's plain steps run one ahead (dflash/core/lookahead.py)."""
         if self.drafter is None and self.lookahead.runs(self):
             return self.lookahead.step(self, anchors)
-        return self.verification.step(self, anchors)
+        return run_cycle(self, anchors, self.policy)
 
     def plain_step(self, anchors: Sequence[int], again: bool = False) -> list[Step]:
         """A cycle without a draft forward: each row's target token after its anchor. `again`: the next cycle pauses
         too, so a lazy target runs it ahead (dflash/core/lookahead.py); the features wait for the next draft."""
         if self.lookahead.runs(self):
             return self.lookahead.step(self, anchors, again)
-        return chain_step(self, anchors, length=0)
+        return chain_cycle(self, anchors, length=0)
 
     @lands
     def verify_tree(self, ids, tree: TreeInputs):
@@ -375,7 +375,7 @@ class Engine:
         if not keep:
             self.reset()
             return
-        self.verification.retire(keep, len(self.rows))
+        self.policy.retire(keep, len(self.rows))
         self.target.select(keep)
         if self.drafter is not None:
             self.drafter.select(keep)
@@ -416,12 +416,12 @@ class Engine:
         if self.drafter is not None:
             self.drafter.reset()
         self.rows, self.pending, self.shared, self.row_sampling = [], None, False, []
-        self.verification.reset()
+        self.policy.reset()
 
     def close(self) -> None:
         self.target.close()
 
-    # ---- what a cycle draws and reads (the tree cycle's too: dflash/core/tree_step.py) ---------------------------
+    # ---- what a cycle draws and reads (dflash/core/cycle.py) ---------------------------------------------------
     def row_draws(self, width: int, offset: int = 1, noise: int | None = None) -> list[RowDraw] | None:
         """Each row's draws for the positions n + offset .. n + offset + width - 1 (dflash.core.sampling.row_draws);
         None when every row is greedy."""

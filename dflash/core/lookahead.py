@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Concatenate, ParamSpec, Protocol, Sequence, TypeVar
 
-from .chain_step import CycleEngine
+from .cycle import CycleEngine
 from .contract import Array, Pipelining, Step, Verified
 
 

@@ -1,40 +1,40 @@
-"""How the engine verifies its cycles (--verify chain / tree / auto): the choice Engine.set_verify makes once, and
-each cycle's chain, shorter chain, plain step or tree under it.
+"""What each cycle runs (--verify chain / tree / auto), chosen per cycle and learnt from each cycle's outcome; the
+policy plans, dflash/core/cycle.py runs the plan, and neither reaches into the other.
 
-chain verifies the B-1 proposals. tree verifies a tree of a fixed node count every cycle (dflash/core/tree_step.py).
-auto chooses, each cycle, what maximises committed tokens per second at the seconds its own cycles took: a tree of
-some size, the chain, or a plain step; rows that verify by rejection (chains only) get a chain length instead
-(dflash/core/budget.py)."""
+chain verifies the B-1 proposals every cycle. tree verifies a tree of a fixed node count every cycle. auto chooses,
+every cycle, what maximises committed tokens per second at the seconds its own cycles took
+(dflash/core/cycle_times.py): trees of some size (dflash/core/budget.py), the chain, or a plain step; rows that
+verify by rejection (chains only) get a chain length instead (dflash/core/chain_budget.py). docs/verification.md
+says the whole policy."""
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 from .budget import AUTO_BUDGET, ITL_LIMIT, VERIFY_MODES, TreePlanner
 from .chain_budget import ChainBudget
-from .chain_step import CycleEngine, chain_step
 from .contract import Capabilities, Drafter, Step
+from .cycle import CyclePlan, TreeState
 from .cycle_times import CycleTimes
 from .errors import DFlashError, SettingError
-from .tree_step import TreeCycle
+from .sampling import RowSampling
 
 
-class Verification:
+class Policy:
     """The verify mode of one engine: `mode` as it runs (a refused tree runs as chain, `note` says why), the tree
-    planner and its cycles (tree, auto), the chain budget (auto, for chains)."""
+    planner and its cycles' state (tree, auto), the chain budget (auto, for chains)."""
 
     def __init__(self, mode: str = "chain", note: str = "", planner: TreePlanner | None = None,
                  chain_budget: ChainBudget | None = None):
         self.mode, self.note = mode, note
         self.planner = planner
-        self.trees = TreeCycle(planner) if planner is not None else None
+        self.trees = TreeState(planner) if planner is not None else None
         self.chain_budget = chain_budget
 
     @classmethod
     def choose(cls, mode: str, block_size: int, drafter: Drafter | None, capabilities: Capabilities,
                budget: int | None = None, times: CycleTimes | None = None, copy_branch: bool = True,
-               itl_limit: float | None = ITL_LIMIT) -> Verification:
+               itl_limit: float | None = ITL_LIMIT) -> Policy:
         """chain: verify the B-1 proposals. tree: a tree of `budget` nodes every cycle. auto: each cycle, the node
         count that maximises committed tokens per second at the seconds its cycles take (chain when that is best),
         in cycles that take at most `itl_limit` plain steps per token any row expects (None: no limit). `times`:
@@ -63,28 +63,33 @@ class Verification:
                               itl_limit)
         return cls(mode, "", planner, ChainBudget(block_size, times))
 
-    def step(self, engine: CycleEngine, anchors: Sequence[int]) -> list[Step]:
-        """One cycle for every row of `engine`; row i's anchor is its last committed token."""
-        context = max(map(len, engine.rows), default=0)  # what every verify token attends to (rows pad to the longest)
+    def plan(self, rows: Sequence[RowSampling], context: int) -> CyclePlan:
+        """This cycle's plan for rows sampling with `rows`, whose longest holds `context` positions (what every verify
+        token attends to: rows pad to the longest)."""
         for budget in (self.planner, self.chain_budget):
             if budget is not None:
                 budget.context = context
-        if self.chain_budget is not None and (self.planner is None or any(not r.greedy for r in engine.row_sampling)):
+        if self.chain_budget is not None and (self.planner is None or any(not r.greedy for r in rows)):
             # chains only (sampled rows, a DFlash2 drafter, a target without trees): auto chooses their length, or a
             # plain step
-            start = time.perf_counter()
-            length = self.chain_budget.length(rows=len(engine.rows))
-            steps = chain_step(engine, anchors, length=length) if length else \
-                engine.plain_step(anchors, again=self.chain_budget.pauses_next)
-            self.chain_budget.observe(length, [s.accepted for s in steps], time.perf_counter() - start)
-            return steps
-        if self.planner is not None and self.trees is not None:
-            start = time.perf_counter()
-            path = self.planner.path() if not any(r.chains_only for r in engine.row_sampling) else "chain"
-            steps = self.trees.run(engine, list(anchors)) if path == "tree" else chain_step(engine, anchors)
-            self.planner.observe_speed(path, [s.accepted for s in steps], time.perf_counter() - start)
-            return steps
-        return chain_step(engine, anchors)
+            length = self.chain_budget.length(rows=len(rows))
+            if not length:
+                return CyclePlan("plain", again=self.chain_budget.pauses_next, source="chains")
+            return CyclePlan("chain", length, source="chains")
+        if self.planner is not None:
+            path = self.planner.path() if not any(r.chains_only for r in rows) else "chain"
+            return CyclePlan(path, source="trees")
+        return CyclePlan("chain")
+
+    def observe(self, plan: CyclePlan, steps: list[Step], seconds: float) -> None:
+        """The cycle `plan` chose committed `steps` in `seconds`."""
+        accepted = [s.accepted for s in steps]
+        if plan.source == "chains":
+            assert self.chain_budget is not None  # (its plans come from it)
+            self.chain_budget.observe(plan.length or 0, accepted, seconds)
+        elif plan.source == "trees":
+            assert self.planner is not None  # (its plans come from it)
+            self.planner.observe_speed(plan.kind, accepted, seconds)
 
     def retire(self, keep: list[int], rows: int) -> None:
         """Of the engine's `rows` rows only `keep` stay, in that order."""
