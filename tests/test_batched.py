@@ -10,7 +10,7 @@ from dflash.backends.torch.drafter import load_drafter
 from dflash.backends.torch.target import load_target
 from dflash.core import engine as engine_module
 from dflash.core import rows
-from dflash.core.budget import RowPauses
+from dflash.core import budget
 from dflash.core.cycle_times import CycleTimes
 from dflash.core.rows import RowLayout
 from dflash.core.errors import DFlashError
@@ -417,15 +417,15 @@ def test_rows_out_of_the_draft_forward_keep_their_batch1_output(pair, mixed_prom
     target, drafter = pair
     cycles = []
 
-    def drafting(self, rows):
-        cycles.append(rows)
-        return [r for r in range(rows) if (r + len(cycles)) % 3]
+    def drafting(pauses):
+        cycles.append(len(pauses))
+        return [r for r in range(len(pauses)) if (r + len(cycles)) % 3]
 
-    monkeypatch.setattr(RowPauses, "drafting", drafting)
+    monkeypatch.setattr(budget, "drafting", drafting)
     want = [generate(single(target, drafter), p, max_new_tokens=48).tokens for p in mixed_prompts[:6]]
     be = batched(target, drafter)
     be.set_verify("auto", times=CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3))
-    be.policy.planner.path = lambda: "tree"
+    be.policy.planner.path = lambda *_: "tree"
     drafted_rows, propose = [], be.drafter.propose
     be.drafter.propose = lambda *a, rows=None, **k: drafted_rows.append(rows) or propose(*a, rows=rows, **k)
     got = generate_batch(be, mixed_prompts[:6], max_new_tokens=48)

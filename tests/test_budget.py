@@ -1,7 +1,7 @@
 """dflash/core/budget.py: the tree planner of --verify auto under a latency limit and with draft blocks shorter than the
 drafter's (the plan's node counts are tests/test_tree.py's; the chain-or-tree path tests/test_path_choice.py's)."""
 
-from dflash.core.budget import MAX_PAUSE, TreePlanner
+from dflash.core.budget import MAX_PAUSE, RowPause, TreePlanner
 from dflash.core.cycle_times import CycleTimes
 from cycle_devices import HEAVY, cpu
 
@@ -75,23 +75,23 @@ def test_one_row_that_accepts_its_short_blocks_last_drafted_node_drafts_the_next
 
 
 def test_a_row_given_no_drafted_node_leaves_the_draft_forward_for_longer_each_time():
-    from dflash.core.budget import RowPauses
+    from dflash.core.budget import RowPause, drafting
 
-    pauses = RowPauses()
-    assert pauses.drafting(3) == [0, 1, 2]
+    pauses = [RowPause() for _ in range(3)]
+    assert drafting(pauses) == [0, 1, 2]
     seen = []
     for _ in range(12):  # row 1's plans never give it a drafted node; rows 0 and 2 always get one
-        drafting = pauses.drafting(3)
-        seen.append(1 in drafting)
-        for r in drafting:
-            pauses.observe(r, drafted_nodes=r != 1)
+        rows = drafting(pauses)
+        seen.append(1 in rows)
+        for r in rows:
+            pauses[r].observe(drafted_nodes=r != 1)
     # pauses of 1, 2, 4 drafted cycles, each ended by a probe
     assert seen == [True, False, True, False, False, True, False, False, False, False, True, False]
-    pauses.observe(1, drafted_nodes=True)  # a probe that pays ends the pause
-    assert pauses.backoff[1] == 0
-    pauses.observe(2, drafted_nodes=False)
-    pauses.retire([2, 0])  # row 1 leaves, the others move up: each keeps its own pause
-    assert pauses.skip == [1, 0] and pauses.drafting(3) == [1, 2]  # (a row that joins starts unpaused)
+    pauses[1].observe(drafted_nodes=True)  # a probe that pays ends the pause
+    assert pauses[1].backoff == 0
+    pauses[2].observe(drafted_nodes=False)
+    pauses = [pauses[2], pauses[0], RowPause()]  # row 1 leaves, the others move up, a row joins: each its own pause
+    assert [p.skip for p in pauses] == [1, 0, 0] and drafting(pauses) == [1, 2]
 
 
 def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
@@ -100,17 +100,17 @@ def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
     path, which drafts every row, is not taken."""
     confident, weak = ([[5, 6]] * 15, [[0.9, 0.05]] * 15), ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
     planner = TreePlanner("auto", 16, 64, CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3), itl_limit=None)
-    assert planner.drafting_rows(1) is None  # (one row: the batch's own pause)
-    planner.row_pauses.skip = [0, 0, 3, 3]
-    assert planner.drafting_rows(4) == [0, 1]
-    plan = planner.plan([1, 2, 3, 4], [confident[0]] * 2, [confident[1]] * 2, drafting=[0, 1])
+    assert planner.drafting_rows([RowPause()]) is None  # (one row: the batch's own pause)
+    pauses = [RowPause(skip=s) for s in (0, 0, 3, 3)]
+    assert planner.drafting_rows(pauses) == [0, 1]
+    plan = planner.plan([1, 2, 3, 4], [confident[0]] * 2, [confident[1]] * 2, drafting=[0, 1], pauses=pauses)
     assert plan.draft_rows == 2 and [len(t.tokens) > 1 for t in plan.trees] == [True, True, False, False]
-    assert planner.path() == "tree"
+    assert planner.path(pauses) == "tree"
 
     def drafted_rate(drafting):
         planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
         ids, probs = zip(*([confident] * 2 + [weak] * (14 if drafting is None else 0)))
-        planner.plan([0] * 16, list(ids), list(probs), drafting=drafting)
+        planner.plan([0] * 16, list(ids), list(probs), drafting=drafting, pauses=[RowPause() for _ in range(16)])
         return planner.rates[0]
 
     assert drafted_rate([0, 1]) > 1.25 * drafted_rate(None)  # (12.3 against 9.2 tokens per unit of time)
@@ -119,10 +119,11 @@ def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
 def test_a_plan_that_gives_no_row_a_drafted_node_pauses_the_batch_not_every_row():
     weak = ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
     planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
-    assert planner.drafting_rows(4) == [0, 1, 2, 3]
-    plan = planner.plan([0] * 4, [weak[0]] * 4, [weak[1]] * 4, drafting=[0, 1, 2, 3])
+    pauses = [RowPause() for _ in range(4)]
+    assert planner.drafting_rows(pauses) == [0, 1, 2, 3]
+    plan = planner.plan([0] * 4, [weak[0]] * 4, [weak[1]] * 4, drafting=[0, 1, 2, 3], pauses=pauses)
     assert all(len(t.tokens) == 1 for t in plan.trees) and planner.skip > 0
-    assert planner.row_pauses.skip == [0, 0, 0, 0]  # (else a row would sit out the probe that ends the pause)
+    assert [p.skip for p in pauses] == [0, 0, 0, 0]  # (else a row would sit out the probe that ends the pause)
 
 
 def test_a_new_request_probes_at_once_and_keeps_the_pauses_length():

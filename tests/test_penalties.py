@@ -26,7 +26,7 @@ def tree_engine(pair, name):
     verified token costs), drafting the whole block."""
     engine = load(pair, name)
     engine.set_verify("auto", 48, CycleTimes.fixed(plain=1.0, token=0.02, draft=0.05), itl_limit=None)
-    engine.policy.planner.path = lambda: "tree"  # (auto's chain-or-tree choice; its sizes are the point here)
+    engine.policy.planner.path = lambda *_: "tree"  # (auto's chain-or-tree choice; its sizes are the point here)
     engine.policy.planner.blocks = [engine.block_size]
     return engine
 

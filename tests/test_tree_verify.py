@@ -56,7 +56,7 @@ def test_greedy_tree_is_lossless(trained, mode, budget):
     backend = torch_engine(model, drafter, block_size=16)
     backend.set_verify(mode, budget, FLAT)
     if mode == "auto":  # its chain-or-tree choice follows wall time (tests/test_tree.py); here the tree rule
-        backend.policy.planner.path = lambda: "tree"
+        backend.policy.planner.path = lambda *_: "tree"
     rec = Recorder(backend)
     lengths = []
     for p, ref in zip(prompts, baseline):
@@ -127,7 +127,7 @@ def test_static_cache_trees_are_lossless(trained, monkeypatch, mode):
     static = torch_engine(model, drafter, cache_len=512, compile=True)
     static.set_verify(mode, 20, FLAT)
     if mode == "auto":
-        static.policy.planner.path = lambda: "tree"
+        static.policy.planner.path = lambda *_: "tree"
     assert static.verify_mode == mode
     rec = Recorder(static)
     for p, ref in zip(prompts[:4], baseline):

@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass, replace
 
 from .. import cli
-from ..core.budget import AUTO_BUDGET, TreePlanner
+from ..core.budget import AUTO_BUDGET, RowPause, TreePlanner
 from ..core.cycle_times import CycleTimes
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -121,19 +121,20 @@ def run(batch: Rows, costs: Roofline, mode: str = "auto", cycles: int = CYCLES, 
     the cycle times settle)."""
     planner = TreePlanner("auto", block_size, AUTO_BUDGET, CycleTimes(block_size), copy_branch=False)
     target, rows = Target(seed), batch.rows
+    pauses = [RowPause() for _ in range(rows)]  # (each row's own pause from the draft forward)
     tokens = [0] * rows
     seconds = nodes = drafted = draft_rows = 0.0
     chain_cycles = 0
     for cycle in range(cycles):
         truth = [target.tokens(batch.top1(r), block_size - 1) for r in range(rows)]
-        path = "chain" if mode == "chain" else planner.path()
+        path = "chain" if mode == "chain" else planner.path(pauses)
         if path == "chain":
             accepted = [next((d for d, t in enumerate(row) if t != 0), block_size - 1) for row in truth]
             took = costs.cycle(block_size, rows, True)
             planner.observe_speed("chain", accepted, took)
             verified, drafting_rows, was_drafted = block_size - 1, rows, True
         else:
-            accepted, took, verified, drafting_rows, was_drafted = _tree_cycle(planner, batch, truth, costs)
+            accepted, took, verified, drafting_rows, was_drafted = _tree_cycle(planner, batch, truth, costs, pauses)
             planner.observe_speed("tree", accepted, took)
         if cycle >= cycles // 2:
             tokens = [t + a + 1 for t, a in zip(tokens, accepted)]
@@ -151,12 +152,13 @@ def run(batch: Rows, costs: Roofline, mode: str = "auto", cycles: int = CYCLES, 
             "chain_path": chain_cycles / counted, "block": planner.draft_block}
 
 
-def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs: Roofline):
+def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs: Roofline,
+                pauses: list[RowPause]):
     """dflash.core.cycle.tree_cycle's control flow on synthetic drafts: (accepted per row, seconds, nodes per row,
     drafting rows, drafted)."""
     rows, anchors = batch.rows, [0] * batch.rows
     drafts = planner.drafts_this_cycle()
-    drafting = planner.drafting_rows(rows) if drafts else None
+    drafting = planner.drafting_rows(pauses) if drafts else None
     if drafting == []:
         drafts = False
     if not drafts:  # a pause (nothing is copied here): the plain step
@@ -165,7 +167,7 @@ def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs
         return [0] * rows, took, 0, 0, False
     chosen = drafting if drafting is not None else list(range(rows))
     drafts_of = [synthetic_draft(batch.top1(r), planner.draft_block - 1) for r in chosen]
-    plan = planner.plan(anchors, [d[0] for d in drafts_of], [d[1] for d in drafts_of], (), drafting)
+    plan = planner.plan(anchors, [d[0] for d in drafts_of], [d[1] for d in drafts_of], (), drafting, pauses)
     width = max(len(t.tokens) for t in plan.trees)
     took = costs.cycle(width, rows, True, plan.block, plan.draft_rows)
     # the target's token after node i is the one drawn at the next depth (independent of the path: synthetic)

@@ -10,7 +10,7 @@ drafting for a while (1, 2, 4 .. 64 cycles, then a drafted cycle probes again), 
 costs little more than not drafting; the copied branch still runs in those cycles, since it costs no draft forward. For
 a batch the rule is the same over all rows at once: seconds of r rows of n tokens each, one global budget across rows (a row whose drafts are rarely accepted gets no nodes),
 and a pause skips the whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. A row
-that a drafted cycle's plan gives no drafted node pauses on its own (RowPauses): it leaves the draft forward, which
+that a drafted cycle's plan gives no drafted node pauses on its own (RowPause): it leaves the draft forward, which
 then drafts the other rows only, until it probes again. The
 draft forward itself fills 2, 4, 8 or all B positions: the drafter's work grows with them, and where deep nodes do not
 pay (a CPU at high load) the block whose best plan is fastest, its own draft forward counted, is drafted. Rows that verify by rejection (chains
@@ -91,42 +91,31 @@ class Plan:
     draft_rows: int | None = None  # rows the draft forward ran for, when not all
 
 
-class RowPauses:
-    """auto, batches: each row's own pause from the draft forward. A drafted cycle whose plan gives a row no drafted
-    node while it gives another row one pauses that row for 1, 2, 4 .. MAX_PAUSE drafted cycles (its next draft is a
-    probe), and one that gives it a node ends its pause; a paused row's cycle still verifies its copied branch. (A plan
-    that gives no row a drafted node is the batch's pause, TreePlanner.skip, not every row's.)"""
+@dataclass
+class RowPause:
+    """auto, batches: one row's own pause from the draft forward (its Row holds it: dflash/core/row.py). A drafted
+    cycle whose plan gives the row no drafted node while it gives another row one pauses it for 1, 2, 4 ..
+    MAX_PAUSE drafted cycles (its next draft is a probe), and one that gives it a node ends its pause; a paused row's
+    cycle still verifies its copied branch. (A plan that gives no row a drafted node is the batch's pause,
+    TreePlanner.skip, not every row's.)"""
 
-    def __init__(self):
-        self.skip: list[int] = []  # per row: drafted cycles left without it
-        self.backoff: list[int] = []  # per row: its next pause's length
+    skip: int = 0  # drafted cycles left without it
+    backoff: int = 0  # its next pause's length
 
-    def drafting(self, rows: int) -> list[int]:
-        """The rows this drafted cycle drafts for (a paused row's wait counts down)."""
-        self._fit(rows)
-        out = [r for r in range(rows) if self.skip[r] == 0]
-        self.skip = [max(n - 1, 0) for n in self.skip]
-        return out
-
-    def _fit(self, rows: int) -> None:
-        self.skip += [0] * (rows - len(self.skip))  # (rows that joined since: unpaused)
-        self.backoff += [0] * (rows - len(self.backoff))
-
-    def observe(self, row: int, drafted_nodes: bool) -> None:
-        self._fit(row + 1)
+    def observe(self, drafted_nodes: bool) -> None:
         if drafted_nodes:
-            self.backoff[row] = 0
+            self.backoff = 0
         else:
-            self.backoff[row] = min(max(1, 2 * self.backoff[row]), MAX_PAUSE)
-            self.skip[row] = self.backoff[row]
+            self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
+            self.skip = self.backoff
 
-    def retire(self, keep: list[int]) -> None:
-        """Of the rows only `keep` stay, in that order (rows unknown here yet start unpaused)."""
-        self.skip = [self.skip[i] if i < len(self.skip) else 0 for i in keep]
-        self.backoff = [self.backoff[i] if i < len(self.backoff) else 0 for i in keep]
 
-    def reset(self) -> None:
-        self.skip, self.backoff = [], []
+def drafting(pauses: Sequence[RowPause]) -> list[int]:
+    """The rows this drafted cycle drafts for (a paused row's wait counts down)."""
+    out = [r for r, pause in enumerate(pauses) if pause.skip == 0]
+    for pause in pauses:
+        pause.skip = max(pause.skip - 1, 0)
+    return out
 
 
 class TreePlanner:
@@ -154,16 +143,15 @@ class TreePlanner:
         self.block_rates: dict[int, float] = {}  # auto: smoothed predicted tokens/s of each block's best plan
         # drafted cycles before a block is tried again from the one below, and that wait's next length
         self.deepen_wait, self.deepen_after = {b: 0 for b in self.blocks}, {b: 1 for b in self.blocks}
-        self.row_pauses = RowPauses()  # auto: rows out of the draft forward
         self.draft_rows: int | None = None  # auto: rows of this cycle's draft forward, when not all
         self.planned_width = block_size  # auto: verify tokens per row of the last drafted plan's trees
 
-    def path(self) -> str:
-        """auto: "chain" or "tree" for this cycle (tree: always). While cycles without a draft forward win (a pause,
-        and its probes), and while a shorter draft block wins, the tree path runs: only it can pause or draft fewer
-        positions, and only its plans tell when drafting pays again."""
+    def path(self, pauses: Sequence[RowPause] = ()) -> str:
+        """auto: "chain" or "tree" for this cycle (tree: always), the rows' own pauses in `pauses`. While cycles
+        without a draft forward win (a pause, and its probes), and while a shorter draft block wins, the tree path
+        runs: only it can pause or draft fewer positions, and only its plans tell when drafting pays again."""
         if self.mode != "auto" or self.skip > 0 or self.backoff > 0 or not self.chain_within or any(
-                self.row_pauses.skip):
+                p.skip for p in pauses):
             return "tree"  # (the chain drafts every row)
         if self.draft_block < self.block_size:
             return "tree"  # (the chain drafts the whole block)
@@ -192,16 +180,12 @@ class TreePlanner:
             return False
         return True
 
-    def drafting_rows(self, rows: int) -> list[int] | None:
-        """auto: the rows a drafted cycle of `rows` rows drafts for ([]: none, a plain cycle); None: every row, with
-        no row pausing on its own (tree mode, one row). Plan with it."""
-        if self.mode != "auto" or rows == 1:
+    def drafting_rows(self, pauses: Sequence[RowPause]) -> list[int] | None:
+        """auto: the rows (each row's pause in `pauses`) a drafted cycle drafts for ([]: none, a plain cycle); None:
+        every row, with no row pausing on its own (tree mode, one row). Plan with it."""
+        if self.mode != "auto" or len(pauses) == 1:
             return None
-        return self.row_pauses.drafting(rows)
-
-    def retire(self, keep: list[int]) -> None:
-        """Of the engine's rows only `keep` stay, in that order."""
-        self.row_pauses.retire(keep)
+        return drafting(pauses)
 
     def reset(self) -> None:
         """A new request (or batch): its first cycle drafts, and its drafts are judged on their own text. A pause
@@ -209,12 +193,12 @@ class TreePlanner:
         the next one's first 64 cycles, and its smoothed rates outvoting every later probe); the pause's length is
         kept, so a probe that loses again pauses as long as before."""
         self.skip, self.rates = 0, None
-        self.row_pauses.reset()
 
     def plan(self, anchors: Sequence[int], top_ids=None, top_probs=None,
-             copies: Sequence[Sequence[int]] = (), drafting: Sequence[int] | None = None) -> Plan:
+             copies: Sequence[Sequence[int]] = (), drafting: Sequence[int] | None = None,
+             pauses: Sequence[RowPause] = ()) -> Plan:
         """Trees for this cycle. top_ids / top_probs (rows, B-1, k) host lists when the cycle drafted, else None;
-        `drafting`: drafting_rows' answer, the rows they are of (their pauses learn from the plan)."""
+        `drafting`: drafting_rows' answer, the rows they are of, whose pauses (in `pauses`) learn from the plan."""
         self._age()
         rows = len(anchors)
         copies = list(copies) if self.copy_branch and copies else [[] for _ in range(rows)]
@@ -246,7 +230,7 @@ class TreePlanner:
                 given = {r: any(not c.copied for c in candidates[r][:counts[r]]) for r in drafting or ()}
                 if any(given.values()):  # (no row given one: the whole batch's pause)
                     for r, drafted_nodes in given.items():
-                        self.row_pauses.observe(r, drafted_nodes)
+                        pauses[r].observe(drafted_nodes)
                 # what this cycle's trees and the chain are each expected to commit, and the seconds of each cycle
                 self.planned_width = 1 + max(counts)
                 times = self.auto_times

@@ -20,8 +20,9 @@ from typing import Protocol, Sequence
 
 from .budget import TreePlanner
 from .contract import Draft, Drafter, Step, Target, Verified
+from .row import Row
 from .sampling import RowDraw, RowSampling, accepted_length, uniform_rows
-from .tree import CopyIndex, Tree, TreeInputs
+from .tree import Tree, TreeInputs
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class CyclePolicy(Protocol):
 
     @property
     def trees(self) -> TreeState | None: ...
-    def plan(self, rows: Sequence[RowSampling], context: int) -> CyclePlan: ...
+    def plan(self, batch: Sequence[Row], context: int) -> CyclePlan: ...
     def observe(self, plan: CyclePlan, steps: list[Step], seconds: float) -> None: ...
 
 
@@ -50,6 +51,8 @@ class CycleEngine(Protocol):
     """What a cycle needs of its engine (dflash.core.engine.Engine): its rows and models, the primitives draft /
     verify / commit, the draws and the sampler."""
 
+    @property
+    def batch(self) -> list[Row]: ...
     @property
     def rows(self) -> list[list[int]]: ...
     @property
@@ -77,7 +80,7 @@ class CycleEngine(Protocol):
 def run_cycle(engine: CycleEngine, anchors: Sequence[int], policy: CyclePolicy) -> list[Step]:
     """One cycle for every row of `engine`; row i's anchor is its last committed token."""
     start = time.perf_counter()
-    plan = policy.plan(engine.row_sampling, context=max(map(len, engine.rows), default=0))
+    plan = policy.plan(engine.batch, context=max(map(len, engine.rows), default=0))
     if plan.kind == "tree":
         assert policy.trees is not None  # (a policy plans trees only with a tree planner)
         steps = tree_cycle(engine, list(anchors), policy.trees)
@@ -116,34 +119,17 @@ def chain_cycle(engine: CycleEngine, anchors: Sequence[int], top_k: int = 0, len
 
 
 class TreeState:
-    """What only tree cycles keep between cycles: each row's prompt lookup for the copied branch, and the last
-    cycle's trees and accepted paths (introspection: tests, traces); sized by `planner`."""
+    """Tree cycles sized by `planner`, and the last cycle's trees and accepted paths (introspection: tests, traces).
+    What they keep per row (prompt lookup, pauses) is the row's (dflash/core/row.py)."""
 
     def __init__(self, planner: TreePlanner):
         self.planner = planner
-        self.copies: list[CopyIndex] = []  # per row (rebuilt when rows join)
         self.last_trees: list[Tree] = []
         self.last_paths: list[list[int]] = []
 
-    def retire(self, keep: list[int], rows: int) -> None:
-        """Of the engine's `rows` rows only `keep` stay, in that order."""
-        self.copies = [self.copies[i] for i in keep] if len(self.copies) == rows else []
-        self.planner.retire(keep)
-
     def reset(self) -> None:
         """The engine's rows start over."""
-        self.copies = []
         self.planner.reset()
-
-    def copied(self, rows: list[list[int]], anchors: list[int], block_size: int) -> list[list[int]]:
-        """Each row's branch copied from its context (prompt lookup), brought up to its anchor."""
-        if len(self.copies) != len(rows):
-            self.copies = [CopyIndex() for _ in rows]
-        out = []
-        for index, row, anchor in zip(self.copies, rows, anchors):
-            index.update(row + [anchor])
-            out.append(index.continuation(block_size - 1))
-        return out
 
 
 def tree_cycle(engine: CycleEngine, anchors: list[int], state: TreeState) -> list[Step]:
@@ -151,7 +137,9 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], state: TreeState) -> lis
     forward under positions + ancestor mask, walk it, commit the accepted path's K/V and target features."""
     planner, target, b = state.planner, engine.target, engine.block_size
     start = time.perf_counter()
-    copies = state.copied(engine.rows, anchors, b) if planner.copy_branch else []
+    batch = engine.batch
+    copies = [row.copied(anchor, b - 1) for row, anchor in zip(batch, anchors)] if planner.copy_branch else []
+    pauses = [row.pause for row in batch]
     drafts = planner.drafts_this_cycle()
     if not drafts and not any(copies):  # a pause with nothing to copy: the plain step, and nothing to plan
         # (a lazy target runs the next step ahead, even before a probe: a probe that plans no node takes it)
@@ -161,7 +149,7 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], state: TreeState) -> lis
         return steps
     draws = engine.row_draws(b)
     # greedy rows of a drafter that drafts some rows: the rows a drafted plan gave no drafted node sit out
-    drafting = planner.drafting_rows(len(anchors)) if drafts and draws is None and engine.drafts_some_rows else None
+    drafting = planner.drafting_rows(pauses) if drafts and draws is None and engine.drafts_some_rows else None
     if drafting == []:
         drafts = False
     if drafts:
@@ -169,7 +157,7 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], state: TreeState) -> lis
         some = drafting if drafting is not None and len(drafting) < len(anchors) else None
         draft = engine.draft(anchors, planner.top_k, draws, block=planner.draft_block, rows=some)
         plan = planner.plan(anchors, target.to_host(draft.top_ids), target.to_host(draft.top_probs), copies,
-                            drafting)
+                            drafting, pauses)
     else:
         plan = planner.plan(anchors, copies=copies)
     if all(len(t.tokens) == 1 for t in plan.trees):  # no node (drafted or copied) worth its verify cost: plain

@@ -31,6 +31,7 @@ from .errors import DFlashError
 from .lookahead import Lookahead, lands
 from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
+from .row import Row
 from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, finite_logprob, row_draws
 from .tree import TreeInputs
 from .policy import Policy
@@ -59,11 +60,10 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_context = target.max_context
         self.info = target.info
-        self.rows: list[list[int]] = []  # per row: ids whose K/V is in the target cache
+        self.batch: list[Row] = []  # per row, in the caches' row order: everything the core keeps of it (row.py)
         self.shared = False  # rows share the caches (a batch was admitted): no prefix reuse until reset
         self.queue = PendingFeatures()  # target features the drafter has not read yet (see `pending`)
         self.sampling = SamplingParams()  # the settings of rows admitted without their own
-        self.row_sampling: list[RowSampling] = []  # per row: its settings, acceptance rule and noise seed
         self.logprobs: int | None = None  # None: off; k >= 0: every sample also returns log-probs (top k)
         self.first_logprobs: tuple[list[float], list[list[tuple[int, float]]]] | None = None  # last prefill's
         self.prefix_cache: PrefixCache | None = None  # finished rows' caches, for later prompts (enable_prefix_cache)
@@ -73,9 +73,19 @@ class Engine:
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
     @property
+    def rows(self) -> list[list[int]]:
+        """Per row: the ids whose K/V is in the target cache."""
+        return [row.tokens for row in self.batch]
+
+    @property
+    def row_sampling(self) -> list[RowSampling]:
+        """Per row: its settings, acceptance rule and noise seed."""
+        return [row.sampling for row in self.batch]
+
+    @property
     def tokens(self) -> list[int]:
         """Row 0's cached ids (the single-sequence view)."""
-        return self.rows[0] if self.rows else []
+        return self.batch[0].tokens if self.batch else []
 
     @property
     def cached_tokens(self) -> list[int]:
@@ -136,7 +146,7 @@ class Engine:
         if self.prefix_cache is not None:
             row = Engine(self.target.extract(i), self.drafter.extract(i) if self.drafter else None,
                          block_size=self.block_size, prefill_chunk=self.prefill_chunk)
-            row.rows = [list(self.rows[i])]
+            row.batch = [Row(list(self.batch[i].tokens), self.batch[i].sampling)]
             keep_row(self.prefix_cache, row)
 
     def _adopt_prefix(self, prompt_ids: list[int]) -> None:
@@ -144,7 +154,7 @@ class Engine:
         if self.prefix_cache is None:
             return
         own = common_prefix(self.tokens, prompt_ids[:-1])
-        if self.rows and len(self.tokens) - own >= self.prefix_cache.min_tokens:
+        if self.batch and len(self.tokens) - own >= self.prefix_cache.min_tokens:
             self.keep_prefix(0)
         row = self.prefix_cache.take(prompt_ids, at_least=own)
         if row is not None:
@@ -152,7 +162,7 @@ class Engine:
 
     def _take_caches(self, row: Engine, pending: Pending | None) -> None:
         """A one-row engine's caches (a kept prefix, or a row admitted alone) become this engine's."""
-        self.target, self.drafter, self.rows, self.shared = row.target, row.drafter, row.rows, False
+        self.target, self.drafter, self.batch, self.shared = row.target, row.drafter, row.batch, False
         self.pending = pending
         self.policy.reset()
 
@@ -208,18 +218,16 @@ class Engine:
         self.first_logprobs, self.last_reused = row.first_logprobs, row.last_reused
         if row is self:  # (begin_prefill's: prefilled in place)
             return first
-        if alone or not self.rows:
-            if self.rows and not self.shared:
+        if alone or not self.batch:
+            if self.batch and not self.shared:
                 self.keep_prefix(0)  # (the finished sequence, for later prompts)
             self._take_caches(row, row.pending)
-            self.row_sampling = row.row_sampling
             return first
         self.shared = True  # (from here on the caches are in rows mode, even if the drafter's merge fails)
-        join_caches(self.target, self.drafter, row.target, row.drafter, len(self.rows))
+        join_caches(self.target, self.drafter, row.target, row.drafter, len(self.batch))
         if self.pending is not None:
             self.pending = Pending(self.target.pad_rows(self.pending.features, 1), self.pending.counts + [0])
-        self.rows.append(row.rows[0])
-        self.row_sampling.append(row.row_sampling[0])
+        self.batch.append(row.batch[0])
         return first
 
     @lands
@@ -258,10 +266,10 @@ class Engine:
         None after every chunk but the last, then the first token."""
         self.policy.reset()
         self.crop(common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
-        if not self.rows:  # (a fresh engine, or the crop had to start over)
-            self.rows = [[]]
+        # (a fresh row: its prompt lookup and pause start over; its cached prefix is the crop's)
+        self.batch = [Row(self.tokens, sampling)]
         start, logits = len(self.tokens), None
-        self.last_reused, self.row_sampling = start, [sampling]
+        self.last_reused = start
         for at in range(start, len(prompt_ids), chunk):
             ids = prompt_ids[at:at + chunk]
             logits, features = self.target.forward(self.target.ids([ids]), last_only=True)
@@ -367,7 +375,7 @@ class Engine:
     def retire(self, rows: Sequence[int]) -> None:
         """Drop finished rows (indices into the current rows) from every cache."""
         gone = set(rows)
-        keep = [i for i in range(len(self.rows)) if i not in gone]
+        keep = [i for i in range(len(self.batch)) if i not in gone]
         if not keep and not self.shared:
             return  # a finished single sequence stays cached: the next prompt may reuse its prefix (a chat)
         for i in sorted(gone):
@@ -375,21 +383,19 @@ class Engine:
         if not keep:
             self.reset()
             return
-        self.policy.retire(keep, len(self.rows))
         self.target.select(keep)
         if self.drafter is not None:
             self.drafter.select(keep)
             if self.pending is not None:
                 self.pending = Pending(self.target.take_rows(self.pending.features, keep),
                                        [self.pending.counts[i] for i in keep])
-        self.rows = [self.rows[i] for i in keep]
-        self.row_sampling = [self.row_sampling[i] for i in keep]
+        self.batch = [self.batch[i] for i in keep]
 
     # ---- single sequence: rewind and reset ---------------------------------------------------------------------------
     @lands
     def crop(self, length: int) -> None:
         """Forget every cached position from `length` on (target and drafter)."""
-        if len(self.rows) > 1:
+        if len(self.batch) > 1:
             raise DFlashError("crop: a batch of rows is not cropped; retire rows instead")
         drop = len(self.tokens) - length
         if drop > 0:
@@ -415,7 +421,7 @@ class Engine:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
-        self.rows, self.pending, self.shared, self.row_sampling = [], None, False, []
+        self.batch, self.pending, self.shared = [], None, False
         self.policy.reset()
 
     def close(self) -> None:

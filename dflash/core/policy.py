@@ -17,7 +17,7 @@ from .contract import Capabilities, Drafter, Step
 from .cycle import CyclePlan, TreeState
 from .cycle_times import CycleTimes
 from .errors import DFlashError, SettingError
-from .sampling import RowSampling
+from .row import Row
 
 
 class Policy:
@@ -63,9 +63,10 @@ class Policy:
                               itl_limit)
         return cls(mode, "", planner, ChainBudget(block_size, times))
 
-    def plan(self, rows: Sequence[RowSampling], context: int) -> CyclePlan:
-        """This cycle's plan for rows sampling with `rows`, whose longest holds `context` positions (what every verify
-        token attends to: rows pad to the longest)."""
+    def plan(self, batch: Sequence[Row], context: int) -> CyclePlan:
+        """This cycle's plan for the engine's rows, whose longest holds `context` positions (what every verify token
+        attends to: rows pad to the longest)."""
+        rows = [row.sampling for row in batch]
         for budget in (self.planner, self.chain_budget):
             if budget is not None:
                 budget.context = context
@@ -77,7 +78,8 @@ class Policy:
                 return CyclePlan("plain", again=self.chain_budget.pauses_next, source="chains")
             return CyclePlan("chain", length, source="chains")
         if self.planner is not None:
-            path = self.planner.path() if not any(r.chains_only for r in rows) else "chain"
+            path = self.planner.path([row.pause for row in batch]) if not any(r.chains_only for r in rows) \
+                else "chain"
             return CyclePlan(path, source="trees")
         return CyclePlan("chain")
 
@@ -90,11 +92,6 @@ class Policy:
         elif plan.source == "trees":
             assert self.planner is not None  # (its plans come from it)
             self.planner.observe_speed(plan.kind, accepted, seconds)
-
-    def retire(self, keep: list[int], rows: int) -> None:
-        """Of the engine's `rows` rows only `keep` stay, in that order."""
-        if self.trees is not None:
-            self.trees.retire(keep, rows)
 
     def reset(self) -> None:
         """The engine's rows start over."""
