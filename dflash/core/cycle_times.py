@@ -50,6 +50,7 @@ GUESS = 0.005  # seconds of a plain step before the first cycle: in seconds, so 
 LEVEL_MISS = 3.0  # ... a cycle among the first LEVEL_CYCLES this far off the model sets the level again
 LEVEL_CYCLES = 8
 FLOOR = 0.01  # no term falls below this share of the prior at the level (a term at 0 would price a shape free)
+REFRESH = 8  # cycles between re-pricings of the shapes a plan asked for (a plan asks hundreds; the terms move slowly)
 SURPRISE = 4.0  # the recent cycles' squared errors, over what the model expects, past which it is inflated
 SURPRISE_SMOOTHING = 0.1  # weight of one cycle's (capped at 25) in that average
 
@@ -73,7 +74,7 @@ class CycleTimes:
         self.spread = np.diag((PRIOR_SD * self.theta) ** 2)  # their covariance
         self.surprise = 1.0  # the recent cycles' squared errors over the model's expected ones (averaged)
         self.observed = 0
-        self._memo: dict[tuple, float] = {}  # a plan asks the same few dozen shapes many times
+        self._memo: dict[tuple, float] = {}  # shapes priced since the last re-pricing
 
     @classmethod
     def fixed(cls, plain: float, token: float, draft: float, block_size: int = 16) -> CycleTimes:
@@ -109,6 +110,7 @@ class CycleTimes:
             return False
         x = features(tokens, rows, drafted, block, draft_rows, self.block_size)
         miss = seconds / max(float(self.theta @ x), 1e-12)
+        changed = self.observed < LEVEL_CYCLES or self.observed % REFRESH == 0  # (re-price the shapes)
         if not self.observed or (self.observed < LEVEL_CYCLES and not 1 / LEVEL_MISS < miss < LEVEL_MISS):
             # the level: the prior's plain steps become seconds (the whole model scaled, its shape kept)
             self.theta, self.spread, self.level = self.theta * miss, self.spread * miss ** 2, self.level * miss
@@ -120,7 +122,7 @@ class CycleTimes:
         expected = float(x @ px) + (NOISE * predicted) ** 2
         self.surprise += SURPRISE_SMOOTHING * (min((seconds - predicted) ** 2 / expected, 25.0) - self.surprise)
         if self.observed and self.surprise > SURPRISE:  # (the machine changed: what was learnt is less sure)
-            self.spread = 2 * self.spread
+            self.spread, changed = 2 * self.spread, True
             # (no term less sure than the prior was of it: jitter that inflates again and again leaves it at that)
             limit = PRIOR_SD * np.maximum(self.theta, FLOOR * PRIOR * self.level)
             shrink = np.minimum(1.0, limit / np.sqrt(np.maximum(np.diag(self.spread), 1e-30)))
@@ -130,7 +132,8 @@ class CycleTimes:
         self.theta = np.maximum(self.theta + gain * (seconds - predicted), FLOOR * PRIOR * self.level)
         self.spread = self.spread - np.outer(gain, px)
         self.observed += 1
-        self._memo.clear()
+        if changed:
+            self._memo.clear()
         return True
 
     @property
