@@ -91,9 +91,9 @@ def load(model: str | os.PathLike | None = None, draft: str | os.PathLike | None
          compile: bool = False, cache_len: int | None = None) -> Pipeline:
     """verify: chain (the drafter's B-1 proposals), tree (`tree_budget` nodes of the most probable prefixes each
     cycle) or auto (each cycle the node count that maximises tokens per second on this device, at the seconds its
-    own cycles took: nothing is measured at load; see dflash/core/budget.py). itl_limit (auto): a cycle takes at most this many plain steps
-    per token any of its rows expects, so that in a batch a row whose drafts are rarely accepted is not slowed
-    down by the others' trees (None or 0: no limit). compile (torch): the target's K/V in a preallocated static
+    own cycles took: nothing is measured at load; see dflash/core/budget.py). itl_limit (auto): a cycle takes at
+    most this many plain steps per token any of its rows expects, so that in a batch a row whose drafts are rarely
+    accepted is not slowed down by the others' trees (None or 0: no limit). compile (torch): the target's K/V in a preallocated static
     cache of `cache_len` positions (default: the target's context, at most COMPILED_CACHE_LEN) and the decoding
     forwards through torch.compile, compiled at load; one stream (batches need the dynamic cache)."""
     name = backends.pick(backend)  # cheap checks first: a bad flag or config costs no model load

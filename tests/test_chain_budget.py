@@ -26,7 +26,7 @@ def test_a_drafter_that_is_never_right_pauses_with_backoff():
     lengths = []
     for _ in range(60):  # the device's cycles: a drafted one costs its forwards, nothing is ever accepted
         n = budget.length(can_pause=True)
-        budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, n > 0, None, n + 1))
+        budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, n > 0, n + 1))
         lengths.append(n)
     assert lengths.count(0) > 45  # mostly plain steps ...
     assert 0 < sum(n > 0 for n in lengths[20:]) < 6  # ... with probes between growing pauses
@@ -41,7 +41,7 @@ def test_a_text_that_turns_easy_is_drafted_again_within_a_few_pauses():
     for cycle in range(400):
         n = budget.length(can_pause=True)
         easy = cycle >= 150
-        budget.observe(n, [n if easy else 0], CPU.cycle_seconds(n + 1, 1, n > 0, None, n + 1))
+        budget.observe(n, [n if easy else 0], CPU.cycle_seconds(n + 1, 1, n > 0, n + 1))
         lengths.append(n)
     assert lengths[100:150].count(0) > 45  # (the hard stretch: long pauses)
     assert sum(n > 0 for n in lengths[-100:]) > 90
@@ -51,12 +51,12 @@ def test_a_new_request_drafts_its_first_cycle_and_keeps_the_pause_length():
     budget = ChainBudget(16, CPU)
     for _ in range(200):  # never accepted: long pauses
         n = budget.length(can_pause=True)
-        budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, n > 0, None, n + 1))
+        budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, n > 0, n + 1))
     backoff = budget.backoff
     budget.reset()
     n = budget.length(can_pause=True)
     assert n > 0
-    budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, True, None, n + 1))  # a losing probe: paused as long as before
+    budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, True, n + 1))  # a losing probe: paused as long as before
     assert budget.length(can_pause=True) == 0 and budget.backoff >= backoff
 
 
@@ -66,7 +66,7 @@ def test_cycle_times_learnt_from_nothing_find_that_plain_steps_win():
     for _ in range(200):
         n = budget.length(can_pause=True)
         accepted = [min(n, 1)] if (_ % 10) < 2 else [0]  # position 1 accepted 20% of the time
-        budget.observe(n, accepted, CPU.cycle_seconds(n + 1, 1, n > 0, None, n + 1))
+        budget.observe(n, accepted, CPU.cycle_seconds(n + 1, 1, n > 0, n + 1))
     # real: one token per 1.0 plain, 1.2 tokens per 1.31 drafting one position: plain steps win
     assert budget.length(can_pause=True) == 0
 

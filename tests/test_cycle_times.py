@@ -70,12 +70,12 @@ def test_a_shorter_draft_and_fewer_drafted_rows_cost_less_where_positions_cost()
     for _ in range(200):
         rows, block = rng.choice([1, 4, 8]), rng.choice([4, 8, 16])
         times.observe(4, rows, True, cpu(4, rows, True, block), block=block)
-    assert times.cycle_seconds(4, 8, True, None, 4) < times.cycle_seconds(4, 8, True, None, 16)
-    assert times.cycle_seconds(4, 8, True, None, 16, draft_rows=2) < times.cycle_seconds(4, 8, True, None, 16)
+    assert times.cycle_seconds(4, 8, True, 4) < times.cycle_seconds(4, 8, True, 16)
+    assert times.cycle_seconds(4, 8, True, 16, draft_rows=2) < times.cycle_seconds(4, 8, True, 16)
 
 
 def test_a_fixed_device_is_what_it_says_and_learns_nothing():
     times = CycleTimes.fixed(plain=1.0, token=0.25, draft=0.5)
     assert times.cycle_seconds(1, drafted=False) == 1.0 and times.cycle_seconds(16) == pytest.approx(4.75 + 0.5)
-    assert times.cycle_seconds(1, 2, True, None, 8) == pytest.approx(1.25 + 0.5)  # two rows, half the block each
+    assert times.cycle_seconds(1, 2, True, 8) == pytest.approx(1.25 + 0.5)  # two rows, half the block each
     assert not times.observe(16, 1, True, 100.0) and np.isclose(times.cycle_seconds(16), 5.25)

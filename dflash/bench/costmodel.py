@@ -301,8 +301,8 @@ def tree_budgets(backend, budgets: list[int], t_step: float, t_draft: float, cur
     if best:
         n = max(best, key=lambda k: rows[k]["speedup"])
         print(f"best tree budget for this curve on this device: {n} nodes ({rows[n]['speedup']:.2f}x)")
-    return {"budgets": rows, "verify_seconds": verify_seconds, "best_budget": max(best, key=lambda k: rows[k]["speedup"])
-            if best else None}
+    return {"budgets": rows, "verify_seconds": verify_seconds,
+            "best_budget": max(best, key=lambda k: rows[k]["speedup"]) if best else None}
 
 
 def tree_verify_seconds(backend, tokens: int, iters: int = 9, warmup: int = 2) -> float:

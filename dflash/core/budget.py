@@ -3,21 +3,21 @@
 `--verify chain` verifies the drafter's B-1 proposals (the DFlash paper's decoding). `--verify tree` verifies a fixed
 budget of the most probable prefixes every cycle (the DDTree paper's). `--verify auto` chooses, every cycle and for
 every row, the node count that maximises expected committed tokens per second on this device: expected tokens from the
-calibrated acceptance estimates of dflash.core.tree, seconds from the cycles' own wall times (dflash/core/cycle_times.py:
-no profile at load). A short chain, a wide tree or the root alone (an autoregressive step) are all
-answers it can give. When even the best drafted cycle is predicted to lose to a cycle without a draft forward, it stops
-drafting for a while (1, 2, 4 .. 64 cycles, then a drafted cycle probes again), so a drafter that is almost always wrong
-costs little more than not drafting; the copied branch still runs in those cycles, since it costs no draft forward. For
-a batch the rule is the same over all rows at once: seconds of r rows of n tokens each, one global budget across rows (a row whose drafts are rarely accepted gets no nodes),
-and a pause skips the whole batch's draft forward; a cycle with neither a draft nor a copied node is a plain step. A row
-that a drafted cycle's plan gives no drafted node pauses on its own (RowPause): it leaves the draft forward, which
-then drafts the other rows only, until it probes again. The
-draft forward itself fills 2, 4, 8 or all B positions: the drafter's work grows with them, and where deep nodes do not
-pay (a CPU at high load) the block whose best plan is fastest, its own draft forward counted, is drafted. Rows that verify by rejection (chains
-only) choose a chain's length by the same rule: dflash/core/chain_budget.py. Whether a cycle runs on the chain's own
-path or a tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the whole cycle, so a plan is
-taken only while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served row expects
-(docs/trees.md, "Latency limit").
+calibrated acceptance estimates of dflash.core.tree, seconds from the cycles' own wall times
+(dflash/core/cycle_times.py: no profile at load). A short chain, a wide tree or the root alone (an autoregressive step)
+are all answers it can give. When even the best drafted cycle is predicted to lose to a cycle without a draft forward,
+it stops drafting for a while (1, 2, 4 .. 64 cycles, then a drafted cycle probes again), so a drafter that is almost
+always wrong costs little more than not drafting; the copied branch still runs in those cycles, since it costs no draft
+forward. For a batch the rule is the same over all rows at once: seconds of r rows of n tokens each, one global budget
+across rows (a row whose drafts are rarely accepted gets no nodes), and a pause skips the whole batch's draft forward; a
+cycle with neither a draft nor a copied node is a plain step. A row that a drafted cycle's plan gives no drafted node
+pauses on its own (RowPause): it leaves the draft forward, which then drafts the other rows only, until it probes again.
+The draft forward itself fills 2, 4, 8 or all B positions: the drafter's work grows with them, and where deep nodes do
+not pay (a CPU at high load) the block whose best plan is fastest, its own draft forward counted, is drafted. Rows that
+verify by rejection (chains only) choose a chain's length by the same rule: dflash/core/chain_budget.py. Whether a cycle
+runs on the chain's own path or a tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the
+whole cycle, so a plan is taken only while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served
+row expects (docs/trees.md, "Latency limit").
 """
 
 from __future__ import annotations
@@ -136,7 +136,6 @@ class TreePlanner:
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
         self.last_drafted = True
-        self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
         # auto: positions of the next draft forward (the measured shorter blocks, or the whole block)
         self.blocks = sorted({b for b in (DRAFT_BLOCKS if times else ()) if b < block_size} | {block_size})
         self.draft_block = self.drafted_block = block_size
@@ -160,14 +159,14 @@ class TreePlanner:
     def observe_speed(self, kind: str, accepted: Sequence[int], seconds: float) -> None:
         """One cycle on the chain's path or a tree's took `seconds`; row r accepted accepted[r] draft tokens."""
         if self.times is not None and kind == "chain":  # (a tree cycle's shape is learnt in observe)
-            self.times.observe(self.block_size, len(accepted), True, seconds, self.context)
+            self.times.observe(self.block_size, len(accepted), True, seconds)
         if self.times is None or (kind == "tree" and (not self.last_drafted or self.drafted_block < self.block_size
                                                       or self.draft_rows is not None)):
             return  # (a cycle without a draft forward, a shorter one or one of some rows, says nothing about either
             # path's chain-sized drafted cycles)
         rows = len(accepted)
         width = self.planned_width if kind == "tree" else self.block_size  # (the factor: the path's overhead alone)
-        self.choice.observe(kind, seconds, self.times.cycle_seconds(width, rows, True, self.context))
+        self.choice.observe(kind, seconds, self.times.cycle_seconds(width, rows, True))
 
     @property
     def pauses_next(self) -> bool:
@@ -237,8 +236,8 @@ class TreePlanner:
                 if block == self.block_size:  # (a shorter draft has no proposals past its block: no chain to value)
                     self.choice.observe_plan(
                         [1.0 + sum(x.value for x in c[:k]) for c, k in zip(candidates, counts)], chains,
-                        (times.cycle_seconds(self.planned_width, rows, True, self.context, block, self.draft_rows),
-                         times.cycle_seconds(self.block_size, rows, True, self.context)))
+                        (times.cycle_seconds(self.planned_width, rows, True, block, self.draft_rows),
+                         times.cycle_seconds(self.block_size, rows, True)))
                 self.reach = min(self.budget, max(2 * max(counts), 2 * (self.block_size - 1)))
         trees = [to_tree(a, c[:k]) for a, c, k in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]
@@ -278,7 +277,7 @@ class TreePlanner:
                draft_rows: int | None = None) -> None:
         """(auto) A cycle of `rows` rows verifying `width` tokens took `seconds`: the cycle times learn it."""
         if self.times is not None:
-            self.times.observe(width, rows, drafted, seconds, self.context, block, draft_rows)
+            self.times.observe(width, rows, drafted, seconds, block, draft_rows)
 
     def _age(self) -> None:
         if self.idle_trees:
@@ -296,7 +295,7 @@ class TreePlanner:
                 block: int | None = None) -> tuple[list[int], float]:
         values = [[c.value for c in cs] for cs in candidates]
         times, some = self.auto_times, self.draft_rows
-        seconds = lambda n, r: times.cycle_seconds(n, r, drafted, self.context, block, some)  # noqa: E731
+        seconds = lambda n, r: times.cycle_seconds(n, r, drafted, block, some)  # noqa: E731
         return choose_counts(values, seconds, 0.0, self.budget, limit)
 
     def _next_block(self, candidates, counts, rate: float, limit: float | None, block: int) -> tuple[int, float]:
@@ -343,7 +342,7 @@ class TreePlanner:
         """Seconds a cycle may take per token its least-served row expects: itl_limit plain steps of this batch."""
         if not self.itl_limit:
             return None
-        return self.itl_limit * self.auto_times.cycle_seconds(1, rows, False, self.context)
+        return self.itl_limit * self.auto_times.cycle_seconds(1, rows, False)
 
     def _chain_within(self, chains: Sequence[float], limit: float | None) -> bool:
         """Whether a chain cycle (every row verifies the drafter's B-1 rank-1 proposals) keeps within the limit: its
@@ -351,7 +350,7 @@ class TreePlanner:
         if limit is None:
             return True
         rows, least = len(chains), min(chains)
-        seconds = self.auto_times.cycle_seconds(self.block_size, rows, True, self.context)
+        seconds = self.auto_times.cycle_seconds(self.block_size, rows, True)
         return seconds <= limit * least
 
     def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:

@@ -26,7 +26,6 @@ class ChainBudget:
         self.times, self.smoothing = times, smoothing
         self.rates = [prior] * (block_size - 1)
         self.reached = 0  # positions some cycle has verified (the rates past them are the prior's)
-        self.context: float | None = None  # cached positions of the batch's longest row this cycle (the engine's)
         self.skip, self.backoff, self.probing = 0, 0, False
         self.probe = False  # this cycle drafts after a pause (or at a request's start)
         self.since_plain = 0  # drafted cycles since the last plain one
@@ -41,7 +40,7 @@ class ChainBudget:
 
     def seconds(self, length: int, rows: int = 1) -> float:
         """A cycle's seconds verifying `length` proposals per row (0: no draft forward)."""
-        return self.times.cycle_seconds(length + 1, rows, length > 0, self.context, length + 1)
+        return self.times.cycle_seconds(length + 1, rows, length > 0, length + 1)
 
     def length(self, can_pause: bool = True, rows: int = 1) -> int:
         """Proposals every one of `rows` rows verifies this cycle (0: no draft forward; only when `can_pause`). The
@@ -92,4 +91,4 @@ class ChainBudget:
             self.probe = False
             if sum(accepted) and (1 + sum(accepted) / rows) / seconds > 1 / self.seconds(0, rows):
                 self.backoff //= 4
-        self.times.observe(length + 1, rows, drafted, seconds, self.context, length + 1)
+        self.times.observe(length + 1, rows, drafted, seconds, length + 1)

@@ -43,7 +43,7 @@ class CyclePolicy(Protocol):
 
     @property
     def trees(self) -> TreeState | None: ...
-    def plan(self, batch: Sequence[Row], context: int) -> CyclePlan: ...
+    def plan(self, batch: Sequence[Row]) -> CyclePlan: ...
     def observe(self, plan: CyclePlan, steps: list[Step], seconds: float) -> None: ...
 
 
@@ -80,7 +80,7 @@ class CycleEngine(Protocol):
 def run_cycle(engine: CycleEngine, anchors: Sequence[int], policy: CyclePolicy) -> list[Step]:
     """One cycle for every row of `engine`; row i's anchor is its last committed token."""
     start = time.perf_counter()
-    plan = policy.plan(engine.batch, context=max(map(len, engine.rows), default=0))
+    plan = policy.plan(engine.batch)
     if plan.kind == "tree":
         assert policy.trees is not None  # (a policy plans trees only with a tree planner)
         steps = tree_cycle(engine, list(anchors), policy.trees)

@@ -86,10 +86,10 @@ class CycleTimes:
         times.spread, times.learns, times.level = np.zeros((len(PRIOR), len(PRIOR))), False, plain
         return times
 
-    def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, context: float | None = None,
-                      block: int | None = None, draft_rows: int | None = None) -> float:
+    def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, block: int | None = None,
+                      draft_rows: int | None = None) -> float:
         """A cycle's seconds as a plan prices it: the estimate less EXPLORE standard deviations, at least CHEAPEST of
-        the estimate (`context`: accepted for the planner's calls; the terms' drift follows context growth)."""
+        the estimate (the terms' drift follows the context's growth)."""
         key = (tokens, rows, drafted, block, draft_rows)
         seconds = self._memo.get(key)
         if seconds is None:
@@ -102,8 +102,8 @@ class CycleTimes:
         """The standard deviation of the estimated seconds of shape x."""
         return float(np.sqrt(max(float(x @ self.spread @ x), 0.0)))
 
-    def observe(self, tokens: int, rows: int, drafted: bool, seconds: float, context: float | None = None,
-                block: int | None = None, draft_rows: int | None = None) -> bool:
+    def observe(self, tokens: int, rows: int, drafted: bool, seconds: float, block: int | None = None,
+                draft_rows: int | None = None) -> bool:
         """A cycle of this shape took `seconds` on the wall clock. Returns whether it was learnt (a time that is not
         positive is not)."""
         if not self.learns or not seconds > 0:

@@ -63,13 +63,9 @@ class Policy:
                               itl_limit)
         return cls(mode, "", planner, ChainBudget(block_size, times))
 
-    def plan(self, batch: Sequence[Row], context: int) -> CyclePlan:
-        """This cycle's plan for the engine's rows, whose longest holds `context` positions (what every verify token
-        attends to: rows pad to the longest)."""
+    def plan(self, batch: Sequence[Row]) -> CyclePlan:
+        """This cycle's plan for the engine's rows."""
         rows = [row.sampling for row in batch]
-        for budget in (self.planner, self.chain_budget):
-            if budget is not None:
-                budget.context = context
         if self.chain_budget is not None and (self.planner is None or any(not r.greedy for r in rows)):
             # chains only (sampled rows, a DFlash2 drafter, a target without trees): auto chooses their length, or a
             # plain step
