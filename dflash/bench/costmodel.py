@@ -285,7 +285,8 @@ def main(argv=None) -> int:
 def tree_budgets(backend, budgets: list[int], t_step: float, t_draft: float, curve: dict[int, float]) -> dict:
     """T_verify(n + 1) of the tree forward for each budget n, the cycle's cost in target steps, and with a measured
     tau per budget the predicted speedup tau(n) * T_step / (T_draft + T_verify(n + 1))."""
-    rows, verify_seconds = {}, []
+    rows: dict[int, dict] = {}
+    verify_seconds: list[tuple[int, float]] = []  # (tokens, seconds)
     print(f"{'nodes':>5} {'T_verify ms':>11} {'cycle/step':>10}" + ("  tau   speedup" if curve else ""))
     for n in sorted(budgets):  # (increasing, so that the curve is made monotone as it is measured)
         # (monotone in tokens, as every measured curve here: more tokens never cost less, whatever a timing's noise)
