@@ -1,28 +1,19 @@
 """The one speculative engine: per-row state over a backend's Target and Drafter (dflash/core/contract.py).
 
-dflash.core.loop decides what to commit and when to stop; the engine keeps what the caches hold and moves them: the
-committed tokens of every row (whose K/V is in the target cache), the target features the drafter has not read yet,
-prefix reuse and chunked prefill, and the cycle's arrays (draft -> verify -> commit). A batch of one and a batch of
-N are the same code; a running batch admits a row (its prefill) and retires rows between cycles. A cycle runs in
-dflash/core/cycle.py as the policy (policy.py) plans it, through the engine's public methods.
-
-One cycle, for block size B and a row with n cached positions; its anchor is the last committed token, not yet fed
-to the target, so it sits at position n:
-
-    draft(anchors) -> Draft     the drafter proposes B-1 tokens for positions n+1 .. n+B-1 from the target
-                                features of every position before the anchor (the pending ones are appended to
-                                its context first)
-    verify(draft) -> Verified   the target reads [anchor, proposals] at n .. n+B-1 in one forward and draws its own
-                                token at each of the B positions; the cycle's one device -> host read
-    commit(verified, keeps)     row i keeps its first keeps[i] verified positions: the target cache forgets the
-                                rest, their target features become the drafter's pending context
+The engine keeps what the caches hold and moves them: every row's committed tokens (whose K/V is in the target
+cache) and settings (row.py), the target features the drafter has not read yet (pending.py), prefix reuse and
+chunked prefill, and a cycle's operations: draft(anchors) -> Draft (the drafter's block of B positions after each
+row's anchor, from the pending features), verify(draft) -> Verified (the target's own token at each position, in one
+forward and one device -> host read), commit(verified, keeps) (row i keeps its first keeps[i] positions; the cache
+forgets the rest). dflash/core/cycle.py runs a cycle through them as the policy (policy.py) plans it. A batch of one
+and a batch of N are the same code; a running batch admits a row (its prefill) and retires rows between cycles.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from .admission import Admission, join_caches
+from .admission import Prefill
 from .budget import ITL_LIMIT, MAX_PAUSE
 from .cycle import chain_cycle, run_cycle
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
@@ -32,7 +23,7 @@ from .lookahead import Lookahead, lands
 from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
 from .row import Row
-from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, finite_logprob, row_draws
+from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, host_logprobs, row_draws
 from .tree import TreeInputs
 from .policy import Policy
 
@@ -41,14 +32,7 @@ from .policy import Policy
 PENDING_ABSORB = MAX_PAUSE
 
 
-def check_fits(prompt_ids: Sequence[int], max_context: int | None) -> None:
-    """One line when a prompt leaves no room in the target's context for a new token."""
-    if max_context and len(prompt_ids) >= max_context:
-        raise DFlashError(f"prompt: {len(prompt_ids)} tokens do not fit the target's context "
-                          f"(max_position_embeddings {max_context})")
-
-
-class Engine:
+class Engine(Prefill):
     """Speaks the batch protocol dflash.core.loop drives (prefill / draft / verify / commit / retire) for one row or many,
     plus the single-sequence operations a chat needs (crop, reset, cached_tokens)."""
 
@@ -95,10 +79,6 @@ class Engine:
     def pending(self) -> Pending | None:
         """The target features the drafter has not read yet, as one Pending (joined now if cycles left parts)."""
         return self.queue.peek(self.target)
-
-    @pending.setter
-    def pending(self, pending: Pending | None) -> None:
-        self.queue.set(pending)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -148,144 +128,6 @@ class Engine:
                          block_size=self.block_size, prefill_chunk=self.prefill_chunk)
             row.batch = [Row(list(self.batch[i].tokens), self.batch[i].sampling)]
             keep_row(self.prefix_cache, row)
-
-    def _adopt_prefix(self, prompt_ids: list[int]) -> None:
-        """Before a lone prefill: take the kept prefix that beats the caches' own (keeping theirs if it is lost)."""
-        if self.prefix_cache is None:
-            return
-        own = common_prefix(self.tokens, prompt_ids[:-1])
-        if self.batch and len(self.tokens) - own >= self.prefix_cache.min_tokens:
-            self.keep_prefix(0)
-        row = self.prefix_cache.take(prompt_ids, at_least=own)
-        if row is not None:
-            self._take_caches(row, pending=None)
-
-    def _take_caches(self, row: Engine, pending: Pending | None) -> None:
-        """A one-row engine's caches (a kept prefix, or a row admitted alone) become this engine's."""
-        self.target, self.drafter, self.batch, self.shared = row.target, row.drafter, row.batch, False
-        self.pending = pending
-        self.policy.reset()
-
-    # ---- prefill ---------------------------------------------------------------------------------------------------
-    @lands
-    def prefill(self, prompts: Sequence[Sequence[int]],
-                samplings: Sequence[SamplingParams | None] | None = None) -> list[int]:
-        """Feed the prompts and return each row's first token. One prompt reuses the longest cached prefix (a chat's
-        earlier turns); several start a fresh batch, one admitted row each. samplings: row i's own settings."""
-        for p in prompts:
-            check_fits(p, self.max_context)
-        samplings = list(samplings) if samplings is not None else [None] * len(prompts)
-        if len(prompts) == 1 and not self.shared:
-            return [self._prefill_alone(list(prompts[0]), samplings[0])]
-        self.reset()
-        return [self.admit(p, s) for p, s in zip(prompts, samplings)]
-
-    @lands
-    def admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, generated: int = 0) -> int:
-        """A new row joins the running batch between cycles: its prompt is prefilled alone, then its caches are
-        appended to the batch's. It samples with `sampling` (default: the engine's). `generated`: the last that many
-        ids are the row's own output already (a row rebuilt from its committed tokens). Returns its first token."""
-        prompt_ids = list(prompt_ids)
-        check_fits(prompt_ids, self.max_context)
-        if not self.rows:
-            return self._prefill_alone(prompt_ids, sampling, generated)
-        admission = self.begin_admit(prompt_ids, sampling, generated=generated)
-        while not admission.advance():
-            pass
-        return self.end_admit(admission)
-
-    def begin_admit(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
-                    chunk: int | None = None, generated: int = 0) -> Admission[Engine]:
-        """admit() in steps, for a caller that interleaves a joining prompt with the batch's cycles: the prompt is
-        prefilled `chunk` tokens per Admission.advance() into a one-row engine of its own (a kept prefix's caches, or
-        empty ones on the same models: dflash/core/admission.py), then end_admit merges it."""
-        prompt_ids = list(prompt_ids)
-        check_fits(prompt_ids, self.max_context)
-        row = (self.prefix_cache.take(prompt_ids) if self.prefix_cache is not None else None) or self.spawn()
-        row.logprobs = self.logprobs
-        chunks = row.prefill_chunks(prompt_ids, self._admitted(sampling, len(prompt_ids) - generated),
-                                    chunk or self.prefill_chunk)
-        return Admission(row, chunks, len(prompt_ids))
-
-    @lands
-    def end_admit(self, admission: Admission[Engine], alone: bool = False) -> int:
-        """Merge a prefilled row into the batch, target and drafter caches together or neither; `alone`: the batch
-        emptied meanwhile (a finished lone sequence may still be cached), so the row's caches become the engine's.
-        Returns its first token."""
-        row, first = admission.row, admission.first
-        if first is None:
-            raise DFlashError("end_admit: the row's prefill has not finished")
-        self.first_logprobs, self.last_reused = row.first_logprobs, row.last_reused
-        if row is self:  # (begin_prefill's: prefilled in place)
-            return first
-        if alone or not self.batch:
-            if self.batch and not self.shared:
-                self.keep_prefix(0)  # (the finished sequence, for later prompts)
-            self._take_caches(row, row.pending)
-            return first
-        self.shared = True  # (from here on the caches are in rows mode, even if the drafter's merge fails)
-        join_caches(self.target, self.drafter, row.target, row.drafter, len(self.batch))
-        if self.pending is not None:
-            self.pending = Pending(self.target.pad_rows(self.pending.features, 1), self.pending.counts + [0])
-        self.batch.append(row.batch[0])
-        return first
-
-    @lands
-    def begin_prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
-                      chunk: int | None = None) -> Admission[Engine]:
-        """prefill() of one prompt on an idle engine in steps, `chunk` tokens per Admission.advance(), for a caller
-        that checks between chunks whether the prompt is still wanted; the row is this engine itself (its caches,
-        reusing the longest cached prefix), so end_admit has nothing to merge. A prompt dropped part-way leaves its
-        chunks so far as a cached prefix."""
-        prompt_ids = list(prompt_ids)
-        check_fits(prompt_ids, self.max_context)
-        if self.shared:
-            self.reset()
-        return Admission(self, self._lone_chunks(prompt_ids, sampling, chunk or self.prefill_chunk), len(prompt_ids))
-
-    def _prefill_alone(self, prompt_ids: list[int], sampling: SamplingParams | None, generated: int = 0) -> int:
-        """A lone row's prefill, from the kept prefix that beats the caches' own; `sampling` becomes the engine's."""
-        for first in self._lone_chunks(prompt_ids, sampling, self.prefill_chunk, generated):
-            pass
-        return first
-
-    def _lone_chunks(self, prompt_ids: list[int], sampling: SamplingParams | None, chunk: int, generated: int = 0):
-        if sampling is not None:
-            self.set_sampling(sampling)
-        self._adopt_prefix(prompt_ids)
-        yield from self.prefill_chunks(prompt_ids, self._admitted(None, len(prompt_ids) - generated), chunk)
-
-    def _admitted(self, params: SamplingParams | None, prompt_tokens: int) -> RowSampling:
-        """A new row's sampling (default: the engine's settings), with a fresh noise seed unless the request has one
-        (its draws are keyed by position); its output starts after `prompt_tokens`."""
-        return RowSampling.admit(params or self.sampling, self.drafter is not None and self.drafter.distribution,
-                                 trees=self.verify_mode == "tree", prompt_tokens=prompt_tokens)
-
-    def prefill_chunks(self, prompt_ids: list[int], sampling: RowSampling, chunk: int):
-        """Prefill `prompt_ids` as this engine's one row, sampling with `sampling`, `chunk` tokens at a time: yields
-        None after every chunk but the last, then the first token."""
-        self.policy.reset()
-        self.crop(common_prefix(self.tokens, prompt_ids[:-1]))  # keeps >= 1 token to compute the first one from
-        # (a fresh row: its prompt lookup and pause start over; its cached prefix is the crop's)
-        self.batch = [Row(self.tokens, sampling)]
-        start, logits = len(self.tokens), None
-        self.last_reused = start
-        for at in range(start, len(prompt_ids), chunk):
-            ids = prompt_ids[at:at + chunk]
-            logits, features = self.target.forward(self.target.ids([ids]), last_only=True)
-            self.tokens.extend(ids)
-            if self.drafter is not None:
-                self.queue.add(Pending(features, [len(ids)]))
-                self.absorb_pending()
-            if at + chunk < len(prompt_ids):
-                self.target.settle(self.drafter)  # bound the lazy graph (and its memory) chunk by chunk
-                yield None
-        assert logits is not None  # (prefill runs at least the prompt's last token)
-        first, logprobs = self.sample(logits[:, -1:], None, draws=self.row_draws(1, offset=0))
-        self.target.settle(self.drafter, first)
-        if logprobs is not None:
-            self.first_logprobs = (logprobs[0][0][0], logprobs[1][0][0])
-        yield self.target.to_host(first)[0][0]
 
     # ---- the cycle -------------------------------------------------------------------------------------------------
     def step(self, anchors: Sequence[int]) -> list[Step]:
@@ -386,9 +228,7 @@ class Engine:
         self.target.select(keep)
         if self.drafter is not None:
             self.drafter.select(keep)
-            if self.pending is not None:
-                self.pending = Pending(self.target.take_rows(self.pending.features, keep),
-                                       [self.pending.counts[i] for i in keep])
+            self.queue.select(keep, self.target)
         self.batch = [self.batch[i] for i in keep]
 
     # ---- single sequence: rewind and reset ---------------------------------------------------------------------------
@@ -408,20 +248,20 @@ class Engine:
         if self.drafter is None:
             return
         position = self.drafter.position
-        if length < position:
-            self.pending = None
-            if not self.drafter.crop(length):
-                self.reset()  # the window dropped what we need: rebuild the whole context from scratch
-        elif self.pending is not None and length < position + self.pending.counts[0]:
-            n = length - position
-            self.pending = Pending(self.target.head(self.pending.features, n), [n])
+        if length >= position:
+            self.queue.crop(length - position, self.target)
+            return
+        self.queue.set(None)
+        if not self.drafter.crop(length):
+            self.reset()  # the window dropped what we need: rebuild the whole context from scratch
 
     @lands
     def reset(self) -> None:
         self.target.reset()
         if self.drafter is not None:
             self.drafter.reset()
-        self.batch, self.pending, self.shared = [], None, False
+        self.batch, self.shared = [], False
+        self.queue.set(None)
         self.policy.reset()
 
     def close(self) -> None:
@@ -440,11 +280,8 @@ class Engine:
         out = self.target.sample(logits, self.rows, block, self.row_sampling, paths, self.logprobs, draws, draft)
         if self.logprobs is None:
             return out, None
-        tokens, (chosen, top_ids, top_lps) = out
-        chosen, top_ids, top_lps = (self.target.to_host(x) for x in (chosen, top_ids, top_lps))
-        chosen = [[finite_logprob(v) for v in row] for row in chosen]
-        return tokens, (chosen, [[[(i, finite_logprob(v)) for i, v in zip(pi, pv)] for pi, pv in zip(ri, rv)]
-                                 for ri, rv in zip(top_ids, top_lps)])
+        tokens, arrays = out
+        return tokens, host_logprobs(*(self.target.to_host(x) for x in arrays))
 
     def take_pending(self) -> Pending | None:
         """Every target feature the drafter has not read, for the next draft; none pending after."""

@@ -20,7 +20,18 @@ import functools
 from typing import Callable, Concatenate, ParamSpec, Protocol, Sequence, TypeVar
 
 from .cycle import CycleEngine
-from .contract import Array, Pipelining, Step, Verified
+from .contract import Array, Pipelining, Step, Target, Verified
+
+
+class Landing(Protocol):
+    """What forgetting the step ahead needs of an engine: its target and rows."""
+
+    lookahead: Lookahead
+
+    @property
+    def target(self) -> Target: ...
+    @property
+    def rows(self) -> list[list[int]]: ...
 
 
 class PlainEngine(CycleEngine, Protocol):
@@ -67,7 +78,7 @@ class Lookahead:
         engine.commit(Verified([[a] for a in anchors], drawn, features), [1] * len(anchors))
         return [Step(row, [], 0, draft_forward=False) for row in drawn]
 
-    def drop(self, engine: PlainEngine) -> None:
+    def drop(self, engine: Landing) -> None:
         """Forget the step ahead, if one was issued: the target cache ends at the engine's rows again."""
         if self.anchors is None:
             return
@@ -84,7 +95,7 @@ def _draw(engine: PlainEngine, ids: Array, histories: list[list[int]], offset: i
     return tokens, features
 
 
-E = TypeVar("E", bound=PlainEngine)
+E = TypeVar("E", bound=Landing)
 P = ParamSpec("P")
 R = TypeVar("R")
 

@@ -44,6 +44,24 @@ class PendingFeatures:
         self.set(None)
         return joined
 
+    def select(self, rows: list[int], target: Target) -> None:
+        """Keep these rows' pending features, in this order (rows retired or reordered)."""
+        joined = self.peek(target)
+        if joined is not None:
+            self.set(Pending(target.take_rows(joined.features, rows), [joined.counts[i] for i in rows]))
+
+    def add_row(self, target: Target) -> None:
+        """A row joined the batch with nothing pending."""
+        joined = self.peek(target)
+        if joined is not None:
+            self.set(Pending(target.pad_rows(joined.features, 1), joined.counts + [0]))
+
+    def crop(self, n: int, target: Target) -> None:
+        """A lone row keeps at most its first n pending positions (its cache was cropped)."""
+        joined = self.peek(target)
+        if joined is not None and n < joined.counts[0]:
+            self.set(Pending(target.head(joined.features, n), [n]))
+
     def peek(self, target: Target) -> Pending | None:
         """Everything pending as one Pending; it stays pending (as that one part)."""
         if len(self.parts) > 1:

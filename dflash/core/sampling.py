@@ -288,6 +288,14 @@ def finite_logprob(value: float) -> float:
     return value if value > EXCLUDED_LOGPROB else EXCLUDED_LOGPROB
 
 
+def host_logprobs(chosen: list[list[float]], top_ids: list[list[list[int]]], top_lps: list[list[list[float]]]):
+    """Per row and position, the chosen token's log-probability and its top (id, log-probability) pairs, as
+    reported (finite_logprob), from the host lists of Target.sample's log-prob arrays."""
+    return ([[finite_logprob(v) for v in row] for row in chosen],
+            [[[(i, finite_logprob(v)) for i, v in zip(pi, pv)] for pi, pv in zip(ri, rv)]
+             for ri, rv in zip(top_ids, top_lps)])
+
+
 def common_prefix(a, b) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = 0

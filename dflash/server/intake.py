@@ -11,7 +11,7 @@ from typing import cast
 
 from pydantic import ValidationError
 
-from ..core.engine import check_fits
+from ..core.admission import check_fits
 from ..core.errors import DFlashError, SettingError
 from ..core.loop import Generation
 from ..core.sampling import SamplingParams
