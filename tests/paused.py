@@ -48,7 +48,7 @@ def check_paused_cycles(backend, ar, prompt, paused=6):
     backend.target, backend.drafter = Counting(backend.target), Counting(backend.drafter)
     ar.target = Counting(ar.target)
     plans.clear()
-    backend.policy.planner.skip = paused
+    backend.policy.planner.pause.skip = paused
     for _ in range(paused):
         step = backend.step([anchor])[0]
         assert not step.draft_forward

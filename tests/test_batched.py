@@ -378,7 +378,7 @@ def test_cycles_of_copied_nodes_alone_leave_features_pending_for_the_next_draft(
         anchors = be.prefill(repeating)
         out, copied = [], 0
         for kind in ["copy", "draft", "copy", "copy", "draft"]:
-            be.policy.planner.skip = 1 if kind == "copy" else 0  # (a pause: no draft forward this cycle)
+            be.policy.planner.pause.skip = 1 if kind == "copy" else 0  # (a pause: no draft forward this cycle)
             if kind == "copy" and eager:
                 be.absorb_pending()
             steps = tree_cycle(be, anchors, be.policy.trees)

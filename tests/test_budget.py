@@ -1,7 +1,7 @@
 """dflash/core/budget.py: the tree planner of --verify auto under a latency limit and with draft blocks shorter than the
 drafter's (the plan's node counts are tests/test_tree.py's; the chain-or-tree path tests/test_path_choice.py's)."""
 
-from dflash.core.budget import MAX_PAUSE, RowPause, TreePlanner
+from dflash.core.budget import MAX_PAUSE, Pause, TreePlanner
 from dflash.core.cycle_times import CycleTimes
 from cycle_devices import HEAVY, cpu
 
@@ -20,7 +20,7 @@ def test_a_row_whose_drafts_fail_is_not_slowed_by_the_others_trees():
     unlimited, plan = planned(None)
     assert len(plan.trees[0].tokens) > 1 and unlimited.chain_within
     limited, plan = planned(1.5)
-    assert [len(t.tokens) for t in plan.trees] == [1, 1] and limited.skip > 0
+    assert [len(t.tokens) for t in plan.trees] == [1, 1] and limited.pause.skip > 0
     assert not limited.chain_within and limited.path() == "tree"
 
 
@@ -35,7 +35,7 @@ def test_auto_drafts_a_short_block_where_the_draft_forward_is_most_of_the_cycle(
     blocks = []
     for _ in range(60):  # every cycle drafts the block chosen after the last one
         blocks.append(planner.plan([0] * 16, *_confident_chain(16, planner.draft_block - 1)).block)
-        planner.skip = 0
+        planner.pause.skip = 0
     # 16 rows: a draft of 16 positions does not pay; it is tried again ever more rarely
     assert blocks[:3] == [16, 4, 8] and blocks[-20:].count(16) <= 1 and planner.draft_block < 16
     assert planner.path() == "tree"  # (the chain's own path drafts the whole block)
@@ -75,22 +75,22 @@ def test_one_row_that_accepts_its_short_blocks_last_drafted_node_drafts_the_next
 
 
 def test_a_row_given_no_drafted_node_leaves_the_draft_forward_for_longer_each_time():
-    from dflash.core.budget import RowPause, drafting
+    from dflash.core.budget import Pause, drafting
 
-    pauses = [RowPause() for _ in range(3)]
+    pauses = [Pause() for _ in range(3)]
     assert drafting(pauses) == [0, 1, 2]
     seen = []
     for _ in range(12):  # row 1's plans never give it a drafted node; rows 0 and 2 always get one
         rows = drafting(pauses)
         seen.append(1 in rows)
         for r in rows:
-            pauses[r].observe(drafted_nodes=r != 1)
+            pauses[r].observe(drafting_wins=r != 1)
     # pauses of 1, 2, 4 drafted cycles, each ended by a probe
     assert seen == [True, False, True, False, False, True, False, False, False, False, True, False]
-    pauses[1].observe(drafted_nodes=True)  # a probe that pays ends the pause
+    pauses[1].observe(drafting_wins=True)  # a probe that pays ends the pause
     assert pauses[1].backoff == 0
-    pauses[2].observe(drafted_nodes=False)
-    pauses = [pauses[2], pauses[0], RowPause()]  # row 1 leaves, the others move up, a row joins: each its own pause
+    pauses[2].observe(drafting_wins=False)
+    pauses = [pauses[2], pauses[0], Pause()]  # row 1 leaves, the others move up, a row joins: each its own pause
     assert [p.skip for p in pauses] == [1, 0, 0] and drafting(pauses) == [1, 2]
 
 
@@ -100,8 +100,8 @@ def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
     path, which drafts every row, is not taken."""
     confident, weak = ([[5, 6]] * 15, [[0.9, 0.05]] * 15), ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
     planner = TreePlanner("auto", 16, 64, CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3), itl_limit=None)
-    assert planner.drafting_rows([RowPause()]) is None  # (one row: the batch's own pause)
-    pauses = [RowPause(skip=s) for s in (0, 0, 3, 3)]
+    assert planner.drafting_rows([Pause()]) is None  # (one row: the batch's own pause)
+    pauses = [Pause(skip=s) for s in (0, 0, 3, 3)]
     assert planner.drafting_rows(pauses) == [0, 1]
     plan = planner.plan([1, 2, 3, 4], [confident[0]] * 2, [confident[1]] * 2, drafting=[0, 1], pauses=pauses)
     assert plan.draft_rows == 2 and [len(t.tokens) > 1 for t in plan.trees] == [True, True, False, False]
@@ -110,7 +110,7 @@ def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
     def drafted_rate(drafting):
         planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
         ids, probs = zip(*([confident] * 2 + [weak] * (14 if drafting is None else 0)))
-        planner.plan([0] * 16, list(ids), list(probs), drafting=drafting, pauses=[RowPause() for _ in range(16)])
+        planner.plan([0] * 16, list(ids), list(probs), drafting=drafting, pauses=[Pause() for _ in range(16)])
         return planner.rates[0]
 
     assert drafted_rate([0, 1]) > 1.25 * drafted_rate(None)  # (12.3 against 9.2 tokens per unit of time)
@@ -119,10 +119,10 @@ def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
 def test_a_plan_that_gives_no_row_a_drafted_node_pauses_the_batch_not_every_row():
     weak = ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
     planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
-    pauses = [RowPause() for _ in range(4)]
+    pauses = [Pause() for _ in range(4)]
     assert planner.drafting_rows(pauses) == [0, 1, 2, 3]
     plan = planner.plan([0] * 4, [weak[0]] * 4, [weak[1]] * 4, drafting=[0, 1, 2, 3], pauses=pauses)
-    assert all(len(t.tokens) == 1 for t in plan.trees) and planner.skip > 0
+    assert all(len(t.tokens) == 1 for t in plan.trees) and planner.pause.skip > 0
     assert [p.skip for p in pauses] == [0, 0, 0, 0]  # (else a row would sit out the probe that ends the pause)
 
 
@@ -131,16 +131,16 @@ def test_a_new_request_probes_at_once_and_keeps_the_pauses_length():
     planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
     for _ in range(5):  # drafting loses, again and again: a look, then pauses of 1, 2, 4, 8 cycles
         planner.plan([0], [weak[0]], [weak[1]])
-        planner.skip = 0
-    backoff = planner.backoff
-    planner.skip = backoff
+        planner.pause.skip = 0
+    backoff = planner.pause.backoff
+    planner.pause.skip = backoff
     planner.reset()
-    assert planner.drafts_this_cycle() and planner.backoff == backoff
+    assert planner.drafts_this_cycle() and planner.pause.backoff == backoff
     planner.plan([0], [weak[0]], [weak[1]])  # the request's first look loses: one cycle, then another look
-    assert planner.skip == 1 and planner.backoff == backoff
-    planner.skip = 0
+    assert planner.pause.skip == 1 and planner.pause.backoff == backoff
+    planner.pause.skip = 0
     planner.plan([0], [weak[0]], [weak[1]])  # that one loses too: the next pause is longer still, not 1
-    assert planner.skip == 2 * backoff
+    assert planner.pause.skip == 2 * backoff
 
 
 def test_after_the_longest_pause_a_new_requests_losing_first_look_pauses_at_once():
@@ -149,13 +149,13 @@ def test_after_the_longest_pause_a_new_requests_losing_first_look_pauses_at_once
     its probes, each a draft forward and a host read for a plan with no node)."""
     weak = ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
     planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
-    while planner.backoff < MAX_PAUSE:
+    while planner.pause.backoff < MAX_PAUSE:
         planner.plan([0], [weak[0]], [weak[1]])
-        planner.skip = 0
+        planner.pause.skip = 0
     planner.reset()
     assert planner.drafts_this_cycle()
     planner.plan([0], [weak[0]], [weak[1]])
-    assert planner.skip == MAX_PAUSE and planner.backoff == MAX_PAUSE
+    assert planner.pause.skip == MAX_PAUSE and planner.pause.backoff == MAX_PAUSE
 
 
 def test_a_probes_time_is_not_learnt_and_a_new_request_forgets_the_last_ones_rates():

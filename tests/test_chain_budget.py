@@ -52,12 +52,12 @@ def test_a_new_request_drafts_its_first_cycle_and_keeps_the_pause_length():
     for _ in range(200):  # never accepted: long pauses
         n = budget.length(can_pause=True)
         budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, n > 0, n + 1))
-    backoff = budget.backoff
+    backoff = budget.pause.backoff
     budget.reset()
     n = budget.length(can_pause=True)
     assert n > 0
     budget.observe(n, [0], CPU.cycle_seconds(n + 1, 1, True, n + 1))  # a losing probe: paused as long as before
-    assert budget.length(can_pause=True) == 0 and budget.backoff >= backoff
+    assert budget.length(can_pause=True) == 0 and budget.pause.backoff >= backoff
 
 
 def test_cycle_times_learnt_from_nothing_find_that_plain_steps_win():

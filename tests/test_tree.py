@@ -161,7 +161,7 @@ def test_auto_pauses_drafting_when_no_draft_wins():
     assert not planner.drafts_this_cycle()  # and the next cycle skips the draft forward
     good = [[[3, 4]] * 3], [[[0.99, 0.005]] * 3]
     for _ in range(3):  # confident drafts: drafting resumes once the smoothed rates agree
-        planner.skip = 0
+        planner.pause.skip = 0
         plan = planner.plan([0], *good)
     assert plan.trees[0].nodes == 3 and planner.drafts_this_cycle()
 
@@ -173,14 +173,14 @@ def test_a_pause_is_dropped_when_the_target_accepts_the_deepest_drafted_node():
     unsure = [[[3, 4]] * 3], [[[0.5, 0.2]] * 3]
     for accepted_to_the_end, pauses in ((True, False), (False, True)):
         planner = TreePlanner("auto", 4, 8, costs, copy_branch=False)
-        planner.backoff = 8  # (a pause as long as the last request's)
+        planner.pause.backoff = 8  # (a pause as long as the last request's)
         for _ in range(2):
             plan = planner.plan([0], *unsure)
         tree = plan.trees[0]
         deepest = max(tree.depths)
-        assert deepest >= 2 and planner.skip > 0  # predicted: a plain step wins
+        assert deepest >= 2 and planner.pause.skip > 0  # predicted: a plain step wins
         path = [tree.depths.index(deepest)]
         while tree.parents[path[0]] > 0:
             path.insert(0, tree.parents[path[0]])
         planner.observe(plan, [path if accepted_to_the_end else path[:1]])
-        assert (planner.skip > 0) == pauses
+        assert (planner.pause.skip > 0) == pauses

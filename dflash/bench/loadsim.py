@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass, replace
 
 from .. import cli
-from ..core.budget import AUTO_BUDGET, RowPause, TreePlanner
+from ..core.budget import AUTO_BUDGET, Pause, TreePlanner
 from ..core.cycle_times import CycleTimes
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32)
@@ -121,7 +121,7 @@ def run(batch: Rows, costs: Roofline, mode: str = "auto", cycles: int = CYCLES, 
     the cycle times settle)."""
     planner = TreePlanner("auto", block_size, AUTO_BUDGET, CycleTimes(block_size), copy_branch=False)
     target, rows = Target(seed), batch.rows
-    pauses = [RowPause() for _ in range(rows)]  # (each row's own pause from the draft forward)
+    pauses = [Pause() for _ in range(rows)]  # (each row's own pause from the draft forward)
     tokens = [0] * rows
     seconds = nodes = drafted = draft_rows = 0.0
     chain_cycles = 0
@@ -153,7 +153,7 @@ def run(batch: Rows, costs: Roofline, mode: str = "auto", cycles: int = CYCLES, 
 
 
 def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs: Roofline,
-                pauses: list[RowPause]):
+                pauses: list[Pause]):
     """dflash.core.cycle.tree_cycle's control flow on synthetic drafts: (accepted per row, seconds, nodes per row,
     drafting rows, drafted)."""
     rows, anchors = batch.rows, [0] * batch.rows

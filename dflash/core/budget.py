@@ -1,23 +1,12 @@
-"""The verify budget: how many draft tokens each cycle verifies, and whether a cycle drafts at all.
+"""The tree planner: how many draft nodes each row verifies this cycle, and whether the cycle drafts at all.
 
-`--verify chain` verifies the drafter's B-1 proposals (the DFlash paper's decoding). `--verify tree` verifies a fixed
-budget of the most probable prefixes every cycle (the DDTree paper's). `--verify auto` chooses, every cycle and for
-every row, the node count that maximises expected committed tokens per second on this device: expected tokens from the
-calibrated acceptance estimates of dflash.core.tree, seconds from the cycles' own wall times
-(dflash/core/cycle_times.py: no profile at load). A short chain, a wide tree or the root alone (an autoregressive step)
-are all answers it can give. When even the best drafted cycle is predicted to lose to a cycle without a draft forward,
-it stops drafting for a while (1, 2, 4 .. 64 cycles, then a drafted cycle probes again), so a drafter that is almost
-always wrong costs little more than not drafting; the copied branch still runs in those cycles, since it costs no draft
-forward. For a batch the rule is the same over all rows at once: seconds of r rows of n tokens each, one global budget
-across rows (a row whose drafts are rarely accepted gets no nodes), and a pause skips the whole batch's draft forward; a
-cycle with neither a draft nor a copied node is a plain step. A row that a drafted cycle's plan gives no drafted node
-pauses on its own (RowPause): it leaves the draft forward, which then drafts the other rows only, until it probes again.
-The draft forward itself fills 2, 4, 8 or all B positions: the drafter's work grows with them, and where deep nodes do
-not pay (a CPU at high load) the block whose best plan is fastest, its own draft forward counted, is drafted. Rows that
-verify by rejection (chains only) choose a chain's length by the same rule: dflash/core/chain_budget.py. Whether a cycle
-runs on the chain's own path or a tree's is dflash/core/path_choice.py's estimate. Every row of a batch waits for the
-whole cycle, so a plan is taken only while the cycle lasts at most ITL_LIMIT plain steps per token that its least-served
-row expects (docs/trees.md, "Latency limit").
+`--verify tree` verifies a fixed budget of the most probable prefixes every cycle (DDTree). `--verify auto` takes,
+every cycle, the plan with the most expected committed tokens per second: tokens from the calibrated acceptance
+estimates (dflash.core.tree), seconds from the cycles' own wall times (dflash/core/cycle_times.py). One budget is
+spent across the batch's rows by value, in cycles of at most ITL_LIMIT plain steps per token the least-served row
+expects. Around that rule: pauses (no draft forward while not drafting wins, the batch's and a row's own: Pause),
+the draft forward's length (2, 4, 8 or all B positions), and the chain's path or a tree's (path_choice.py).
+docs/verification.md says the policy, docs/trees.md what each part measured.
 """
 
 from __future__ import annotations
@@ -43,10 +32,8 @@ ITL_LIMIT = 1.5  # auto: a cycle takes at most this many plain steps per token i
 def _chain_tokens(top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence[float]], copy: Sequence[int],
                   calibration: Calibration) -> float:
     """Tokens a chain cycle is expected to commit: 1 + the calibrated values of the drafter's rank-1 nodes at every
-    depth, valued as merge_candidates values them: q times the depth's scale, or the copied branch's rate where the
-    rank-1 prefix is the copied one, capped by the parent's value. (Valued by q alone, a chain that is the copied
-    branch looked worse than the tree of the same nodes, and auto kept the tree's slower path on text the chain
-    committed whole: the reference pair on MLX, 19 ms tree cycles against 15 ms chain cycles, both of 16 tokens.)"""
+    depth, valued as merge_candidates values them (the copied branch's rate where the rank-1 prefix is the copied
+    one, as the tree's merged node is), capped by the parent's value."""
     total, q, value, copied = 1.0, 1.0, math.inf, True
     for depth, (ids, probs) in enumerate(zip(top_ids, top_probs), start=1):
         q *= probs[0]
@@ -61,9 +48,7 @@ def _chain_tokens(top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence
 
 def _outran(plan: "Plan", paths: Sequence[Sequence[int]]) -> bool:
     """Whether the target accepted every row's deepest drafted node (at depth 2 or more): the drafter did better
-    than its plan could show. A text the drafter knows better than its confidence says (the reference pair, a
-    held-out prompt: drafts of q 0.6, 0.39, 0.37 .. where the chain committed 5, 1, 6, 6, 4, 2 and 12 tokens) made
-    auto pause for 28 of its first 31 cycles, each probe's small tree accepted to its last node."""
+    than its q-priced plan could show, so the pause that plan chose was a mistake (docs/trees.md, "Pauses")."""
     rows = 0
     for tree, qs, path in zip(plan.trees, plan.qs, paths):
         deepest = max((d for d, q in zip(tree.depths, qs) if q > 0), default=0)
@@ -92,30 +77,33 @@ class Plan:
 
 
 @dataclass
-class RowPause:
-    """auto, batches: one row's own pause from the draft forward (its Row holds it: dflash/core/row.py). A drafted
-    cycle whose plan gives the row no drafted node while it gives another row one pauses it for 1, 2, 4 ..
-    MAX_PAUSE drafted cycles (its next draft is a probe), and one that gives it a node ends its pause; a paused row's
-    cycle still verifies its copied branch. (A plan that gives no row a drafted node is the batch's pause,
-    TreePlanner.skip, not every row's.)"""
+class Pause:
+    """Cycles without a draft forward while not drafting wins: 1, 2, 4 .. MAX_PAUSE of them between probes, twice as
+    many after each probe that loses, none after one that wins. One rule for the batch's pause (TreePlanner,
+    ChainBudget) and a row's own (its Row: a drafted cycle whose plan gives the row no drafted node while it gives
+    another row one leaves it out of the draft forward; its copied branch is still verified)."""
 
-    skip: int = 0  # drafted cycles left without it
-    backoff: int = 0  # its next pause's length
+    skip: int = 0  # cycles left in this pause
+    backoff: int = 0  # the last pause's length (0: drafting won)
 
-    def observe(self, drafted_nodes: bool) -> None:
-        if drafted_nodes:
+    def waits(self) -> bool:
+        """Whether this cycle is in the pause (counted down)."""
+        if self.skip:
+            self.skip -= 1
+            return True
+        return False
+
+    def observe(self, drafting_wins: bool) -> None:
+        if drafting_wins:
             self.backoff = 0
         else:
             self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
             self.skip = self.backoff
 
 
-def drafting(pauses: Sequence[RowPause]) -> list[int]:
+def drafting(pauses: Sequence[Pause]) -> list[int]:
     """The rows this drafted cycle drafts for (a paused row's wait counts down)."""
-    out = [r for r, pause in enumerate(pauses) if pause.skip == 0]
-    for pause in pauses:
-        pause.skip = max(pause.skip - 1, 0)
-    return out
+    return [r for r, pause in enumerate(pauses) if not pause.waits()]
 
 
 class TreePlanner:
@@ -127,12 +115,10 @@ class TreePlanner:
         self.copy_branch, self.itl_limit = copy_branch, itl_limit
         self.chain_within = True  # auto: whether the last drafted cycle's rows could wait for a whole chain
         self.top_k = min(MAX_TOP_K, budget)
-        # auto: draft candidates enumerated per row, twice the most any row verified last cycle (a tree of 17 nodes
-        # no longer enumerates, calibrates and sorts 256 candidates per cycle; a plan that uses them all doubles it)
-        self.reach = min(budget, 2 * (block_size - 1))
+        self.reach = min(budget, 2 * (block_size - 1))  # auto: candidates per row, twice the most verified last cycle
         self.calibration = Calibration(block_size - 1)
         self.idle_trees = 0  # root-only trees of plain cycles not yet forgotten by (Calibration.age) the calibration
-        self.skip, self.backoff = 0, 0  # auto: cycles left without a draft forward; the next pause's length
+        self.pause = Pause()  # auto: the batch's cycles without a draft forward
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
         self.last_drafted = True
@@ -145,11 +131,11 @@ class TreePlanner:
         self.draft_rows: int | None = None  # auto: rows of this cycle's draft forward, when not all
         self.planned_width = block_size  # auto: verify tokens per row of the last drafted plan's trees
 
-    def path(self, pauses: Sequence[RowPause] = ()) -> str:
+    def path(self, pauses: Sequence[Pause] = ()) -> str:
         """auto: "chain" or "tree" for this cycle (tree: always), the rows' own pauses in `pauses`. While cycles
         without a draft forward win (a pause, and its probes), and while a shorter draft block wins, the tree path
         runs: only it can pause or draft fewer positions, and only its plans tell when drafting pays again."""
-        if self.mode != "auto" or self.skip > 0 or self.backoff > 0 or not self.chain_within or any(
+        if self.mode != "auto" or self.pause.skip or self.pause.backoff or not self.chain_within or any(
                 p.skip for p in pauses):
             return "tree"  # (the chain drafts every row)
         if self.draft_block < self.block_size:
@@ -171,15 +157,12 @@ class TreePlanner:
     @property
     def pauses_next(self) -> bool:
         """Whether the next cycle drafts nothing either (a pause goes on)."""
-        return self.skip > 0
+        return self.pause.skip > 0
 
     def drafts_this_cycle(self) -> bool:
-        if self.skip > 0:
-            self.skip -= 1
-            return False
-        return True
+        return not self.pause.waits()
 
-    def drafting_rows(self, pauses: Sequence[RowPause]) -> list[int] | None:
+    def drafting_rows(self, pauses: Sequence[Pause]) -> list[int] | None:
         """auto: the rows (each row's pause in `pauses`) a drafted cycle drafts for ([]: none, a plain cycle); None:
         every row, with no row pausing on its own (tree mode, one row). Plan with it."""
         if self.mode != "auto" or len(pauses) == 1:
@@ -187,15 +170,13 @@ class TreePlanner:
         return drafting(pauses)
 
     def reset(self) -> None:
-        """A new request (or batch): its first cycle drafts, and its drafts are judged on their own text. A pause
-        learnt on one text would otherwise run on into the next (a prompt whose drafts are rarely accepted pausing
-        the next one's first 64 cycles, and its smoothed rates outvoting every later probe); the pause's length is
-        kept, so a probe that loses again pauses as long as before."""
-        self.skip, self.rates = 0, None
+        """A new request (or batch): its first cycle drafts and its drafts are judged on their own text; the pause's
+        length is kept, so a probe that loses again pauses as long as before."""
+        self.pause.skip, self.rates = 0, None
 
     def plan(self, anchors: Sequence[int], top_ids=None, top_probs=None,
              copies: Sequence[Sequence[int]] = (), drafting: Sequence[int] | None = None,
-             pauses: Sequence[RowPause] = ()) -> Plan:
+             pauses: Sequence[Pause] = ()) -> Plan:
         """Trees for this cycle. top_ids / top_probs (rows, B-1, k) host lists when the cycle drafted, else None;
         `drafting`: drafting_rows' answer, the rows they are of, whose pauses (in `pauses`) learn from the plan."""
         self._age()
@@ -257,18 +238,16 @@ class TreePlanner:
             self.calibration.observe(tree, qs, list(path))
         probe = plan.drafted and not self.last_drafted
         self.last_drafted = plan.drafted
-        if self.mode == "auto" and plan.drafted and (self.skip or self.backoff) and _outran(plan, paths):
-            self.skip = self.backoff = 0  # (the pause this cycle's prediction chose was the prediction's mistake)
+        if self.mode == "auto" and plan.drafted and (self.pause.skip or self.pause.backoff) and _outran(plan, paths):
+            self.pause = Pause()  # (the pause this cycle's prediction chose was the prediction's mistake)
         if self.mode == "auto" and plan.drafted and plan.block < self.block_size and len(plan.trees) == 1 and \
                 _filled(plan, paths):
-            # (the deeper block at once: its q-based value is pessimistic on a text the drafter knows deep, where a
-            # short block, carried over from earlier texts, held auto at tau 6.6 against the chain's 8.9 on MLX. One
-            # row only: a batch's short block is chosen for its cost, and deepening it there cost concurrency 32)
+            # (one row that took all a short block gave drafts deeper at once; a batch's short block is chosen for
+            # its cost: docs/trees.md)
             deeper = self._deeper(plan.block)
             assert deeper is not None  # (a block shorter than the whole one)
             self.draft_block, self.deepen_wait[deeper], self.deepen_after[deeper] = deeper, 0, 1
-        # (a probe's draft forward also reads every position its pause committed, up to MAX_PAUSE: learnt as a drafted
-        # cycle's cost, it made drafting look dearer after each pause, and the pauses longer)
+        # (a probe's draft forward also reads every position its pause committed: not a drafted cycle's cost)
         if seconds is not None and not probe:
             width = max(len(t.tokens) for t in plan.trees)
             self._timed(width, len(plan.trees), plan.drafted, seconds, plan.block, plan.draft_rows)
@@ -299,11 +278,10 @@ class TreePlanner:
         return choose_counts(values, seconds, 0.0, self.budget, limit)
 
     def _next_block(self, candidates, counts, rate: float, limit: float | None, block: int) -> tuple[int, float]:
-        """The next draft's positions, and the rate this cycle's plan predicts for them: the measured block whose best
-        plan over recent cycles' candidates (draft nodes past its positions dropped; rates smoothed) is fastest with
-        its own draft forward; at high load on a device that pays for every position, that is often a few positions.
-        When the drafted block wins and its plan reaches its last position, the next block up is tried (again after
-        2, 4 .. 64 drafted cycles while such tries lose)."""
+        """The next draft's positions, and the rate this cycle's plan predicts for them: the block whose best plan
+        over recent cycles' candidates (draft nodes past its positions dropped; rates smoothed) is fastest with its
+        own draft forward. When the drafted block wins and its plan reaches its last position, the next block up is
+        tried (again after 2, 4 .. 64 drafted cycles while such tries lose)."""
         if block == self.block_size:  # (the whole block's cycles may run on the chain's faster path)
             rate *= self.choice.chain_gain()
         rates = {block: rate}
@@ -354,9 +332,8 @@ class TreePlanner:
         return seconds <= limit * least
 
     def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:
-        """Compare the predicted rate of drafted cycles with what the same cycles would give without the draft
-        forward (the copied branch alone), both smoothed over recent cycles so that one unsure draft does not stop
-        a good drafter: pause drafting, for longer each time, while not drafting wins."""
+        """Pause while the predicted rate of drafted cycles, smoothed, loses to that of the same cycles without the
+        draft forward (the copied branch alone)."""
         undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
         _, undrafted_rate = self._counts(undrafted, False, limit)
         first = self.rates is None  # (a request's first drafted cycle: one unsmoothed look)
@@ -364,11 +341,8 @@ class TreePlanner:
             self.rates = [drafted_rate, undrafted_rate]
         else:
             self.rates = [r + 0.3 * (x - r) for r, x in zip(self.rates, (drafted_rate, undrafted_rate))]
-        if self.rates[1] > self.rates[0]:
-            if first and self.backoff < MAX_PAUSE:  # one more look before a pause as long as the last request's
-                self.skip = 1  # (after the longest pause, the last text was that look: every probe of it lost)
-            else:
-                self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
-                self.skip = self.backoff
+        wins = self.rates[1] <= self.rates[0]
+        if not wins and first and self.pause.backoff < MAX_PAUSE:  # one more look before a pause as long as the
+            self.pause.skip = 1  # last request's (after the longest pause, the last text was that look: all lost)
         else:
-            self.backoff = 0
+            self.pause.observe(wins)

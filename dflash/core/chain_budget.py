@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .budget import MAX_PAUSE
+from .budget import Pause
 from .cycle_times import CycleTimes
 
 PLAIN_EVERY = 32  # drafted cycles in a row before a plain step is timed again
@@ -26,7 +26,7 @@ class ChainBudget:
         self.times, self.smoothing = times, smoothing
         self.rates = [prior] * (block_size - 1)
         self.reached = 0  # positions some cycle has verified (the rates past them are the prior's)
-        self.skip, self.backoff, self.probing = 0, 0, False
+        self.pause, self.probing = Pause(), False
         self.probe = False  # this cycle drafts after a pause (or at a request's start)
         self.since_plain = 0  # drafted cycles since the last plain one
 
@@ -45,31 +45,31 @@ class ChainBudget:
     def length(self, can_pause: bool = True, rows: int = 1) -> int:
         """Proposals every one of `rows` rows verifies this cycle (0: no draft forward; only when `can_pause`). The
         cycle after a pause drafts (a probe), so the acceptance estimates stay current."""
-        if can_pause and (self.skip > 0 or self.since_plain >= PLAIN_EVERY):
-            self.skip = max(self.skip - 1, 0)  # a pause; or a plain step now and then, to keep its time known
-            return 0
+        if can_pause and (self.pause.waits() or self.since_plain >= PLAIN_EVERY):
+            return 0  # a pause; or a plain step now and then, to keep its time known
         best = max(range(1, len(self.rates) + 1), key=lambda n: self.expected(n) / self.seconds(n, rows))
         if not can_pause:
             return best
         plain_wins = self.expected(0) / self.seconds(0, rows) > self.expected(best) / self.seconds(best, rows)
         if plain_wins and not self.probing:
-            self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
-            self.skip, self.probing = self.backoff - 1, True
+            self.pause.observe(False)
+            self.pause.skip -= 1  # (this cycle is the pause's first)
+            self.probing = True
             return 0
         self.probe, self.probing = self.probing, False
         if not plain_wins:
-            self.backoff = 0
+            self.pause.observe(True)
         return best
 
     def reset(self) -> None:
         """A new request: its first cycle drafts, a probe of its own text (the pause's length is kept, so a probe
         that loses again pauses as long as before)."""
-        self.skip, self.probing = 0, True
+        self.pause.skip, self.probing = 0, True
 
     @property
     def pauses_next(self) -> bool:
         """Whether the next cycle is a plain step too (a pause goes on)."""
-        return self.skip > 0
+        return self.pause.skip > 0
 
     def observe(self, length: int, accepted: Sequence[int], seconds: float) -> None:
         """One cycle: `length` proposals verified per row, rows accepted `accepted[r]` of them, in `seconds`."""
@@ -83,12 +83,9 @@ class ChainBudget:
         rows = max(len(accepted), 1)
         if drafted and self.probe:
             # a probe judged by what it committed: one that beat the plain step halves the next pause (a quarter
-            # here, doubled when it starts) where one that lost doubles it, so that rates pulled down by a bad
-            # stretch (smoothed, and refreshed by probes alone while paused) are measured again within a few dozen
-            # cycles, not after pauses of 64 (measured: sampled rows at temperature 0.3 1.21x -> 1.25x plain on
-            # PyTorch, 0.98x -> 1.18x on MLX; at 0.8 level within 1%; zeroing the pause instead: 1.32x / 1.27x at
-            # 0.3 but 0.89x on MLX at 0.8)
+            # here, doubled when it starts), so rates a bad stretch pulled down are measured again within a few
+            # dozen cycles (docs/sampling.md has the measurements)
             self.probe = False
             if sum(accepted) and (1 + sum(accepted) / rows) / seconds > 1 / self.seconds(0, rows):
-                self.backoff //= 4
+                self.pause.backoff //= 4
         self.times.observe(length + 1, rows, drafted, seconds, length + 1)

@@ -1,24 +1,17 @@
 """--verify auto's choice between the chain's own path and a tree's, cycle by cycle.
 
 The chain's path runs draft and verify with no host read between them (on a lazy backend the draft overlaps the
-verify's graph building); a tree cycle reads the draft's top-k, builds the tree and verifies it under a 4D mask. Which
-is faster depends on the device and the drafter, so it is estimated, not raced: measured speeds swing with the text
-far more than between the two paths, and re-trying the slower path to keep its speed current costs what it loses.
+verify's graph building); a tree cycle reads the draft's top-k, builds the tree and verifies it under a 4D mask.
+Which is faster is estimated, not raced (measured speeds swing with the text far more than between the paths):
 
-- Seconds: each path's cycles are smoothed as a multiple of the cost model's prediction for their own shape (a tree
-  cycle: its tree's width; a chain cycle: the chain's), so that the factor is the path's own overhead (the tree's
-  host read, tree building and mask) and not its size. Measured against the chain's shape for both, a tree of a few
-  nodes looked as cheap as a chain, and in stretches where the tree is the chain (every rank-1 node kept) the tree
-  path ran on although its cycles took 7% longer than the chain's (the reference pair, AMD EPYC: 17.2 ms and 16.1).
-- Tokens: each drafted tree cycle's plan gives the tokens the chosen tree is expected to commit (1 + the calibrated
-  values of its nodes) and what the chain would (1 + those of the drafter's rank-1 nodes at every depth), from the
-  same calibration. The estimate is the ratio of their decaying sums, each over the decaying sum of the cost model's
-  seconds for the same cycles (the tree's width; the chain's), each times its path's factor. Counting what the chain
-  would really have accepted in tree cycles (the accepted path's leading rank-1 nodes) measures it at the tree's
-  cycle starts, not the chain's: on 32 held-out prompts of the reference pair that gave 0.98 (the mean of per-cycle
-  ratios 1.42) where the chain took 1.30x the fixed tree's cycles; the same trees' plans expected 1.29.
+- Seconds: each path's cycles, smoothed as a multiple of the cycle times' prediction for their own shape, so that
+  the factor is the path's own overhead (host read, tree building, mask), not its size.
+- Tokens: each drafted tree cycle's plan gives what its trees are expected to commit and what the chain would, from
+  the same calibration; the estimate is the ratio of their decaying sums, each over its own decaying seconds.
 - Probes: the path not in use runs one cycle after 16 cycles, then after 32, 64 .. 1024 while it loses by more than
   10% (back to 16 when the two are close or the choice flips). The first cycle of each path only warms up.
+
+docs/trees.md has the measurements behind each choice.
 """
 
 from __future__ import annotations

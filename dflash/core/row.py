@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .budget import RowPause
+from .budget import Pause
 from .sampling import RowSampling
 from .tree import CopyIndex
 
@@ -17,7 +17,7 @@ class Row:
     tokens: list[int]  # ids whose K/V is in the target cache
     sampling: RowSampling  # its settings, acceptance rule, noise seed and proposal-shape chooser
     copies: CopyIndex = field(default_factory=CopyIndex)  # prompt lookup over its tokens (the copied branch)
-    pause: RowPause = field(default_factory=RowPause)  # auto: its own pause from the draft forward
+    pause: Pause = field(default_factory=Pause)  # auto: its own pause from the draft forward
 
     def copied(self, anchor: int, length: int) -> list[int]:
         """Its branch copied from its context (prompt lookup), brought up to `anchor`: at most `length` tokens."""
