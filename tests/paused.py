@@ -20,10 +20,9 @@ class ScriptedPauses(ChainBudget):
         self.next_pause = 1
 
     def length(self, can_pause=True, rows=1):
-        if self.skip > 0:
-            self.skip -= 1
+        if self.pause.waits():
             return 0
-        self.skip, self.next_pause = self.next_pause, min(2 * self.next_pause, 16)
+        self.pause.skip, self.next_pause = self.next_pause, min(2 * self.next_pause, 16)
         return 3  # (proposals verified)
 
     def observe(self, length, accepted, seconds):

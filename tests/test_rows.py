@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from dflash.core import rows
+from dflash.core.errors import DFlashError
 from dflash.core.rows import RowLayout
 
 
@@ -57,6 +58,11 @@ class NumpySlots:
 
     def drop_last(self, n):
         self.entries = self.entries[:, :, :self.entries.shape[2] - n]
+        return True
+
+    def pack_tail(self, start, slots, width):
+        kept = self.entries[:, :, [start + s for s in slots]]
+        self.entries = np.concatenate([self.entries[:, :, :start], kept], axis=2)
 
     def gather_slots(self, index):
         self.entries = np.take_along_axis(self.entries, index[:, None, :, None], axis=2)
@@ -175,9 +181,10 @@ def test_shared_rows_keep_every_rows_entries_through_joins_leaves_keeps_and_comp
             compactions += shared.layout.width < width
         elif op == "extract":
             i = int(rng.integers(shared.rows))
-            alone = backend.make()
-            assert shared.copy_row(i, alone) == len(want[i])
-            assert backend.read(alone).tolist() == [want[i]]
+            alone = rows.SharedRows(backend.make())
+            shared.extract(i, alone)
+            assert alone.lone and alone.width == len(want[i])
+            assert backend.read(alone.buffers).tolist() == [want[i]]
         entries = backend.read(shared.buffers)
         assert entries.shape[0] == shared.rows == len(want)
         for i in range(shared.rows):
@@ -197,3 +204,29 @@ def test_a_join_the_buffers_refuse_leaves_the_layout_as_it_was():
     with pytest.raises(MemoryError):
         shared.join(NumpySlots(np.ones((1, 1, 9, 1))), 9)
     assert shared.rows == 1 and shared.layout.width == 5
+
+
+def test_a_lone_row_rewinds_from_its_end_and_a_batch_refuses_to():
+    """A lone row is a SharedRows of one: a kept tree path moves to the front of its forward's slots (no holes, so
+    its next forward runs at the cache's own positions), a rewind drops slots from the end, and a cache that cannot
+    go back that far (a sliding window past the last forward) leaves the layout as it was."""
+    lone = rows.SharedRows(NumpySlots(np.arange(5.0)[None, None, :, None]), 5)
+    lone.append(4)
+    lone.buffers.entries = np.arange(9.0)[None, None, :, None]
+    lone.keep_slots([[0, 2, 3]], 4)  # slots 5, 7, 8 of the forward
+    assert lone.lone and lone.width == 8 and lone.buffers.entries[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 8]
+    assert lone.trim(3) and lone.width == 5 and lone.buffers.entries.shape[2] == 5
+
+    class Windowed(NumpySlots):
+        def drop_last(self, n):
+            return False
+
+    lone.buffers = Windowed(lone.buffers.entries)
+    assert not lone.trim(2) and lone.width == 5
+
+    batch = rows.SharedRows(NumpySlots(np.ones((1, 1, 5, 1))), 5)
+    batch.join(NumpySlots(np.ones((1, 1, 3, 1))), 3)
+    with pytest.raises(DFlashError, match="retire rows instead"):
+        batch.trim(1)
+    batch.select([0])  # (the longer row alone: no holes left, so it is a lone row again)
+    assert batch.lone and batch.trim(1)

@@ -1,6 +1,7 @@
-"""dflash.core.rows.SlotBuffers over mlx-lm's KVCache: the K/V entries of rows sharing one target cache, moved where
+"""dflash.core.rows.SlotBuffers over mlx-lm's KVCache: the K/V entries of the target cache's rows, moved where
 dflash.core.rows.SharedRows says. A KVCache's buffers are allocated in steps of 256 slots and `offset` of them are
-live; every row operation leaves buffers holding exactly the live slots (the next forward grows them again)."""
+live; every row operation leaves buffers holding exactly the live slots (the next forward grows them again). A lone
+row's cache may also hold rotating or recurrent layers, which `rewind` restores."""
 
 from __future__ import annotations
 
@@ -8,13 +9,31 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import trim_prompt_cache
 
+from dflash.core.errors import DFlashError
+
+from .rewind import MLXRewind
+
 
 class RowSlots:
-    def __init__(self, cache: list):
-        self.cache = cache
+    def __init__(self, cache: list, rewind: MLXRewind | None = None):
+        self.cache, self.rewind = cache, rewind
 
-    def drop_last(self, n: int) -> None:
-        trim_prompt_cache(self.cache, n)
+    def drop_last(self, n: int) -> bool:
+        if self.rewind is not None:
+            return self.rewind.rewind(n)
+        # a rotating cache stops being trimmable once it wraps; rewinding it silently would corrupt the output
+        if trim_prompt_cache(self.cache, n) != n:
+            raise DFlashError(f"the target's mlx-lm cache could not be rewound by {n} positions (a rotating or "
+                              "sliding cache that already wrapped)")
+        return True
+
+    def pack_tail(self, start: int, slots: list[int], width: int) -> None:
+        idx, n = mx.array([start + s for s in slots], dtype=mx.int32), len(slots)
+        for c in self.cache:  # (copying only the kept entries)
+            keys, values = mx.take(c.keys, idx, axis=2), mx.take(c.values, idx, axis=2)
+            c.keys[..., start:start + n, :] = keys
+            c.values[..., start:start + n, :] = values
+            c.offset = start + n
 
     def gather_slots(self, index: np.ndarray) -> None:
         idx = mx.array(index, dtype=mx.int32)[:, None, :, None]

@@ -1,10 +1,10 @@
 """The target's primitives for dflash.core.engine on MLX: an mlx-lm model, its cache, rows, sampling.
 
 Everything stays lazy inside a cycle: the draft's proposals feed the verify forward as an array, and the only
-device -> host read is the `tolist()` of the B drafted + B target ids at the end of verify(). Rows share mlx-lm's
-KVCache (one offset for the batch), owned by dflash.core.rows.SharedRows (row_slots.RowSlots moves the entries):
-each forward gives every row's tokens their own positions and a mask over the row's valid slots
-(backends/mlx/tree.py), as the torch backend does.
+device -> host read is the `tolist()` of the B drafted + B target ids at the end of verify(). The cache's rows (mlx-lm's
+KVCache, one offset for the batch) are a dflash.core.rows.SharedRows (row_slots.RowSlots moves the entries): a lone
+row without holes runs mlx-lm's own forward, rows of a batch give every row's tokens their own positions and a mask
+over the row's valid slots (backends/mlx/tree.py), as the torch backend does.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from __future__ import annotations
 from typing import Sequence, cast
 
 import mlx.core as mx
-import numpy as np
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from dflash.core.contract import Capabilities
 from dflash.core.errors import DFlashError
-from dflash.core.rows import RowLayout, SharedRows
+from dflash.core.rows import SharedRows
 from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
 from dflash.core.sampling import RowSampling
 from dflash.core.tree import TreeInputs
@@ -26,18 +25,19 @@ from .rewind import MLXRewind, needs_rewind
 from .row_slots import RowSlots
 from .sampling import gumbel, multi_candidate_tokens, rejection_tokens, sampler
 from .target import TappedForward, target_info
-from .tree import explicit_positions, keep_path, positions_refusal
+from .tree import explicit_positions, positions_refusal
 
 
 class MLXTarget:
-    def __init__(self, model, config: dict, layer_ids: list[int] | None = None):
+    def __init__(self, model, config: dict, layer_ids: list[int] | None = None, *,
+                 runner: TappedForward | None = None):
         self.model, self.config = model, config
         self.info = target_info(model, config)
         self.max_context = config.get("text_config", config).get("max_position_embeddings")
-        self.runner = TappedForward(model, config, layer_ids)
+        self.runner = runner or TappedForward(model, config, layer_ids)  # (a spawned row's: its batch's)
         self.rewind: MLXRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
         self.cache = self._new_cache()
-        self.shared: SharedRows[RowSlots] | None = None  # once rows share the cache
+        self.slots: SharedRows[RowSlots] = SharedRows(RowSlots(self.cache, self.rewind))  # the cache's rows
 
     # ---- arrays ----------------------------------------------------------------------------------------------------
     @staticmethod
@@ -112,13 +112,12 @@ class MLXTarget:
     # ---- forward, keep, trim -----------------------------------------------------------------------------------------
     def forward(self, ids: mx.array, last_only: bool, tree: TreeInputs | None = None):
         if tree is not None:
-            positions, mask = self.shared.append_tree(tree) if self.shared is not None else \
-                RowLayout(self.cache[0].offset).append_tree(tree.depths, tree.allowed, tree.real)
-            with explicit_positions(self.runner.layers, self.cache, positions, mask):
+            with explicit_positions(self.runner.layers, self.cache, *self.slots.append_tree(tree)):
                 return self.runner(ids, self.cache, last_only=False)
-        if self.shared is not None:
-            with explicit_positions(self.runner.layers, self.cache, *self.shared.append(ids.shape[1])):
+        if not self.slots.lone:
+            with explicit_positions(self.runner.layers, self.cache, *self.slots.append(ids.shape[1])):
                 return self.runner(ids, self.cache, last_only)
+        self.slots.grow(ids.shape[1])
         if self.rewind is None:
             return self.runner(ids, self.cache, last_only)
         self.rewind.before_forward()
@@ -128,25 +127,15 @@ class MLXTarget:
         return out
 
     def keep(self, keeps: list[int], width: int) -> bool:
-        if self.shared is not None:
-            self.shared.keep(keeps, width)
-            return True
-        return keeps[0] == width or self.trim(width - keeps[0])
+        return self.slots.keep(keeps, width)
 
     def trim(self, n: int) -> bool:
         """Forget the last n target positions; False if the cache cannot go back that far (see rewind.py)."""
-        if self.shared is not None:
-            raise DFlashError("trim: rows sharing a cache are not rewound; retire rows instead")
-        if self.rewind is not None:
-            return self.rewind.rewind(n)
-        # a rotating cache stops being trimmable once it wraps; rewinding it silently would corrupt the output
-        if trim_prompt_cache(self.cache, n) != n:
-            raise DFlashError(f"{self.info.model_type}: the target's mlx-lm cache could not be rewound by {n} "
-                              "positions (a rotating/sliding cache that already wrapped)")
-        return True
+        return self.slots.trim(n)
 
     def reset(self) -> None:
-        self.cache, self.shared = self._new_cache(), None
+        self.cache = self._new_cache()
+        self.slots = SharedRows(RowSlots(self.cache, self.rewind))
 
     # ---- trees -------------------------------------------------------------------------------------------------------
     @property
@@ -172,10 +161,8 @@ class MLXTarget:
     def keep_slots(self, slots: list[list[int]], width: int) -> None:
         if all(s == list(range(len(s))) for s in slots):
             self.keep([len(s) for s in slots], width)
-        elif self.shared is None:
-            keep_path(self.cache, slots[0], width)
-        else:  # rows: the kept slots stay where they are, the rest become holes
-            self.shared.keep_slots(slots, width)
+        else:
+            self.slots.keep_slots(slots, width)
 
     @staticmethod
     def gather(features: mx.array, slots: list[list[int]]) -> mx.array:
@@ -191,29 +178,20 @@ class MLXTarget:
     def spawn(self) -> "MLXTarget":
         """The same model with an empty cache (a row prefilled alone, then merged)."""
         self._check_batchable()
-        row = MLXTarget.__new__(MLXTarget)
-        row.__dict__.update(self.__dict__)
-        row.cache, row.shared = self._new_cache(), None
-        return row
+        return MLXTarget(self.model, self.config, runner=self.runner)
 
     def merge(self, other: "MLXTarget") -> None:
         """Append other's row to this batch (SharedRows.join: the shorter side left-padded with masked slots)."""
-        if self.shared is None:
-            self._check_batchable()
-            self.shared = SharedRows(RowSlots(self.cache), self.cache[0].offset)
-        self.shared.join(RowSlots(other.cache), other.cache[0].offset)
+        self._check_batchable()
+        self.slots.join(other.slots.buffers, other.slots.width)
 
     def select(self, rows: list[int]) -> None:
-        if self.shared is not None:  # (one row: kept)
-            self.shared.select(rows)
+        self.slots.select(rows)
 
     def extract(self, i: int) -> "MLXTarget":
         """Row i alone on a cache of its own (its valid slots, in order): a prefix kept after it leaves the batch."""
         row = self.spawn()
-        if self.shared is None:
-            RowSlots(self.cache).copy_row(0, np.arange(self.cache[0].offset), RowSlots(row.cache))
-        else:
-            self.shared.copy_row(i, RowSlots(row.cache))
+        self.slots.extract(i, row.slots)
         return row
 
     def cache_bytes(self) -> int:

@@ -64,15 +64,3 @@ def explicit_positions(layers, cache: list, positions: np.ndarray, mask: np.ndar
         del cache[0].make_mask
         for layer, rope in zip(layers, ropes):
             _attention(layer).rope = rope
-
-
-def keep_path(cache: list, slots: list[int], width: int) -> None:
-    """One row: keep `slots` (ascending, slot 0 = the root) of the last `width` positions, contiguously."""
-    start = cache[0].offset - width
-    idx = mx.array([start + s for s in slots], dtype=mx.int32)
-    n = len(slots)
-    for c in cache:
-        keys, values = mx.take(c.keys, idx, axis=2), mx.take(c.values, idx, axis=2)
-        c.keys[..., start:start + n, :] = keys
-        c.values[..., start:start + n, :] = values
-        c.offset = start + n

@@ -15,6 +15,8 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
+from .rewind import CacheRewind
+
 
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose K/V live in (row capacity, heads, capacity, head_dim) buffers; `rows` rows of `length`
@@ -165,19 +167,32 @@ class GrowingLayer(DynamicLayer):
 
 
 class RowSlots:
-    """dflash.core.rows.SlotBuffers over a transformers cache whose layers are all GrowingLayers (what the target's
-    forwards write into); SharedRows decides, these move the entries."""
+    """dflash.core.rows.SlotBuffers over a transformers cache (what the target's forwards write into); SharedRows
+    decides, these move the entries. Rows of a batch live on GrowingLayers; a lone row's cache may also be a static
+    one, or hold sliding-window / linear-attention layers that `rewind` restores."""
 
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, cache, rewind: CacheRewind | None = None):
+        self.cache, self.rewind = cache, rewind
 
     @property
     def layers(self) -> list[GrowingLayer]:
         return self.cache.layers
 
-    def drop_last(self, n: int) -> None:
-        for layer in self.layers:
-            layer.crop(-n)
+    @torch.inference_mode()
+    def drop_last(self, n: int) -> bool:
+        if self.rewind is not None:
+            return self.rewind.rewind(n)
+        self.cache.crop(-n)
+        return True
+
+    @torch.inference_mode()
+    def pack_tail(self, start: int, slots: list[int], width: int) -> None:
+        n = len(slots)
+        for layer in self.layers:  # (copying only the kept entries)
+            for kv in (layer.keys, layer.values):
+                assert kv is not None  # (a forward filled them)
+                kv[:, :, start:start + n] = kv[:, :, start + torch.tensor(slots, device=kv.device)]
+        self.cache.crop(n - width)
 
     def gather_slots(self, index: np.ndarray) -> None:
         idx = torch.from_numpy(index).to(self.layers[0].device)

@@ -1,24 +1,23 @@
 """The target's primitives for dflash.core.engine on torch: forward with feature capture, keep / trim, rows, sampling.
 
-One row runs on a plain transformers cache (DynamicCache, or a preallocated StaticCache for compiled decoding;
-sliding-window and linear-attention layers rewind through CacheRewind), with positions implied by the cache length.
-Several rows share one cache and advance at different rates: dflash.core.rows.SharedRows owns them (valid slots,
-holes, positions, compaction, joins and leaves) and moves their K/V through kv_cache.RowSlots; their tokens go in
-with explicit position_ids and a 4D mask.
+The cache's rows are a dflash.core.rows.SharedRows (valid slots, holes, positions, rewinds, compaction, joins and
+leaves), which moves their K/V through kv_cache.RowSlots. A lone row without holes runs on the transformers cache as
+it is (DynamicCache, or a preallocated StaticCache for compiled decoding; sliding-window and linear-attention layers
+rewind through CacheRewind), with positions implied by the cache length; rows of a batch advance at different
+rates, their tokens at explicit position_ids under a 4D mask.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
 from dflash.core.contract import Capabilities, Drafter
 from dflash.core.errors import DFlashError
-from dflash.core.rows import RowLayout, SharedRows
+from dflash.core.rows import SharedRows
 from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
 from dflash.core.sampling import RowSampling
 from dflash.core.tree import TreeInputs
@@ -46,8 +45,7 @@ class TorchTarget:
         self.cache_len = cache_len
         self.rewind: CacheRewind | None = None  # sliding-window / linear-attention targets (gpt-oss, Qwen3.5)
         self.cache = self._new_cache()
-        self.length = 0  # positions in the cache (one row)
-        self.shared: SharedRows[RowSlots] | None = None  # once rows share the cache
+        self.slots: SharedRows[RowSlots] = SharedRows(RowSlots(self.cache, self.rewind))  # the cache's rows
         # compile: the decode forwards (a plain step, a verify) go through torch.compile, prefill stays eager. The
         # cache's attention window (kv_cache.attention_window) and the token count are specialised on their first
         # value and compiled as symbols on their second (dynamic=None), so a run compiles a few graphs, not one a shape
@@ -63,6 +61,11 @@ class TorchTarget:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._decode_model = torch.compile(model, dynamic=None, fullgraph=True,
                                                mode="reduce-overhead" if self.device.type == "cuda" else None)
+
+    @property
+    def length(self) -> int:
+        """Slots per row of the cache (a lone row: its positions)."""
+        return self.slots.width
 
     # ---- arrays ----------------------------------------------------------------------------------------------------
     def ids(self, rows: list[list[int]]) -> torch.Tensor:
@@ -141,20 +144,21 @@ class TorchTarget:
         t = ids.shape[1]
         if tree is not None:
             return self._forward_tree(ids, tree)
-        if self.shared is not None:
+        if not self.slots.lone:
             return self._forward_rows(ids, last_only)
+        if self.cache_len is not None:
+            self._fit_static(t)
         if self.cache_len is not None and not last_only:  # a plain step or a chain, in the trees' compiled graphs
             positions = self.length + torch.arange(t, device=self.device)
             causal = torch.arange(self.length + t, device=self.device)[None] <= positions[:, None]
+            self.slots.grow(t)
             return self._forward_static(ids, positions[None], causal[None])
-        if self.cache_len is not None:
-            self._fit_static(t)
         if self.rewind is not None:
             self.rewind.before_forward()
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
         if self.rewind is not None:
             self.rewind.after_forward(t)
-        self.length += t
+        self.slots.grow(t)
         return out.logits, self.capture.pop() if self.capture is not None else None
 
     def warm_up(self) -> None:
@@ -187,28 +191,23 @@ class TorchTarget:
         return None
 
     def _forward_tree(self, ids, tree: TreeInputs):
-        t, dev = ids.shape[1], self.device
-        appended = self.shared.append_tree(tree) if self.shared is not None else \
-            RowLayout(self.length).append_tree(tree.depths, tree.allowed, tree.real)
-        positions, mask = (torch.from_numpy(a).to(dev) for a in appended)
+        if self.cache_len is not None:
+            self._fit_static(ids.shape[1])
+        positions, mask = (torch.from_numpy(a).to(self.device) for a in self.slots.append_tree(tree))
         if self.cache_len is not None:
             return self._forward_static(ids, positions, mask)
         out = self.model(input_ids=ids, attention_mask=self._attention_mask(mask), position_ids=positions,
                          cache=self.cache, use_cache=True, logits_to_keep=0)
-        if self.shared is None:
-            self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None
 
     def _forward_static(self, ids, positions, mask):
-        """A forward on the static cache through the compiled model, at `positions` (1, T) under `mask` (1, T, length
-        + T), which is padded to the cache's window: plain steps, chains and trees call it with the same arguments,
-        so they share their compiled graphs (the token count and the window become symbols at their second value)."""
-        t = ids.shape[1]
-        self._fit_static(t)
+        """A forward on the static cache (fitted: _fit_static) through the compiled model, at `positions` (1, T)
+        under `mask` (1, T, length), which is padded to the cache's window: plain steps, chains and trees call it
+        with the same arguments, so they share their compiled graphs (the token count and the window become symbols
+        at their second value)."""
         mask = self._attention_mask(F.pad(mask, (0, window_of(self.cache) - mask.shape[-1])))
         out = self._decode_model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
                                  use_cache=True, logits_to_keep=0)
-        self.length += t
         return out.logits, self.capture.pop() if self.capture is not None else None
 
     def _fit_static(self, t: int) -> None:
@@ -240,21 +239,11 @@ class TorchTarget:
         """After a tree forward of `width` slots, row i keeps slots[i] (the root and its accepted path, in order)."""
         if all(s == list(range(len(s))) for s in slots):
             self.keep([len(s) for s in slots], width)
-            return
-        if self.shared is None:  # the path's entries move to the front of the forward's slots (copying only them)
-            start, n = self.length - width, len(slots[0])
-            idx = start + torch.tensor(slots[0], device=self.device)
-            for layer in self.cache.layers:
-                for kv in (layer.keys, layer.values):
-                    kv[:, :, start:start + n] = kv[:, :, idx]
-            self.cache.crop(n - width)
-            self.length = start + n
-            return
-        self.shared.keep_slots(slots, width)
+        else:
+            self.slots.keep_slots(slots, width)
 
     def _forward_rows(self, ids, last_only: bool):
-        assert self.shared is not None  # (rows mode)
-        positions, visible = (torch.from_numpy(a).to(self.device) for a in self.shared.append(ids.shape[1]))
+        positions, visible = (torch.from_numpy(a).to(self.device) for a in self.slots.append(ids.shape[1]))
         mask = self._attention_mask(visible)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
                          use_cache=True, logits_to_keep=1 if last_only else 0)
@@ -264,23 +253,12 @@ class TorchTarget:
     @torch.inference_mode()
     def keep(self, keeps: list[int], width: int) -> bool:
         """After a forward of `width` positions, row i keeps its first keeps[i]; False if the cache cannot."""
-        if self.shared is None:
-            most = max(keeps)
-            return most == width or self.trim(width - most)
-        self.shared.keep(keeps, width)
-        return True
+        return self.slots.keep(keeps, width)
 
     @torch.inference_mode()
     def trim(self, n: int) -> bool:
         """Forget the last n positions of one row; False if its layers cannot go back that far."""
-        if self.shared is not None:
-            raise DFlashError("trim: rows sharing a cache are not rewound; retire rows instead")
-        if self.rewind is None:
-            self.cache.crop(-n)
-        elif not self.rewind.rewind(n):
-            return False
-        self.length -= n
-        return True
+        return self.slots.trim(n)
 
     @torch.inference_mode()
     def reset(self) -> None:
@@ -288,7 +266,7 @@ class TorchTarget:
             self.cache.crop(-self.length)  # keep the static buffers (and any captured graphs) alive
         else:
             self.cache = self._new_cache()
-        self.length, self.shared = 0, None
+        self.slots = SharedRows(RowSlots(self.cache, self.rewind))
 
     def close(self) -> None:
         if self.capture is not None:
@@ -300,29 +278,19 @@ class TorchTarget:
     def spawn(self) -> "TorchTarget":
         """The same model and feature hooks with an empty dynamic cache (a row prefilled alone, then merged)."""
         self.check_batchable()
-        row = TorchTarget.__new__(TorchTarget)
-        row.__dict__.update(self.__dict__)
-        row.cache, row.length, row.shared = self._new_cache(), 0, None
-        return row
+        return TorchTarget(self.model, capture=self.capture)
 
     @torch.inference_mode()
     def merge(self, other: "TorchTarget") -> None:
         """Append other's row to this batch (SharedRows.join: the shorter side left-padded with masked slots)."""
-        if self.shared is None:
-            self.check_batchable()
-            self.shared = SharedRows(RowSlots(self.cache), self.length)
-        self.shared.join(RowSlots(other.cache), other.length)
+        self.check_batchable()
+        self.slots.join(other.slots.buffers, other.length)
 
     @torch.inference_mode()
     def extract(self, i: int) -> "TorchTarget":
         """Row i alone on a cache of its own (its valid slots, in order): a prefix kept after it leaves the batch."""
         row = self.spawn()
-        into = RowSlots(row.cache)
-        if self.shared is None:
-            RowSlots(self.cache).copy_row(0, np.arange(self.length), into)
-            row.length = self.length
-        else:
-            row.length = self.shared.copy_row(i, into)
+        self.slots.extract(i, row.slots)
         return row
 
     def cache_bytes(self) -> int:
@@ -331,8 +299,7 @@ class TorchTarget:
 
     @torch.inference_mode()
     def select(self, rows: list[int]) -> None:
-        if self.shared is not None:  # (one row: kept)
-            self.shared.select(rows)
+        self.slots.select(rows)
 
     # ---- internals ---------------------------------------------------------------------------------------------------
     def _batch_refusal(self) -> str | None:

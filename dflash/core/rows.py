@@ -1,7 +1,10 @@
 """Rows sharing one target KV cache, framework-neutral: which slots of the shared cache each row may attend to, and the
 position its next token takes. `SharedRows` owns the rows: the layout and a backend's K/V buffers (`SlotBuffers`),
-changed together, so every row operation (join, leave, keep, compaction, extraction) is written once, here, and a
-backend only moves K/V entries where it is told.
+changed together, so every row operation (join, leave, keep, rewind, compaction, extraction) is written once, here,
+and a backend only moves K/V entries where it is told. A lone row is a SharedRows of one: while it has no holes
+(`lone`), its positions are the cache's own, so the backend runs its plain forward (no explicit positions, no mask)
+and a cycle's rejected slots are dropped from the cache's end (which a sliding window or a recurrent state may
+refuse: `trim`).
 
 Every forward appends the same number of slots to every row. A cycle keeps its block's first max(keep) slots for
 every row and marks the slots a row did not accept as holes, like the left padding of a row that joined with a
@@ -16,6 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import numpy as np
+
+from .errors import DFlashError
 
 if TYPE_CHECKING:
     from typing import Self  # (3.11)
@@ -50,6 +55,11 @@ class RowLayout:
     @property
     def width(self) -> int:
         return self.valid.shape[1]
+
+    @property
+    def lone(self) -> bool:
+        """One row without holes: its positions are its slots (every valid slot holds one of its positions)."""
+        return self.rows == 1 and int(self.positions[0]) == self.width
 
     # ---- forwards --------------------------------------------------------------------------------------------------
     def append(self, t: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,6 +104,11 @@ class RowLayout:
         self.positions = self.positions - width + kept.sum(1)
         return drop
 
+    def drop(self, n: int) -> None:
+        """Forget every row's last n slots (a lone row's last n positions)."""
+        self.valid = self.valid[:, :self.width - n]
+        self.positions = self.positions - n
+
     def compaction(self) -> np.ndarray | None:
         """When it removes COMPACT_SHRINK of a large cache's slots: per row, the slots (rows, W) that gather its valid
         ones, in order, to the right end of a buffer of width W (the most valid slots of any row); the backend gathers,
@@ -135,7 +150,9 @@ class SlotBuffers(Protocol):
     """A backend's K/V for rows sharing slots: every layer's (rows, heads, slots, head_dim) entries, which the target's
     forwards append to. The buffers hold no layout: SharedRows tells them what to move."""
 
-    def drop_last(self, n: int) -> None: ...                   # forget the last n slots of every row
+    def drop_last(self, n: int) -> bool: ...                   # forget the last n slots of every row (False: cannot)
+    def pack_tail(self, start: int, slots: list[int], width: int) -> None: ...  # one row: keep slots of the last
+    # `width` (from `start`), moved to their front, and drop the rest
     def gather_slots(self, index: np.ndarray) -> None: ...     # row i keeps its slots index[i] (rows, W), in order
     def take_rows(self, rows: list[int]) -> None: ...          # keep these rows, in this order
     def join(self, other: Self, pad_mine: int, pad_theirs: int) -> None: ...  # append other's rows, both left-padded
@@ -148,12 +165,26 @@ B = TypeVar("B", bound=SlotBuffers)
 class SharedRows(Generic[B]):
     """Rows sharing one target cache: its layout and its buffers (those of one row of `length` positions at first)."""
 
-    def __init__(self, buffers: B, length: int):
+    def __init__(self, buffers: B, length: int = 0):
         self.buffers, self.layout = buffers, RowLayout(length)
 
     @property
     def rows(self) -> int:
         return self.layout.rows
+
+    @property
+    def width(self) -> int:
+        """Slots per row (a lone row: its positions)."""
+        return self.layout.width
+
+    @property
+    def lone(self) -> bool:
+        """One row without holes: the backend's forwards take the cache's own positions (grow after each)."""
+        return self.layout.lone
+
+    def grow(self, t: int) -> None:
+        """A lone row's forward of t tokens at the cache's own positions."""
+        self.layout.append(t)
 
     def append(self, t: int) -> tuple[np.ndarray, np.ndarray]:
         """A forward of t slots per row: their positions (rows, t) and the attention mask (rows, t, S + t)."""
@@ -163,11 +194,32 @@ class SharedRows(Generic[B]):
     def append_tree(self, tree: TreeInputs) -> tuple[np.ndarray, np.ndarray]:
         return self.layout.append_tree(tree.depths, tree.allowed, tree.real)
 
-    def keep(self, keeps: list[int], width: int) -> None:
+    def keep(self, keeps: list[int], width: int) -> bool:
+        """After a forward of `width` slots, row i keeps its first keeps[i]; False if a lone row's cache cannot go
+        back that far."""
+        if self.lone:
+            return self.trim(width - keeps[0])
         self._drop(self.layout.keep(keeps, width))
+        return True
 
     def keep_slots(self, slots: list[list[int]], width: int) -> None:
+        """After a tree forward of `width` slots, row i keeps slots[i]: a lone row moves them to the front of the
+        forward's slots (it keeps no holes), rows of a batch keep them where they are (the rest become holes)."""
+        if self.lone:
+            self.buffers.pack_tail(self.width - width, slots[0], width)
+            self.layout.drop(width - len(slots[0]))
+            return
         self._drop(self.layout.keep_slots(slots, width))
+
+    def trim(self, n: int) -> bool:
+        """Forget a lone row's last n positions; False if its cache cannot (a window or a recurrent state that went
+        past them)."""
+        if not self.lone:
+            raise DFlashError("trim: rows sharing a cache are not rewound; retire rows instead")
+        if n and not self.buffers.drop_last(n):
+            return False
+        self.layout.drop(n)
+        return True
 
     def join(self, buffers: B, length: int) -> None:
         """Append a row of `length` positions (its buffers'), the shorter side left-padded; the layout changes only
@@ -176,19 +228,22 @@ class SharedRows(Generic[B]):
         self.layout.merge(length)
 
     def select(self, rows: list[int]) -> None:
+        if rows == list(range(self.rows)):
+            return  # (every row, in order: nothing moves)
         self.buffers.take_rows(rows)
         self.layout.select(rows)
 
-    def copy_row(self, row: int, into: B) -> int:
-        """Row's valid slots, in order, into empty buffers (a prefix kept after the row leaves); returns how many."""
+    def extract(self, row: int, into: SharedRows[B]) -> None:
+        """Row's valid slots, in order, into an empty SharedRows's buffers (a prefix kept after the row leaves): a
+        lone row there."""
         slots = self.layout.slots_of(row)
-        self.buffers.copy_row(row, slots, into)
-        return len(slots)
+        self.buffers.copy_row(row, slots, into.buffers)
+        into.layout = RowLayout(len(slots))
 
     def _drop(self, n: int) -> None:
         """Forget the last n slots of every row (the layout already did), then compact if holes fill the cache."""
-        if n:
-            self.buffers.drop_last(n)
+        if n and not self.buffers.drop_last(n):
+            raise AssertionError("rows sharing a cache drop slots of their last forward")
         index = self.layout.compaction()
         if index is not None:
             self.buffers.gather_slots(index)
