@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash.core.chain_budget import ChainBudget
+from dflash.core.policy import ChainBudget
 from dflash.core.contract import Pipelining
 from dflash.core.cycle_times import CycleTimes
 from dflash.core.loop import generate

@@ -1,9 +1,9 @@
-"""dflash/core/chain_budget.py: the length of a rejection chain under --verify auto, from acceptance measured under the
+"""dflash/core/policy.py (ChainBudget): the length of a rejection chain under --verify auto, from acceptance measured under the
 rule in use and the device's costs."""
 
 import pytest
 
-from dflash.core.chain_budget import ChainBudget
+from dflash.core.policy import ChainBudget
 from dflash.core.cycle_times import CycleTimes
 from cycle_devices import CPU, HEAVY
 

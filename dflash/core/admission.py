@@ -20,7 +20,7 @@ from .sampling import RowSampling, SamplingParams, common_prefix
 
 if TYPE_CHECKING:
     from .lookahead import Lookahead
-    from .pending import PendingFeatures
+    from .row import PendingFeatures
     from .policy import Policy
     from .prefix_cache import PrefixCache
     from .sampling import RowDraw

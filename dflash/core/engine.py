@@ -20,9 +20,8 @@ from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verif
 from .cycle_times import CycleTimes
 from .errors import DFlashError
 from .lookahead import Lookahead, lands
-from .pending import PendingFeatures
 from .prefix_cache import PrefixCache, keep_row
-from .row import Row
+from .row import PendingFeatures, Row
 from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, host_logprobs, row_draws
 from .tree import TreeInputs
 from .policy import Policy
