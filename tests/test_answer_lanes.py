@@ -93,6 +93,17 @@ def test_an_interrupted_run_keeps_its_answers(tiny_target_dir, tmp_path, monkeyp
     assert count(tmp_path)["answers"] == len(returned) > 0  # the shard under way was written, not lost
 
 
+def cpu_seconds(pid: int, default: float) -> float:
+    """A process's CPU seconds so far (Linux's /proc); `default` where that cannot be read."""
+    import os
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def test_a_kill_keeps_the_answers_of_the_shard_under_way(tiny_target_dir, tmp_path):
     """SIGTERM (and SIGINT, which a shell's background job ignores) stop the writer after its step."""
     import os
@@ -110,7 +121,11 @@ def test_a_kill_keeps_the_answers_of_the_shard_under_way(tiny_target_dir, tmp_pa
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (tmp_path / "manifest.json").exists():
         time.sleep(0.2)
-    time.sleep(8)  # some answers finish (the tiny target writes a few a second)
+    # some answers finish (the tiny target writes a few a second of its own CPU time: counted in CPU seconds, so a
+    # busy machine does not stop it before its first answer)
+    start = time.monotonic()
+    while time.monotonic() - start < 120 and cpu_seconds(proc.pid, default=time.monotonic() - start) < 8:
+        time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert "interrupted: keeping the" in out, out

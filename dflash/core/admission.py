@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .prefix_cache import PrefixCache
     from .sampling import RowDraw
 
+
 class Admission:
     """A row being prefilled into caches of its own: `row` (the one-row engine that holds them) and its prefill,
     `chunks` (None after every chunk but the last, then the row's first token)."""
