@@ -117,10 +117,8 @@ class MLXDraft:
     # ---- rows --------------------------------------------------------------------------------------------------------
     def spawn(self) -> "MLXDraft":
         """The same weights with an empty context cache (a row prefilled alone, then merged)."""
-        row = MLXDraft.__new__(MLXDraft)
-        row.__dict__.update(self.__dict__)
-        row.cache = DraftContextCache(self.drafter.spec, self.dtype, window=self.window)
-        return row
+        return MLXDraft(self.drafter, self.embed, self.lm_head, self.dtype, window=self.window,
+                        logit_scaling=self.logit_scaling)
 
     def merge(self, other: "MLXDraft") -> None:
         self.cache.merge(other.cache)

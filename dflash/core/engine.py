@@ -1,7 +1,7 @@
 """The one speculative engine: per-row state over a backend's Target and Drafter (dflash/core/contract.py).
 
 The engine keeps what the caches hold and moves them: every row's committed tokens (whose K/V is in the target
-cache) and settings (row.py), the target features the drafter has not read yet (pending.py), prefix reuse and
+cache) and settings (row.py), the target features the drafter has not read yet (row.PendingFeatures), prefix reuse and
 chunked prefill, and a cycle's operations: draft(anchors) -> Draft (the drafter's block of B positions after each
 row's anchor, from the pending features), verify(draft) -> Verified (the target's own token at each position, in one
 forward and one device -> host read), commit(verified, keeps) (row i keeps its first keeps[i] positions; the cache
