@@ -111,24 +111,25 @@ def resolve_methods(spec: str | None) -> list[Method]:
     """The named methods and each backend's baseline. NAME@DIR runs method NAME with the code of DIR, another
     checkout of this project (a change measured side by side with the commit before it, in one interleaved run)."""
     names = DEFAULT_METHODS if not spec else [s.strip() for s in spec.split(",") if s.strip()]
-    bad = [n for n in names if n.split("@")[0] not in METHODS]
+    if not names:
+        raise DFlashError("--methods: empty; name at least one method")
+    parsed = [(n, *n.partition("@")[::2]) for n in names]  # (as given, NAME, DIR or "")
+    bad = [n for n, base, _ in parsed if base not in METHODS]
     if bad:
         raise DFlashError(f"--methods: unknown method {bad[0]!r}, expected some of {', '.join(METHODS)} "
                           "(each optionally @DIR, another checkout of this project)")
-    if not names:
-        raise DFlashError("--methods: empty; name at least one method")
     other = {}
-    for n in names:
-        if "@" in n:
-            base, code = n.split("@", 1)
-            if not (Path(code) / "dflash" / "__init__.py").is_file():
-                raise DFlashError(f"--methods: {n}: {code} is not a checkout of this project (no dflash/__init__.py)")
-            m = METHODS[base]
-            other[n] = replace(m, name=f"{base}@{Path(code).resolve().name}", code=str(Path(code).resolve()),
-                               label=f"{m.label}, code of {code}")
-    chosen = {n for n in names if "@" not in n}
-    for n in names:  # every backend's baseline, for speedups and the greedy check
-        chosen.add(BASELINES[METHODS[n.split("@")[0]].backend])
+    for n, base, code in parsed:
+        if not code:
+            continue
+        if not (Path(code) / "dflash" / "__init__.py").is_file():
+            raise DFlashError(f"--methods: {n}: {code} is not a checkout of this project (no dflash/__init__.py)")
+        m = METHODS[base]
+        other[n] = replace(m, name=f"{base}@{Path(code).resolve().name}", code=str(Path(code).resolve()),
+                           label=f"{m.label}, code of {code}")
+    # the methods named without @DIR, and every backend's baseline (speedups and the greedy check)
+    chosen = {base for _, base, code in parsed if not code}
+    chosen |= {BASELINES[METHODS[base].backend] for _, base, _ in parsed}
     return [m for m in METHODS.values() if m.name in chosen] + list(other.values())
 
 

@@ -32,8 +32,8 @@ PENDING_ABSORB = MAX_PAUSE
 
 
 class Engine(Prefill):
-    """Speaks the batch protocol dflash.core.loop drives (prefill / draft / verify / commit / retire) for one row or many,
-    plus the single-sequence operations a chat needs (crop, reset, cached_tokens)."""
+    """Speaks the batch protocol dflash.core.loop drives (prefill / draft / verify / commit / retire) for one row or
+    many, plus the single-sequence operations a chat needs (crop, reset, cached_tokens)."""
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *, block_size: int = 1,
                  prefill_chunk: int = 2048, name: str = ""):
@@ -274,8 +274,8 @@ class Engine(Prefill):
 
     def sample(self, logits, block, paths=None, draws=None, draft=None):
         """Each row's tokens drawn from `logits` after its committed tokens + block (a tree: + paths) under its own
-        settings (Target.sample); (tokens, None), or with self.logprobs set (tokens, (chosen, tops)): per row and position the
-        chosen token's log-probability and its top (id, log-probability) pairs, on the host."""
+        settings (Target.sample); (tokens, None), or with self.logprobs set (tokens, (chosen, tops)): per row and
+        position the chosen token's log-probability and its top (id, log-probability) pairs, on the host."""
         out = self.target.sample(logits, self.rows, block, self.row_sampling, paths, self.logprobs, draws, draft)
         if self.logprobs is None:
             return out, None
