@@ -188,6 +188,12 @@ def test_a_stopped_run_writes_a_checkpoint_and_the_rerun_resumes_from_it(sig, ti
     assert 3 <= stopped_at < steps
     assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{stopped_at:08d}"]
     assert not (out / "draft").exists()
+    # a rerun with another schedule (another sample order) refuses the checkpoint instead of continuing it
+    other = [sys.executable, "-m", "dflash.train"] + base_args(tiny_target_dir, data_file, out, batch_size=2,
+                                                               max_steps=steps + 4, save_every=0)
+    r = subprocess.run(other, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"written by a run with steps {steps}, this one has {steps + 4}" in r.stderr, \
+        r.stderr[-2000:]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"(step {stopped_at})" in r.stdout  # "resumed from ... (step N)"

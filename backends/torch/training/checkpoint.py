@@ -78,9 +78,11 @@ def saved_at(out: Path, step: int) -> bool:
     return bool(done) and done[-1].name == f"step_{step:08d}"
 
 
-def save_checkpoint(out: Path, step: int, module, optimizer, fsdp: bool, d: Dist, keep: int) -> None:
+def save_checkpoint(out: Path, step: int, module, optimizer, fsdp: bool, d: Dist, keep: int,
+                    run: dict | None = None) -> None:
     """Complete and atomic: every rank writes its RNG state into a temporary directory, rank 0 writes the weights,
-    optimiser and trainer state, then renames the directory into place (a multi-node run needs a shared `out`)."""
+    optimiser and trainer state (`run`: what fixes the run's sample order and schedule, which a resume checks), then
+    renames the directory into place (a multi-node run needs a shared `out`)."""
     root = out / "checkpoints"
     final, tmp = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
     model_sd, optim_sd = full_state_dicts(module, optimizer, fsdp)  # collective under FSDP
@@ -93,7 +95,7 @@ def save_checkpoint(out: Path, step: int, module, optimizer, fsdp: bool, d: Dist
     if d.main:
         torch.save(model_sd, tmp / "model.pt")
         torch.save(optim_sd, tmp / "optimizer.pt")
-        torch.save({"step": step, "world": d.world}, tmp / "trainer.pt")
+        torch.save({"step": step, "world": d.world, "run": run or {}}, tmp / "trainer.pt")
         for f in tmp.iterdir():  # durable before the rename makes it visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -120,9 +122,16 @@ def _load_weights_only(path: Path):
                           "or pass --resume false") from None
 
 
-def load_checkpoint(path: Path, module, optimizer, fsdp: bool, d: Dist) -> int:
+def load_checkpoint(path: Path, module, optimizer, fsdp: bool, d: Dist, run: dict | None = None) -> int:
     load = lambda name: _load_weights_only(path / name)
-    model_sd, optim_sd, state = load("model.pt"), load("optimizer.pt"), load("trainer.pt")
+    state = load("trainer.pt")
+    # a checkpoint of another run (other rows, steps, batch or seed: another sample order) would go on with this
+    # one's order from its step, seeing some samples twice and others never
+    for key, was in (state.get("run") or {}).items():
+        if run is not None and key in run and run[key] != was:
+            raise DFlashError(f"{path}: written by a run with {key} {was!r}, this one has {run[key]!r}; rerun it "
+                              "with the same settings, or pass a new --out (or --resume false) to start over")
+    model_sd, optim_sd = load("model.pt"), load("optimizer.pt")
     if fsdp:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
@@ -139,13 +148,14 @@ def load_checkpoint(path: Path, module, optimizer, fsdp: bool, d: Dist) -> int:
     return int(state["step"])
 
 
-def resume(out: Path, cfg, module, optimizer, fsdp: bool, d) -> tuple[int, list[dict]]:
+def resume(out: Path, cfg, module, optimizer, fsdp: bool, d, run: dict | None = None) -> tuple[int, list[dict]]:
     """(step to continue from, log rows the checkpoint covers). Rows a killed run logged past its last checkpoint
-    are dropped from train_log.jsonl and replayed by the run."""
+    are dropped from train_log.jsonl and replayed by the run. `run`: as save_checkpoint's, checked against the
+    checkpoint's."""
     step = 0
     done = checkpoint_dirs(out) if cfg.resume else []
     if done:
-        step = load_checkpoint(done[-1], module, optimizer, fsdp, d)
+        step = load_checkpoint(done[-1], module, optimizer, fsdp, d, run)
     rows = []
     if d.main:
         out.mkdir(parents=True, exist_ok=True)

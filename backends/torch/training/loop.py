@@ -99,9 +99,13 @@ def train(cfg: TrainConfig, target_dir: str | os.PathLike | None = None) -> Trai
     started = time.perf_counter()
     run = prepare(cfg, Path(target_dir or cfg.target))
     d, out, spec = run.d, Path(cfg.out), run.drafter.spec
-    save = lambda at: ckpt.save_checkpoint(out, at, run.module, run.optimizer, run.fsdp, d, cfg.keep_checkpoints)
+    # what fixes the sample order and the schedule: a checkpoint of a run that differs in any is refused
+    order = {"samples": len(run.samples), "global_batch": run.global_batch, "steps": run.total, "seed": cfg.seed,
+             "data": str(cfg.data), "data_rows": str(cfg.data_rows), "lr": cfg.lr}
+    save = lambda at: ckpt.save_checkpoint(out, at, run.module, run.optimizer, run.fsdp, d, cfg.keep_checkpoints,
+                                           order)
 
-    step, rows = ckpt.resume(out, cfg, run.module, run.optimizer, run.fsdp, d)
+    step, rows = ckpt.resume(out, cfg, run.module, run.optimizer, run.fsdp, d, order)
     log = RunLog(cfg, d, out, rows, total=run.total, started=started)
     log.say(f"run directory {out.resolve()}: checkpoints, train_log.jsonl, the exported drafter in draft/")
     if step:
