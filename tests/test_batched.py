@@ -381,9 +381,9 @@ def test_cycles_of_copied_nodes_alone_leave_features_pending_for_the_next_draft(
             be.policy.planner.pause.skip = 1 if kind == "copy" else 0  # (a pause: no draft forward this cycle)
             if kind == "copy" and eager:
                 be.absorb_pending()
-            steps = tree_cycle(be, anchors, be.policy.trees)
+            steps = tree_cycle(be, anchors, be.policy.planner)
             if kind == "copy":
-                copied += any(len(t.tokens) > 1 for t in be.policy.trees.last_trees)
+                copied += any(len(t.tokens) > 1 for t in be.policy.planner.last_trees)
                 if eager:
                     be.absorb_pending()
             out.append([s.drafted for s in steps])

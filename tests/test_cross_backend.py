@@ -108,7 +108,7 @@ def test_identical_trees_paths_and_tokens(trained_pair, mode, budget):
 
         def recording(anchors, be=be, step=step, seen=seen):
             out = step(anchors)
-            trees = be.policy.trees
+            trees = be.policy.planner
             seen.append([(t.tokens, t.parents, p) for t, p in zip(trees.last_trees, trees.last_paths)])
             return out
         be.step = recording
@@ -146,7 +146,7 @@ def test_mlx_cache_after_a_tree_commit(trained_pair):
     for _ in range(6):
         (step,) = mb.step([anchor])
         anchor = step.tokens[-1]
-        path = mb.policy.trees.last_paths[0]
+        path = mb.policy.planner.last_paths[0]
         gathered |= path != list(range(1, len(path) + 1))
     assert gathered
     logits, _ = mb.target.forward(mb.target.ids([[anchor]]), last_only=False)

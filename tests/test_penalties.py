@@ -47,7 +47,7 @@ def test_penalised_rows_beside_greedy_rows_in_trees_of_different_widths(trained_
     while batch:
         live = [s.repetition_penalty != 1.0 for s in (g.sampling for g in batch.generations)]
         batch.step()
-        widths = [len(t.tokens) for t in engine.policy.trees.last_trees]
+        widths = [len(t.tokens) for t in engine.policy.planner.last_trees]
         narrower += any(p and w < max(widths) for p, w in zip(live, widths))
     assert [g.result.error for g in gens] == [""] * 4
     assert [g.result.tokens for g in gens] == want

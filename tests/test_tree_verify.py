@@ -44,7 +44,7 @@ class Recorder:
 
         def recording(anchors):
             out = step(anchors)
-            trees = backend.policy.trees
+            trees = backend.policy.planner
             self.trees += list(zip(trees.last_trees, trees.last_paths))
             return out
         backend.step = recording
@@ -226,7 +226,7 @@ def empirical_pairs(engine, params, n, first=1):
         r = generate(engine, PROMPT, max_new_tokens=first + 2, sampling=SamplingParams(**{**params.__dict__,
                                                                                         "seed": i}))
         observed[r.tokens[first - 1], r.tokens[first]] += 1
-        trees = engine.policy.trees
+        trees = engine.policy.planner
         descended += any(non_first_child(t, p) for t, p in zip(trees.last_trees, trees.last_paths))
     return observed, descended
 

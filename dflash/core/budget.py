@@ -130,6 +130,8 @@ class TreePlanner:
         self.deepen_wait, self.deepen_after = {b: 0 for b in self.blocks}, {b: 1 for b in self.blocks}
         self.draft_rows: int | None = None  # auto: rows of this cycle's draft forward, when not all
         self.planned_width = block_size  # auto: verify tokens per row of the last drafted plan's trees
+        self.last_trees: list[Tree] = []  # the last cycle's trees and accepted paths (introspection: tests, traces)
+        self.last_paths: list[list[int]] = []
 
     def path(self, pauses: Sequence[Pause] = ()) -> str:
         """auto: "chain" or "tree" for this cycle (tree: always), the rows' own pauses in `pauses`. While cycles
@@ -229,11 +231,13 @@ class TreePlanner:
         trees teaches, without building them. The calibration's forgetting waits for the next plan."""
         self.idle_trees += rows
         self.last_drafted = False
+        self.last_trees, self.last_paths = [], [[] for _ in range(rows)]
         self._timed(1, rows, False, seconds)
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
         self._age()
+        self.last_trees, self.last_paths = plan.trees, [list(p) for p in paths]
         for tree, qs, path in zip(plan.trees, plan.qs, paths):
             self.calibration.observe(tree, qs, list(path))
         probe = plan.drafted and not self.last_drafted

@@ -22,7 +22,7 @@ from .budget import TreePlanner
 from .contract import Draft, Drafter, Step, Target, Verified
 from .row import Row
 from .sampling import RowDraw, RowSampling, accepted_length, uniform_rows
-from .tree import Tree, TreeInputs
+from .tree import TreeInputs
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,10 @@ class CyclePlan:
 
 class CyclePolicy(Protocol):
     """What a cycle asks of its policy (dflash.core.policy.Policy): the plan before, the outcome after, and the
-    tree cycles' state."""
+    tree planner that sizes its tree cycles."""
 
     @property
-    def trees(self) -> TreeState | None: ...
+    def planner(self) -> TreePlanner | None: ...
     def plan(self, batch: Sequence[Row]) -> CyclePlan: ...
     def observe(self, plan: CyclePlan, steps: list[Step], seconds: float) -> None: ...
 
@@ -82,8 +82,8 @@ def run_cycle(engine: CycleEngine, anchors: Sequence[int], policy: CyclePolicy) 
     start = time.perf_counter()
     plan = policy.plan(engine.batch)
     if plan.kind == "tree":
-        assert policy.trees is not None  # (a policy plans trees only with a tree planner)
-        steps = tree_cycle(engine, list(anchors), policy.trees)
+        assert policy.planner is not None  # (a policy plans trees only with a tree planner)
+        steps = tree_cycle(engine, list(anchors), policy.planner)
     elif plan.kind == "plain":
         steps = engine.plain_step(anchors, again=plan.again)
     else:
@@ -118,24 +118,10 @@ def chain_cycle(engine: CycleEngine, anchors: Sequence[int], top_k: int = 0, len
     return steps
 
 
-class TreeState:
-    """Tree cycles sized by `planner`, and the last cycle's trees and accepted paths (introspection: tests, traces).
-    What they keep per row (prompt lookup, pauses) is the row's (dflash/core/row.py)."""
-
-    def __init__(self, planner: TreePlanner):
-        self.planner = planner
-        self.last_trees: list[Tree] = []
-        self.last_paths: list[list[int]] = []
-
-    def reset(self) -> None:
-        """The engine's rows start over."""
-        self.planner.reset()
-
-
-def tree_cycle(engine: CycleEngine, anchors: list[int], state: TreeState) -> list[Step]:
+def tree_cycle(engine: CycleEngine, anchors: list[int], planner: TreePlanner) -> list[Step]:
     """Draft once, build each row's tree (dflash/core/tree.py, sized by the planner), verify every row's tree in one
     forward under positions + ancestor mask, walk it, commit the accepted path's K/V and target features."""
-    planner, target, b = state.planner, engine.target, engine.block_size
+    target, b = engine.target, engine.block_size
     start = time.perf_counter()
     batch = engine.batch
     copies = [row.copied(anchor, b - 1) for row, anchor in zip(batch, anchors)] if planner.copy_branch else []
@@ -145,7 +131,6 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], state: TreeState) -> lis
         # (a lazy target runs the next step ahead, even before a probe: a probe that plans no node takes it)
         steps = engine.plain_step(anchors, again=not planner.copy_branch)
         planner.observe_plain(len(steps), time.perf_counter() - start)
-        state.last_trees, state.last_paths = [], [[] for _ in steps]
         return steps
     draws = engine.row_draws(b)
     # greedy rows of a drafter that drafts some rows: the rows a drafted plan gave no drafted node sit out
@@ -165,7 +150,6 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], state: TreeState) -> lis
         for step in steps:
             step.draft_forward = plan.drafted
         planner.observe(plan, [[] for _ in steps], time.perf_counter() - start)
-        state.last_trees, state.last_paths = plan.trees, [[] for _ in steps]
         return steps
     inputs = TreeInputs.of(plan.trees)
     ids = target.ids(inputs.ids.tolist())
@@ -193,7 +177,6 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], state: TreeState) -> lis
         for step, row_slots, chosen, top in zip(steps, slots, *logprobs):
             step.logprobs, step.top_logprobs = [chosen[j] for j in row_slots], [top[j] for j in row_slots]
     planner.observe(plan, paths, time.perf_counter() - start)
-    state.last_trees, state.last_paths = plan.trees, paths
     # (after a cycle without a draft forward, the features wait behind the earlier pending ones for the next draft)
     engine.commit_slots(slots, inputs.width, [[anchor] + step.drafted for anchor, step in zip(anchors, steps)],
                         features)

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from .budget import AUTO_BUDGET, ITL_LIMIT, VERIFY_MODES, Pause, TreePlanner
 from .contract import Capabilities, Drafter, Step
-from .cycle import CyclePlan, TreeState
+from .cycle import CyclePlan
 from .cycle_times import CycleTimes
 from .errors import DFlashError, SettingError
 from .row import Row
@@ -109,7 +109,6 @@ class Policy:
                  chain_budget: ChainBudget | None = None):
         self.mode, self.note = mode, note
         self.planner = planner
-        self.trees = TreeState(planner) if planner is not None else None
         self.chain_budget = chain_budget
 
     @classmethod
@@ -172,7 +171,7 @@ class Policy:
 
     def reset(self) -> None:
         """The engine's rows start over."""
-        if self.trees is not None:
-            self.trees.reset()
+        if self.planner is not None:
+            self.planner.reset()
         if self.chain_budget is not None:
             self.chain_budget.reset()
