@@ -187,11 +187,13 @@ class RowSlots:
 
     @torch.inference_mode()
     def pack_tail(self, start: int, slots: list[int], width: int) -> None:
-        n = len(slots)
+        n, idx = len(slots), None
         for layer in self.layers:  # (copying only the kept entries)
             for kv in (layer.keys, layer.values):
                 assert kv is not None  # (a forward filled them)
-                kv[:, :, start:start + n] = kv[:, :, start + torch.tensor(slots, device=kv.device)]
+                if idx is None:  # (one index for every layer)
+                    idx = start + torch.tensor(slots, device=kv.device)
+                kv[:, :, start:start + n] = kv[:, :, idx]
         self.cache.crop(n - width)
 
     def gather_slots(self, index: np.ndarray) -> None:
