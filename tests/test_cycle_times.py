@@ -54,6 +54,17 @@ def test_one_stalled_cycle_barely_moves_the_model():
     assert mean(times, 16) == pytest.approx(before, rel=0.1)
 
 
+def test_one_cycle_timed_at_nothing_barely_moves_the_model():
+    """A cycle whose work another cycle's wall time holds (a step run ahead, mis-attributed) reads as ~0 seconds:
+    the plain step and the draft forward keep their costs."""
+    times, rng = CycleTimes(16), random.Random(3)
+    run(times, cpu, 100, rng)
+    plain, chain = mean(times, 1, drafted=False), mean(times, 16)
+    times.observe(1, 1, False, 1e-4)
+    assert mean(times, 1, drafted=False) == pytest.approx(plain, rel=0.1)
+    assert mean(times, 16) == pytest.approx(chain, rel=0.1)
+
+
 def test_a_shape_never_run_is_priced_optimistically_until_it_is_run():
     """Chains of 16 tokens alone cannot tell a GPU's flat verify from a CPU's steep one: a 128-token tree is priced
     below its estimate, so a plan tries it; once it ran, its price is its measured time."""

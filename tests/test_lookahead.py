@@ -58,7 +58,54 @@ def test_every_step_starts_the_next_before_it_reads_its_own():
     generate(engine, PROMPTS[0], max_new_tokens=6)
     log = engine.target.log
     assert log[0] == "read"  # (the prefill's first token)
-    assert log[1:] == ["start", "read"] * 5
+    # (the first step starts its own forward, then the next's; every later one's own was started by the one before)
+    assert log[1:] == ["start", "start", "read"] + ["start", "read"] * 4
+
+
+class Clock:
+    """perf_counter for dflash.core.cycle and .lookahead, moved only by what the target computes."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class ComputingTarget(LazyFakeTarget):
+    """Where starting a forward computes it (MLX's CPU backend): each start takes one second of the fake clock."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+
+    def start(self, *arrays):
+        super().start(*arrays)
+        self.clock.now += 1.0
+
+
+# (a step that no step before it started is computed by its read, which the fake clock does not see: 0 seconds)
+@pytest.mark.parametrize("again, expected", [([True, True, True, False], [1.0] * 4), ([True, False], [1.0] * 2),
+                                             ([False, True, False], [0.0, 1.0, 1.0]), ([False, False], [0.0] * 2)])
+def test_each_paused_cycle_is_charged_its_own_forward(monkeypatch, again, expected):
+    """A step issued ahead is computed in the cycle that issues it; the clock charges it to the cycle that takes it,
+    so the policy learns one forward per plain cycle, not a double and a zero (tests the CycleClock's shift)."""
+    import dflash.core.cycle as cycle
+    import dflash.core.lookahead as lookahead
+
+    clock = Clock()
+    monkeypatch.setattr(cycle.time, "perf_counter", clock)
+    monkeypatch.setattr(lookahead.time, "perf_counter", clock)
+    engine = Engine(ComputingTarget(clock))
+    r = generate(engine, PROMPTS[0], max_new_tokens=1)
+    anchors, seconds = [r.tokens[-1]], []
+    for a in again:
+        start = engine.clock.begin()
+        steps = engine.lookahead.step(engine, anchors, again=a)
+        seconds.append(engine.clock.since(start))
+        anchors = [steps[0].tokens[-1]]
+    assert seconds == expected
+    assert engine.tokens == PROMPTS[0] + reference(PROMPTS[0], 1 + len(again))[:-1]
 
 
 @pytest.mark.parametrize("bounded", [False, True])
@@ -145,8 +192,11 @@ def test_a_pause_runs_ahead_but_its_last_cycle_and_the_drafter_reads_every_commi
     # a paused cycle starts the next unless a probe follows it; a drafted cycle reads once and starts nothing
     starts = engine.target.log.count("start")
     ended_mid_pause = engine.policy.chain_budget.pauses_next
-    pauses = sum(1 for a, b in zip(r.draft_forwards, r.draft_forwards[1:] + [not ended_mid_pause]) if not a and b)
-    assert starts == r.cycles_without_draft - pauses
+    # every paused cycle but a pause's last starts the next; a pause's first also starts its own before it
+    runs = [len(run) for run in "".join(".D"[d] for d in r.draft_forwards).split("D") if run]
+    if ended_mid_pause:
+        runs[-1] += 1  # (its last cycle started one more)
+    assert starts == sum(n - 1 + (n > 1) for n in runs)
     # the features of the steps ahead that were taken reached the drafter: its context + pending is the committed
     # ids, position for position (the fake's features are its input ids)
     pending = engine.pending

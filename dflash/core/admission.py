@@ -19,6 +19,7 @@ from .row import Row as BatchRow
 from .sampling import RowSampling, SamplingParams, common_prefix
 
 if TYPE_CHECKING:
+    from .cycle import CycleClock
     from .lookahead import Lookahead
     from .row import PendingFeatures
     from .policy import Policy
@@ -80,6 +81,7 @@ class Prefill:
         last_reused: int
         policy: Policy
         lookahead: Lookahead
+        clock: CycleClock
         prefill_chunk: int
         max_context: int | None
         @property

@@ -37,6 +37,23 @@ class CyclePlan:
     source: str = ""
 
 
+class CycleClock:
+    """A cycle's wall time, its own work only. A lazy target's plain step may issue the next cycle's forward before
+    it ends (dflash/core/lookahead.py); where issuing it computes most of it (MLX's CPU backend), that work lands in
+    this cycle's wall time, and the next cycle's is near nothing. The step ahead moves it to the cycle that takes it
+    (`shift`), so the policy learns what each cycle costs, not a pair of a double and a zero."""
+
+    def __init__(self) -> None:
+        self.shift = 0.0  # seconds this cycle's wall time misses (+) or holds of another's (-)
+
+    def begin(self) -> float:
+        self.shift = 0.0
+        return time.perf_counter()
+
+    def since(self, start: float) -> float:
+        return time.perf_counter() - start + self.shift
+
+
 class CyclePolicy(Protocol):
     """What a cycle asks of its policy (dflash.core.policy.Policy): the plan before, the outcome after, and the
     tree planner that sizes its tree cycles."""
@@ -50,6 +67,8 @@ class CyclePolicy(Protocol):
 class CycleEngine(Protocol):
     """What a cycle needs of its engine (dflash.core.engine.Engine): its rows and models, the primitives draft /
     verify / commit, the draws and the sampler."""
+
+    clock: CycleClock
 
     @property
     def batch(self) -> list[Row]: ...
@@ -79,7 +98,7 @@ class CycleEngine(Protocol):
 
 def run_cycle(engine: CycleEngine, anchors: Sequence[int], policy: CyclePolicy) -> list[Step]:
     """One cycle for every row of `engine`; row i's anchor is its last committed token."""
-    start = time.perf_counter()
+    start = engine.clock.begin()
     plan = policy.plan(engine.batch)
     if plan.kind == "tree":
         assert policy.planner is not None  # (a policy plans trees only with a tree planner)
@@ -88,7 +107,7 @@ def run_cycle(engine: CycleEngine, anchors: Sequence[int], policy: CyclePolicy) 
         steps = engine.plain_step(anchors, again=plan.again)
     else:
         steps = chain_cycle(engine, anchors, length=plan.length)
-    policy.observe(plan, steps, time.perf_counter() - start)
+    policy.observe(plan, steps, engine.clock.since(start))
     return steps
 
 
@@ -122,7 +141,7 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], planner: TreePlanner) ->
     """Draft once, build each row's tree (dflash/core/tree.py, sized by the planner), verify every row's tree in one
     forward under positions + ancestor mask, walk it, commit the accepted path's K/V and target features."""
     target, b = engine.target, engine.block_size
-    start = time.perf_counter()
+    start = engine.clock.begin()
     batch = engine.batch
     copies = [row.copied(anchor, b - 1) for row, anchor in zip(batch, anchors)] if planner.copy_branch else []
     pauses = [row.pause for row in batch]
@@ -130,7 +149,7 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], planner: TreePlanner) ->
     if not drafts and not any(copies):  # a pause with nothing to copy: the plain step, and nothing to plan
         # (a lazy target runs the next step ahead, even before a probe: a probe that plans no node takes it)
         steps = engine.plain_step(anchors, again=not planner.copy_branch)
-        planner.observe_plain(len(steps), time.perf_counter() - start)
+        planner.observe_plain(len(steps), engine.clock.since(start))
         return steps
     draws = engine.row_draws(b)
     # greedy rows of a drafter that drafts some rows: the rows a drafted plan gave no drafted node sit out
@@ -149,7 +168,7 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], planner: TreePlanner) ->
         steps = engine.plain_step(anchors, again=planner.pauses_next and not planner.copy_branch)
         for step in steps:
             step.draft_forward = plan.drafted
-        planner.observe(plan, [[] for _ in steps], time.perf_counter() - start)
+        planner.observe(plan, [[] for _ in steps], engine.clock.since(start))
         return steps
     inputs = TreeInputs.of(plan.trees)
     ids = target.ids(inputs.ids.tolist())
@@ -176,7 +195,7 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], planner: TreePlanner) ->
     if logprobs is not None:  # committed token k was drawn at slot slots[k]
         for step, row_slots, chosen, top in zip(steps, slots, *logprobs):
             step.logprobs, step.top_logprobs = [chosen[j] for j in row_slots], [top[j] for j in row_slots]
-    planner.observe(plan, paths, time.perf_counter() - start)
+    planner.observe(plan, paths, engine.clock.since(start))
     # (after a cycle without a draft forward, the features wait behind the earlier pending ones for the next draft)
     engine.commit_slots(slots, inputs.width, [[anchor] + step.drafted for anchor, step in zip(anchors, steps)],
                         features)

@@ -25,9 +25,9 @@ cannot tell, and would keep its trees narrow). A term the cycles stop exercising
 uncertainty grows by the drift, so it is tried again after a while: the machine may have changed.
 
 One cycle that stalls (a page fault, a collection, a graph compiled for a new shape) counts less the further it
-lands above the model: at k > OUTLIER times the prediction its noise is taken k / OUTLIER times larger, so a stall of
-100x moves the model by what a cycle a few percent slow would; one cycle's surprise inflates nothing, a second in a
-row does.
+lands from the model: at k > OUTLIER times the prediction (or 1/k of it) its noise is taken k / OUTLIER times larger,
+so a stall of 100x moves the model by what a cycle a few percent slow would; one cycle's surprise inflates nothing, a
+second in a row does.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ PRIOR = np.array([0.7, 0.2, 0.1, 0.25, 0.02])
 PRIOR_SD = 1.0  # the prior's standard deviation per term, relative to the term
 DRIFT = 0.01  # how far a term may move per cycle, relative to it (its random walk's standard deviation)
 NOISE = 0.1  # a cycle's wall time's standard deviation around the model, relative to the prediction
-OUTLIER = 3.0  # a cycle further above the prediction than this counts less, in proportion
+OUTLIER = 3.0  # a cycle further above (or below) the prediction than this counts less, in proportion
 EXPLORE = 0.5  # standard deviations below the estimate a shape is priced at ...
 CHEAPEST = 0.5  # ... and at least this share of the estimate (an optimism that prices drafting at a fraction of its
 # measured cost probes a drafter that is never right every few cycles)
@@ -117,7 +117,8 @@ class CycleTimes:
         else:  # each term drifts between cycles
             self.spread = self.spread + np.diag((DRIFT * np.maximum(self.theta, 0.1 * self.scale)) ** 2)
         predicted = max(float(self.theta @ x), 1e-12)
-        noise = (NOISE * predicted * max(1.0, seconds / (OUTLIER * predicted))) ** 2
+        off = max(seconds / predicted, predicted / seconds)
+        noise = (NOISE * predicted * max(1.0, off / OUTLIER)) ** 2
         px = self.spread @ x
         expected = float(x @ px) + (NOISE * predicted) ** 2
         self.surprise += SURPRISE_SMOOTHING * (min((seconds - predicted) ** 2 / expected, 25.0) - self.surprise)

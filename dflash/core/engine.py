@@ -15,7 +15,7 @@ from typing import Sequence
 
 from .admission import Prefill
 from .budget import ITL_LIMIT, MAX_PAUSE
-from .cycle import chain_cycle, run_cycle
+from .cycle import CycleClock, chain_cycle, run_cycle
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
 from .cycle_times import CycleTimes
 from .errors import DFlashError
@@ -53,6 +53,7 @@ class Engine(Prefill):
         self.last_reused = 0  # prompt tokens the last prefill found in the caches
         self.policy = Policy()  # what each cycle runs (set_verify)
         self.lookahead = Lookahead()  # a plain step issued ahead of the host (lazy targets)
+        self.clock = CycleClock()  # each cycle's own wall time (the policy learns from it)
 
     # ---- what the caches hold ------------------------------------------------------------------------------------
     @property

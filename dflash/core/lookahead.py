@@ -17,9 +17,10 @@ finds the caches exactly as the cycles committed them: a row's stop costs one fo
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable, Concatenate, ParamSpec, Protocol, Sequence, TypeVar
 
-from .cycle import CycleEngine
+from .cycle import CycleClock, CycleEngine
 from .contract import Array, Pipelining, Step, Target, Verified
 
 
@@ -27,6 +28,7 @@ class Landing(Protocol):
     """What forgetting the step ahead needs of an engine: its target and rows."""
 
     lookahead: Lookahead
+    clock: CycleClock
 
     @property
     def target(self) -> Target: ...
@@ -48,6 +50,8 @@ class Lookahead:
         self.anchors: list[int] | None = None  # the tokens it reads (the next cycle's anchors), on the host
         self.tokens: Array = None  # what it draws (rows, 1), on the device
         self.features: Array = None  # its target features (the drafter's, once committed), on the device
+        self.issued = 0.0  # wall seconds issuing it took (on a CPU, most of its forward): the cycle that takes or
+        # drops it pays them (CycleClock)
 
     @staticmethod
     def runs(engine: PlainEngine) -> bool:
@@ -60,16 +64,24 @@ class Lookahead:
         target = engine.target
         assert isinstance(target, Pipelining)  # (runs(engine))
         anchors = list(anchors)
-        if self.anchors == anchors:
+        taken = self.anchors == anchors
+        if taken:
             tokens, features = self.tokens, self.features
+            engine.clock.shift += self.issued
         else:
             self.drop(engine)
             tokens, features = _draw(engine, target.ids([[a] for a in anchors]), engine.rows, offset=1)
         self.anchors = self.tokens = self.features = None
+        self.issued = 0.0
         if again:
+            if not taken:  # (this step's own forward first, so that issuing the next times the next alone)
+                target.start(tokens)
+            issuing = time.perf_counter()
             ahead, ahead_features = _draw(engine, tokens, [row + [a] for row, a in zip(engine.rows, anchors)],
                                           offset=2)
             target.start(ahead)
+            self.issued = time.perf_counter() - issuing
+            engine.clock.shift -= self.issued
         drawn = target.to_host(tokens)  # the cycle's one device -> host read, while the step ahead runs
         if again:
             self.anchors, self.tokens, self.features = [t for t, in drawn], ahead, ahead_features
@@ -83,6 +95,8 @@ class Lookahead:
         if self.anchors is None:
             return
         self.anchors = self.tokens = self.features = None
+        engine.clock.shift += self.issued  # (a forward for nothing: the cycle that drops it pays it)
+        self.issued = 0.0
         if not engine.target.keep([0] * len(engine.rows), 1):
             raise AssertionError("the last forward can always be rewound")
 
