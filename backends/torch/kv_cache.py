@@ -187,12 +187,11 @@ class RowSlots:
 
     @torch.inference_mode()
     def pack_tail(self, start: int, slots: list[int], width: int) -> None:
-        n, idx = len(slots), None
+        n = len(slots)
+        idx = start + torch.tensor(slots, device=self.layers[0].device)  # (one index for every layer)
         for layer in self.layers:  # (copying only the kept entries)
             for kv in (layer.keys, layer.values):
                 assert kv is not None  # (a forward filled them)
-                if idx is None:  # (one index for every layer)
-                    idx = start + torch.tensor(slots, device=kv.device)
                 kv[:, :, start:start + n] = kv[:, :, idx]
         self.cache.crop(n - width)
 
