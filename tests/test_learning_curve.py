@@ -45,3 +45,11 @@ def test_main_writes_the_plot(curve, tmp_path, capsys):
     assert bench_main(["learning-curve", "--run", f"kl={run}", "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").stat().st_size > 0
     assert "kl: tau 2.0 projected at" in capsys.readouterr().out
+
+
+def test_a_continued_run_counts_on_from_the_first(curve, tmp_path):
+    first = write_log(tmp_path / "first", [(10, 1000, 1.1, 0.1), (20, 2000, 1.2, 0.15)])
+    later = write_log(tmp_path / "later", [(5, 500, 1.3, 0.2), (10, 1000, 1.4, 0.25)])
+    rows = curve.continued([first, later])
+    assert [r["answer_tokens"] for r in rows] == [1000, 2000, 2500, 3000]
+    assert [r["tau"] for r in rows] == [1.1, 9.9, 1.3, 9.9]  # (each log's repeated last row wins, as alone)

@@ -3,6 +3,10 @@ evaluations): a table in markdown and a plot of tau and position-1 acceptance.
 
     python -m dflash.bench learning-curve --run "cross-entropy=runs/ce" --run "KL, top 16=runs/kl" \
         --out runs/learning_curve.png
+
+A drafter trained on in later runs (`--init-from` the first run's drafter, on rows it has not seen) is one curve:
+`--run "LABEL=runs/a,runs/b"` counts each later run's answer tokens on from the last one the run before it trained
+on.
 """
 
 from __future__ import annotations
@@ -18,6 +22,17 @@ def evaluations(run: Path) -> list[dict]:
     """The run's evaluation rows, oldest first (the newest row of a step wins: a resumed run may repeat one)."""
     rows = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line.strip()]
     return sorted({r["step"]: r for r in rows if "tau" in r}.values(), key=lambda r: r["step"])
+
+
+def continued(runs: list[Path]) -> list[dict]:
+    """The evaluations of a drafter trained in these runs one after another, answer tokens counted from the first."""
+    rows, offset = [], 0
+    for run in runs:
+        own = evaluations(run)
+        rows += [dict(r, answer_tokens=r.get("answer_tokens", 0) + offset) for r in own]
+        logged = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line.strip()]
+        offset += max((r.get("answer_tokens", 0) for r in logged), default=0)
+    return rows
 
 
 def table(runs: dict[str, list[dict]]) -> str:
@@ -63,7 +78,8 @@ def plot(runs: dict[str, list[dict]], png: Path) -> None:
 
 def main(argv=None) -> int:
     p = cli.Parser(prog="python -m dflash.bench learning-curve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", action="append", required=True, metavar="LABEL=DIR", help="a training run directory")
+    p.add_argument("--run", action="append", required=True, metavar="LABEL=DIR[,DIR..]",
+                   help="a training run directory (several, comma-separated: one drafter trained on in each in turn)")
     p.add_argument("--out", type=Path, help="the plot (PNG)")
     p.add_argument("--tau", type=float, default=2.0, help="project the answer tokens this tau needs")
     p.add_argument("--p1", type=float, default=0.5, help="... and this position-1 acceptance")
@@ -71,7 +87,7 @@ def main(argv=None) -> int:
     runs = {}
     for item in args.run:
         label, _, directory = item.rpartition("=")
-        runs[label or directory] = evaluations(Path(directory))
+        runs[label or directory] = continued([Path(d) for d in directory.split(",")])
     print(table(runs))
     for label, rows in runs.items():
         for name, key, goal in (("tau", lambda r: r["tau"], args.tau), ("position-1 acceptance",
