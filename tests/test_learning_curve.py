@@ -52,4 +52,5 @@ def test_a_continued_run_counts_on_from_the_first(curve, tmp_path):
     later = write_log(tmp_path / "later", [(5, 500, 1.3, 0.2), (10, 1000, 1.4, 0.25)])
     rows = curve.continued([first, later])
     assert [r["answer_tokens"] for r in rows] == [1000, 2000, 2500, 3000]
+    assert [r["step"] for r in rows] == [10, 20, 25, 30]
     assert [r["tau"] for r in rows] == [1.1, 9.9, 1.3, 9.9]  # (each log's repeated last row wins, as alone)

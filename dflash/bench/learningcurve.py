@@ -25,13 +25,15 @@ def evaluations(run: Path) -> list[dict]:
 
 
 def continued(runs: list[Path]) -> list[dict]:
-    """The evaluations of a drafter trained in these runs one after another, answer tokens counted from the first."""
-    rows, offset = [], 0
+    """The evaluations of a drafter trained in these runs one after another, its steps and answer tokens counted
+    from the first run's start."""
+    rows, steps, tokens = [], 0, 0
     for run in runs:
-        own = evaluations(run)
-        rows += [dict(r, answer_tokens=r.get("answer_tokens", 0) + offset) for r in own]
+        rows += [dict(r, step=r["step"] + steps, answer_tokens=r.get("answer_tokens", 0) + tokens)
+                 for r in evaluations(run)]
         logged = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line.strip()]
-        offset += max((r.get("answer_tokens", 0) for r in logged), default=0)
+        steps += max((r["step"] for r in logged), default=0)
+        tokens += max((r.get("answer_tokens", 0) for r in logged), default=0)
     return rows
 
 
@@ -71,7 +73,8 @@ def plot(runs: dict[str, list[dict]], png: Path) -> None:
     axes[1].set(xlabel="answer tokens trained on (thousands)", ylabel="acceptance at position 1",
                 title="held-out position-1 acceptance")
     for ax in axes:
-        ax.grid(alpha=0.3)
+        ax.set_xscale("log")  # (a curve over several doublings of data: each doubling one step along the axis)
+        ax.grid(alpha=0.3, which="both")
         ax.legend()
     save(fig, png, dpi=100)
 
