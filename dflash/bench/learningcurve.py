@@ -5,8 +5,8 @@ evaluations): a table in markdown and a plot of tau and position-1 acceptance.
         --out runs/learning_curve.png
 
 A drafter trained on in later runs (`--init-from` the first run's drafter, on rows it has not seen) is one curve:
-`--run "LABEL=runs/a,runs/b"` counts each later run's answer tokens on from the last one the run before it trained
-on.
+`--run "LABEL=runs/a,runs/b"` counts each later run's steps and answer tokens on from where the run before it
+ended.
 """
 
 from __future__ import annotations
@@ -18,10 +18,18 @@ from .. import cli
 from ..core.extras.plots import pyplot, save
 
 
-def evaluations(run: Path) -> list[dict]:
-    """The run's evaluation rows, oldest first (the newest row of a step wins: a resumed run may repeat one)."""
-    rows = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line.strip()]
+def logged(run: Path) -> list[dict]:
+    """Every row of the run's train_log.jsonl (training steps and evaluations)."""
+    return [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line.strip()]
+
+
+def evaluated(rows: list[dict]) -> list[dict]:
+    """The evaluation rows, oldest first (the newest row of a step wins: a resumed run may repeat one)."""
     return sorted({r["step"]: r for r in rows if "tau" in r}.values(), key=lambda r: r["step"])
+
+
+def evaluations(run: Path) -> list[dict]:
+    return evaluated(logged(run))
 
 
 def continued(runs: list[Path]) -> list[dict]:
@@ -29,11 +37,11 @@ def continued(runs: list[Path]) -> list[dict]:
     from the first run's start."""
     rows, steps, tokens = [], 0, 0
     for run in runs:
+        log = logged(run)
         rows += [dict(r, step=r["step"] + steps, answer_tokens=r.get("answer_tokens", 0) + tokens)
-                 for r in evaluations(run)]
-        logged = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines() if line.strip()]
-        steps += max((r["step"] for r in logged), default=0)
-        tokens += max((r.get("answer_tokens", 0) for r in logged), default=0)
+                 for r in evaluated(log)]
+        steps += max((r["step"] for r in log), default=0)
+        tokens += max((r.get("answer_tokens", 0) for r in log), default=0)
     return rows
 
 
