@@ -1,7 +1,7 @@
-"""dflash/core/budget.py: the tree planner of --verify auto under a latency limit and with draft blocks shorter than the
-drafter's (the plan's node counts are tests/test_tree.py's; the chain-or-tree path tests/test_path_choice.py's)."""
+"""dflash/core/budget.py: the tree planner of --verify auto under a latency limit, with draft blocks shorter than the
+drafter's, and its choice between the chain's path and a tree's (the plan's node counts are tests/test_tree.py's)."""
 
-from dflash.core.budget import MAX_PAUSE, Pause, TreePlanner
+from dflash.core.budget import MAX_PAUSE, Pause, TreePlanner, _chain_tokens
 from dflash.core.cycle_times import CycleTimes
 from cycle_devices import HEAVY, cpu
 
@@ -18,10 +18,10 @@ def test_a_row_whose_drafts_fail_is_not_slowed_by_the_others_trees():
         return planner, planner.plan([1, 2], top_ids, top_probs, copies=[[], []])
 
     unlimited, plan = planned(None)
-    assert len(plan.trees[0].tokens) > 1 and unlimited.chain_within
+    assert len(plan.trees[0].tokens) > 1 and unlimited.block_rates["chain"] > 0
     limited, plan = planned(1.5)
     assert [len(t.tokens) for t in plan.trees] == [1, 1] and limited.pause.skip > 0
-    assert not limited.chain_within and limited.path() == "tree"
+    assert limited.block_rates["chain"] == 0 and limited.path() == "tree"
 
 
 def _confident_chain(rows: int, depth: int = 15, k: int = 2):
@@ -184,3 +184,90 @@ def test_a_drafted_node_on_the_copied_branch_counts_for_trying_the_next_block_up
     planner.draft_block = planner.drafted_block = 4
     planner.plan([0] * 16, *_confident_chain(16, 3), copies=[[3] * 15] * 16)
     assert planner.draft_block == 8
+
+
+def _cycle(planner, path, top_ids, top_probs, seconds):
+    """One cycle on `path` of one row whose target accepts every rank-1 proposal, `seconds(tokens, path)` long."""
+    if path == "chain":
+        planner.observe_chain(1, seconds(planner.block_size, path))
+        return
+    plan = planner.plan([0], top_ids, top_probs)
+    tree = plan.trees[0]
+    chain = [i for i in range(1, len(tree.tokens)) if tree.tokens[i] == 5]  # (the rank-1 nodes: token 5 at each depth)
+    planner.observe(plan, [chain], seconds(len(tree.tokens), path))
+
+
+def test_the_faster_path_is_kept_and_the_other_probed_ever_more_rarely():
+    """A tree's path costs a plain step more than the chain's at the same width (its host read): once measured, the
+    chain's path runs, a tree cycle (which alone values the two) probing after 1, 2, 4 .. MAX_PAUSE of its cycles.
+    Where the paths cost the same and a branching tree is expected to commit more, trees run, the chain probed."""
+    costs = CycleTimes.fixed(plain=1.0, token=0.2 / 15, draft=0.2)
+    for overhead, probs, best in ((1.0, [0.9, 0.1], "chain"), (0.0, [0.6, 0.4], "tree")):
+        planner = TreePlanner("auto", 16, 32, costs, copy_branch=False)
+        seen = []
+        for _ in range(600):
+            path = planner.path()
+            seen.append(path)
+            _cycle(planner, path, [[[5, 6]] * 15], [[probs] * 15],
+                   lambda n, path: costs.cycle_seconds(n) + overhead * (path == "tree"))
+        probes = [i for i, path in enumerate(seen) if path != best]
+        gaps = [b - a for a, b in zip(probes, probes[1:])]
+        assert seen.count(best) > 0.95 * len(seen) and gaps[-3:] == [MAX_PAUSE + 1] * 3, (best, gaps)
+        assert gaps[-8:] == sorted(gaps[-8:])  # (the first cycles may flip the path while they measure it)
+    assert TreePlanner("tree", 4, 8).path() == "tree"
+
+
+def test_each_drafted_plan_values_the_chain_from_the_trees_calibration():
+    """The chain's tokens: the drafter's rank-1 node at every depth (whether or not the tree keeps them), valued as
+    the tree's nodes are; its rate is those over the seconds of a chain cycle."""
+    costs = CycleTimes.fixed(plain=1.0, token=0, draft=0.0)
+    planner = TreePlanner("auto", 4, 8, costs, copy_branch=False)
+    plan = planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
+    scale = planner.calibration.scale
+    chain = 1.0 + 0.6 * scale(1) + 0.36 * scale(2) + 0.216 * scale(3)
+    assert planner.block_rates["chain"] == chain / costs.cycle_seconds(4)  # (the paths' overheads alike, unmeasured)
+    nodes = plan.trees[0]
+    assert len(nodes.tokens) == 7 and 1.0 + sum(nodes.values[1:]) > chain  # six nodes keep the chain and branch
+    fixed = TreePlanner("tree", 4, 8)
+    fixed.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
+    assert fixed.block_rates == {}  # (a fixed mode chooses nothing)
+
+
+def test_a_chain_that_is_the_copied_branch_is_valued_as_the_tree_of_the_same_nodes():
+    """Where the drafter's rank-1 proposals are the branch copied from the context, the chain verifies the tree's
+    nodes: both are expected to commit the same (valued by q alone, the chain looked worse, and auto kept the
+    tree's slower path on text that the chain committed whole)."""
+    planner = TreePlanner("auto", 4, 3, CycleTimes.fixed(plain=1.0, token=0, draft=0.0))
+    for d in range(1, 4):  # copies of this context have been accepted
+        planner.calibration.copy_offered[d] = planner.calibration.copy_accepted[d] = 50
+    ids, probs = [[5, 6], [7, 6], [8, 6]], [[0.4, 0.3]] * 3
+    plan = planner.plan([0], [ids], [probs], copies=[[5, 7, 8]])
+    chain = _chain_tokens(ids, probs, [5, 7, 8], planner.calibration)
+    assert chain == 1.0 + sum(plan.trees[0].values[1:]) > 3.5
+
+
+def test_a_short_blocks_plan_says_nothing_of_the_chain():
+    planner = TreePlanner("auto", 16, 16, CycleTimes.fixed(plain=1.0, token=0.2 / 15, draft=1.0), copy_branch=False)
+    planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])  # a draft of 4 positions: 3 proposals
+    assert "chain" not in planner.block_rates and 4 in planner.block_rates
+
+
+def test_a_shorter_block_must_beat_the_chains_path_where_that_is_faster():
+    """The copied branch holds the whole chain, so a draft of 8 positions loses no node and saves 0.15 of a 1.3
+    plain-step cycle; its cycles run on a tree's path. Where a tree's path costs 0.3 more, the chain's path at the
+    whole block is faster, and is kept."""
+    confident = [[[5, 6]] * 15], [[[0.9, 0.1]] * 15]
+
+    def next_block(tree):
+        planner = TreePlanner("auto", 16, 16, CycleTimes.fixed(plain=1.0, token=0.0, draft=0.3), itl_limit=None)
+        planner.blocks = [8, 16]  # (the shorter blocks would save more still)
+        planner.path_factor["tree"] = 1 + tree / 1.3  # (measured: a tree's path costs `tree` more at the block)
+        for d in range(1, 16):
+            planner.calibration.copy_offered[d] = planner.calibration.copy_accepted[d] = 1000
+        for _ in range(8):
+            planner.plan([0], *confident, copies=[[5] * 15])
+            if planner.draft_block < 16:
+                break
+        return planner.draft_block, planner.best_path
+
+    assert next_block(0.0)[0] == 8 and next_block(0.3) == (16, "chain")

@@ -131,11 +131,10 @@ def run(batch: Rows, costs: Roofline, mode: str = "auto", cycles: int = CYCLES, 
         if path == "chain":
             accepted = [next((d for d, t in enumerate(row) if t != 0), block_size - 1) for row in truth]
             took = costs.cycle(block_size, rows, True)
-            planner.observe_speed("chain", accepted, took)
+            planner.observe_chain(rows, took)
             verified, drafting_rows, was_drafted = block_size - 1, rows, True
         else:
             accepted, took, verified, drafting_rows, was_drafted = _tree_cycle(planner, batch, truth, costs, pauses)
-            planner.observe_speed("tree", accepted, took)
         if cycle >= cycles // 2:
             tokens = [t + a + 1 for t, a in zip(tokens, accepted)]
             seconds += took

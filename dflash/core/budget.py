@@ -1,12 +1,10 @@
 """The tree planner: how many draft nodes each row verifies this cycle, and whether the cycle drafts at all.
 
-`--verify tree` verifies a fixed budget of the most probable prefixes every cycle (DDTree). `--verify auto` takes,
-every cycle, the plan with the most expected committed tokens per second: tokens from the calibrated acceptance
-estimates (dflash.core.tree), seconds from the cycles' own wall times (dflash/core/cycle_times.py). One budget is
-spent across the batch's rows by value, in cycles of at most ITL_LIMIT plain steps per token the least-served row
-expects. Around that rule: pauses (no draft forward while not drafting wins, the batch's and a row's own: Pause),
-the draft forward's length (2, 4, 8 or all B positions), and the chain's path or a tree's (path_choice.py).
-docs/verification.md says the policy, docs/trees.md what each part measured.
+`--verify tree` verifies a fixed budget of the most probable prefixes every cycle (DDTree). `--verify auto` takes the
+plan with the most expected committed tokens per second (calibrated acceptance, dflash.core.tree; the cycles' own
+seconds, dflash/core/cycle_times.py), one budget spent across rows by value within ITL_LIMIT; around it: pauses
+(Pause), the draft forward's length, and the chain's path or a tree's. docs/verification.md says the policy,
+docs/trees.md what each part measured.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .cycle_times import CycleTimes
-from .path_choice import PathChoice
 from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates, to_tree
 
 VERIFY_MODES = ("chain", "tree", "auto")
@@ -24,6 +21,7 @@ MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
 DRAFT_BLOCKS = (2, 4, 8)  # auto: shorter draft forwards it may choose (where deep nodes do not pay)
 MAX_PAUSE = 64  # the longest run of cycles without a draft forward between probes (a probe costs ~2 steps)
 BLOCK_SMOOTHING = 0.2  # auto: weight of a cycle's predicted rate in each draft block's smoothed one
+PATH_SMOOTHING = 0.2  # auto: weight of a cycle's seconds in its path's smoothed overhead
 BLOCK_MARGIN = 0.1  # auto: how much faster a shorter draft block must be predicted to be to replace the drafted one
 AUTO_BUDGET = 255  # auto: the most draft nodes a row's tree may have (the seconds it learns choose fewer)
 ITL_LIMIT = 1.5  # auto: a cycle takes at most this many plain steps per token its least-served row expects
@@ -113,48 +111,46 @@ class TreePlanner:
                  copy_branch: bool = True, itl_limit: float | None = ITL_LIMIT):
         self.mode, self.block_size, self.budget, self.times = mode, block_size, budget, times
         self.copy_branch, self.itl_limit = copy_branch, itl_limit
-        self.chain_within = True  # auto: whether the last drafted cycle's rows could wait for a whole chain
         self.top_k = min(MAX_TOP_K, budget)
         self.reach = min(budget, 2 * (block_size - 1))  # auto: candidates per row, twice the most verified last cycle
         self.calibration = Calibration(block_size - 1)
         self.idle_trees = 0  # root-only trees of plain cycles not yet forgotten by (Calibration.age) the calibration
         self.pause = Pause()  # auto: the batch's cycles without a draft forward
+        # auto: the path whose cycles run (the chain's or a tree's), the other's probe cycles after 1, 2 .. MAX_PAUSE
+        # of them, and each path's seconds over the cycle times' (its overhead: a tree reads the draft to the host)
+        self.best_path, self.path_probes = "tree", Pause(skip=1)
+        self.path_factor, self.path_cycles = {"chain": 1.0, "tree": 1.0}, {"chain": 0, "tree": 0}
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
-        self.choice = PathChoice()  # auto: the chain's path or a tree's, cycle by cycle
         self.last_drafted = True
         # auto: positions of the next draft forward (the measured shorter blocks, or the whole block)
         self.blocks = sorted({b for b in (DRAFT_BLOCKS if times else ()) if b < block_size} | {block_size})
         self.draft_block = self.drafted_block = block_size
-        self.block_rates: dict[int, float] = {}  # auto: smoothed predicted tokens/s of each block's best plan
+        self.block_rates: dict[int | str, float] = {}  # auto: smoothed predicted tokens/s of each block's best
+        # plan, and of the chain's path ("chain")
         # drafted cycles before a block is tried again from the one below, and that wait's next length
         self.deepen_wait, self.deepen_after = {b: 0 for b in self.blocks}, {b: 1 for b in self.blocks}
         self.draft_rows: int | None = None  # auto: rows of this cycle's draft forward, when not all
-        self.planned_width = block_size  # auto: verify tokens per row of the last drafted plan's trees
         self.last_trees: list[Tree] = []  # the last cycle's trees and accepted paths (introspection: tests, traces)
         self.last_paths: list[list[int]] = []
 
     def path(self, pauses: Sequence[Pause] = ()) -> str:
-        """auto: "chain" or "tree" for this cycle (tree: always), the rows' own pauses in `pauses`. While cycles
-        without a draft forward win (a pause, and its probes), and while a shorter draft block wins, the tree path
-        runs: only it can pause or draft fewer positions, and only its plans tell when drafting pays again."""
-        if self.mode != "auto" or self.pause.skip or self.pause.backoff or not self.chain_within or any(
-                p.skip for p in pauses):
+        """auto: "chain" or "tree" for this cycle (tree: always), the rows' own pauses in `pauses`: the path the last
+        whole-block plan found faster, the other probed after 1, 2, 4 .. MAX_PAUSE cycles (so that its overhead and,
+        for a tree, the plans stay measured). While cycles without a draft forward win (a pause, and its probes), and
+        while a shorter draft block wins, the tree path runs: only it can pause or draft fewer positions."""
+        if self.mode != "auto" or self.pause.skip or self.pause.backoff or any(p.skip for p in pauses):
             return "tree"  # (the chain drafts every row)
         if self.draft_block < self.block_size:
             return "tree"  # (the chain drafts the whole block)
-        return self.choice.choose()
+        if self.path_probes.waits():
+            return self.best_path
+        self.path_probes.observe(False)  # (the next probe waits twice as long)
+        return "chain" if self.best_path == "tree" else "tree"
 
-    def observe_speed(self, kind: str, accepted: Sequence[int], seconds: float) -> None:
-        """One cycle on the chain's path or a tree's took `seconds`; row r accepted accepted[r] draft tokens."""
-        if self.times is not None and kind == "chain":  # (a tree cycle's shape is learnt in observe)
-            self.times.observe(self.block_size, len(accepted), True, seconds)
-        if self.times is None or (kind == "tree" and (not self.last_drafted or self.drafted_block < self.block_size
-                                                      or self.draft_rows is not None)):
-            return  # (a cycle without a draft forward, a shorter one or one of some rows, says nothing about either
-            # path's chain-sized drafted cycles)
-        rows = len(accepted)
-        width = self.planned_width if kind == "tree" else self.block_size  # (the factor: the path's overhead alone)
-        self.choice.observe(kind, seconds, self.times.cycle_seconds(width, rows, True))
+    def observe_chain(self, rows: int, seconds: float) -> None:
+        """(auto) A cycle on the chain's path, `rows` rows verifying the whole block, took `seconds`."""
+        self._timed(self.block_size, rows, True, seconds)
+        self._path_seconds("chain", self.block_size, rows, seconds)
 
     @property
     def pauses_next(self) -> bool:
@@ -204,23 +200,17 @@ class TreePlanner:
             limit = self._limit(rows)
             counts, rate = self._counts(candidates, drafted, limit, block)
             if drafted:
-                chains = [_chain_tokens(i[: self.block_size - 1], p[: self.block_size - 1], c, self.calibration)
-                          if p is not None else 1.0 for i, p, c in zip(top_ids, top_probs, copies)]
-                self.draft_block, rate = self._next_block(candidates, counts, rate, limit, block)
+                chain = None  # what a chain cycle is expected to commit per second (a shorter draft has no chain)
+                if block == self.block_size:
+                    chain = self._chain_rate([
+                        _chain_tokens(i[: self.block_size - 1], p[: self.block_size - 1], c, self.calibration)
+                        if p is not None else 1.0 for i, p, c in zip(top_ids, top_probs, copies)], limit)
+                rate = self._next_block(candidates, counts, rate, limit, block, chain)
                 self._update_pause(copies, rate, limit)
-                self.chain_within = self._chain_within(chains, limit)
                 given = {r: any(not c.copied for c in candidates[r][:counts[r]]) for r in drafting or ()}
                 if any(given.values()):  # (no row given one: the whole batch's pause)
                     for r, drafted_nodes in given.items():
                         pauses[r].observe(drafted_nodes)
-                # what this cycle's trees and the chain are each expected to commit, and the seconds of each cycle
-                self.planned_width = 1 + max(counts)
-                times = self.auto_times
-                if block == self.block_size:  # (a shorter draft has no proposals past its block: no chain to value)
-                    self.choice.observe_plan(
-                        [1.0 + sum(x.value for x in c[:k]) for c, k in zip(candidates, counts)], chains,
-                        (times.cycle_seconds(self.planned_width, rows, True, block, self.draft_rows),
-                         times.cycle_seconds(self.block_size, rows, True)))
                 self.reach = min(self.budget, max(2 * max(counts), 2 * (self.block_size - 1)))
         trees = [to_tree(a, c[:k]) for a, c, k in zip(anchors, candidates, counts)]
         qs = [[1.0] + [x.q for x in c[:k]] for c, k in zip(candidates, counts)]
@@ -255,12 +245,24 @@ class TreePlanner:
         if seconds is not None and not probe:
             width = max(len(t.tokens) for t in plan.trees)
             self._timed(width, len(plan.trees), plan.drafted, seconds, plan.block, plan.draft_rows)
+            if plan.drafted and plan.block == self.block_size and plan.draft_rows is None:
+                self._path_seconds("tree", width, len(plan.trees), seconds)
 
     def _timed(self, width: int, rows: int, drafted: bool, seconds: float, block: int | None = None,
                draft_rows: int | None = None) -> None:
         """(auto) A cycle of `rows` rows verifying `width` tokens took `seconds`: the cycle times learn it."""
         if self.times is not None:
             self.times.observe(width, rows, drafted, seconds, block, draft_rows)
+
+    def _path_seconds(self, path: str, width: int, rows: int, seconds: float) -> None:
+        """(auto) A drafted cycle of the whole block on `path`: its seconds over the cycle times' for its shape,
+        smoothed, are the path's own overhead (host read, tree building, mask), not its size."""
+        if self.times is None:
+            return
+        self.path_cycles[path] += 1
+        if self.path_cycles[path] > 1:  # (a path's first cycle warms it up: allocation, kernel selection)
+            old = self.path_factor[path]
+            self.path_factor[path] = old + PATH_SMOOTHING * (seconds / self.times.cycle_seconds(width, rows) - old)
 
     def _age(self) -> None:
         if self.idle_trees:
@@ -281,26 +283,33 @@ class TreePlanner:
         seconds = lambda n, r: times.cycle_seconds(n, r, drafted, block, some)  # noqa: E731
         return choose_counts(values, seconds, 0.0, self.budget, limit)
 
-    def _next_block(self, candidates, counts, rate: float, limit: float | None, block: int) -> tuple[int, float]:
-        """The next draft's positions, and the rate this cycle's plan predicts for them: the block whose best plan
-        over recent cycles' candidates (draft nodes past its positions dropped; rates smoothed) is fastest with its
-        own draft forward. When the drafted block wins and its plan reaches its last position, the next block up is
-        tried (again after 2, 4 .. 64 drafted cycles while such tries lose)."""
-        if block == self.block_size:  # (the whole block's cycles may run on the chain's faster path)
-            rate *= self.choice.chain_gain()
-        rates = {block: rate}
+    def _next_block(self, candidates, counts, rate: float, limit: float | None, block: int,
+                    chain: float | None) -> float:
+        """Sets the next draft's positions and path, and returns the rate this cycle's plan predicts for them: the
+        block whose best plan over recent cycles' candidates (draft nodes past its positions dropped; rates
+        smoothed) is fastest with its own draft forward, or the chain's path (`chain`: its rate at this plan). When
+        the drafted block wins and its plan reaches its last position, the next block up is tried (again after 2, 4
+        .. 64 drafted cycles while such tries lose)."""
+        rates: dict[int | str, float] = {block: rate} if chain is None else {block: rate, "chain": chain}
         for b in self.blocks:
             if b >= block:
                 break
             kept = [[c for c in cs if c.copied or len(c.tokens) < b] for cs in candidates]
             rates[b] = self._counts(kept, True, limit, b)[1]
-        for b, r in rates.items():  # smoothed: one cycle's text says little about which depth pays
-            old = self.block_rates.get(b)
-            self.block_rates[b] = r if old is None else old + BLOCK_SMOOTHING * (r - old)
+        for key, r in rates.items():  # smoothed: one cycle's text says little about which depth pays
+            old = self.block_rates.get(key)
+            self.block_rates[key] = r if old is None else old + BLOCK_SMOOTHING * (r - old)
+        whole = max(rates.keys() & {block, "chain"}, key=self.block_rates.__getitem__)
         best = max(rates, key=self.block_rates.__getitem__)
-        if self.block_rates[best] < (1 + BLOCK_MARGIN) * self.block_rates[block]:
-            best = block  # (a shorter block must win clearly: it gives up deep nodes and the chain's own path)
+        if self.block_rates[best] < (1 + BLOCK_MARGIN) * self.block_rates[whole]:
+            best = whole  # (a shorter block must win clearly: it gives up deep nodes and the chain's own path)
         best_rate = rates[best]
+        path = "chain" if best == "chain" else "tree"
+        if chain is not None and path != self.best_path:  # (the other path is probed again soon)
+            self.best_path, self.path_probes = path, Pause(skip=1)
+        if best == "chain":
+            best = block
+        assert isinstance(best, int)  # (the chain's path drafts the whole block)
         wait, after = self.deepen_wait, self.deepen_after
         for b in wait:
             wait[b] = max(wait[b] - 1, 0)
@@ -314,7 +323,8 @@ class TreePlanner:
         if best == block and deeper and deepest >= block - 1 and not wait[deeper]:
             if self._counts(candidates, True, limit, deeper)[1] > 0:  # (not when its draft alone breaks the limit)
                 best = deeper
-        return best, best_rate
+        self.draft_block = best
+        return best_rate
 
     def _deeper(self, block: int) -> int | None:
         """The measured draft block after `block` (None after the whole block)."""
@@ -326,14 +336,13 @@ class TreePlanner:
             return None
         return self.itl_limit * self.auto_times.cycle_seconds(1, rows, False)
 
-    def _chain_within(self, chains: Sequence[float], limit: float | None) -> bool:
-        """Whether a chain cycle (every row verifies the drafter's B-1 rank-1 proposals) keeps within the limit: its
-        tokens per row (`chains`) expected from the same calibrated values as the tree's."""
-        if limit is None:
-            return True
-        rows, least = len(chains), min(chains)
-        seconds = self.auto_times.cycle_seconds(self.block_size, rows, True)
-        return seconds <= limit * least
+    def _chain_rate(self, chains: Sequence[float], limit: float | None) -> float:
+        """Tokens per second of a cycle on the chain's path (every row verifies the drafter's B-1 rank-1 proposals,
+        row r expected to commit chains[r], from the same calibrated values as the trees'); 0 over the limit."""
+        seconds = self.auto_times.cycle_seconds(self.block_size, len(chains), True)
+        if limit is not None and seconds > limit * min(chains):
+            return 0.0
+        return sum(chains) / seconds * self.path_factor["tree"] / self.path_factor["chain"]
 
     def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:
         """Pause while the predicted rate of drafted cycles, smoothed, loses to that of the same cycles without the

@@ -1,33 +1,13 @@
 """What a cycle costs on this machine, learnt from the cycles the engine runs: no profile at load, nothing cached.
 
---verify auto compares plans (a plain step, a chain, trees of n nodes, a shorter draft, some rows out of the draft)
-by tokens per second, so it needs the seconds of cycles it has not run yet. They come from a linear model over the
-cycle's shape,
+auto compares plans by tokens per second, so it needs the seconds of shapes it has not run yet: a linear model
 
     seconds = c_cycle + c_row * rows + c_token * verify tokens + c_draft * drafted + c_position * draft positions
 
-(verify tokens: rows x tokens per row; draft positions: the draft forward's rows x its block), tracked by a Kalman
-filter: each term is a random walk (it drifts by DRIFT of itself per cycle: a context that grows) and each cycle's
-wall time is one noisy observation of their sum.
-
-Before the first cycle the model holds PRIOR, a 2-core CPU's shape in plain steps (a plain step of one row is 1, a
-16-token verify 2.5, a draft of 16 positions 0.57), PRIOR_SD uncertain, at a GUESS of 5 ms a plain step. The first
-cycle sets the level (its seconds over the prior's), and one of the first few that lands LEVEL_MISS times off sets
-it again (a first cycle may have warmed a shape up for many times its length). Terms the cycles do not tell apart
-yet (one row only, never a pause) stay near the prior; the cycles' measurements overrule it. When the cycles keep
-landing further from the model than it expects (a busy neighbour came or went: every forward slower or faster
-alike), its uncertainty is inflated until they do not, so it follows the machine within a few cycles.
-
-A shape is priced optimistically: a plan is chosen by the lower confidence bound of its seconds, the estimate minus
-EXPLORE standard deviations (as LinUCB chooses), so a shape that may be cheaper than the model says is tried once,
-and is then known (a GPU verifies hundreds of tokens in the time of one; a model fitted on 16-token chains alone
-cannot tell, and would keep its trees narrow). A term the cycles stop exercising keeps its estimate while its
-uncertainty grows by the drift, so it is tried again after a while: the machine may have changed.
-
-One cycle that stalls (a page fault, a collection, a graph compiled for a new shape) counts less the further it
-lands from the model: at k > OUTLIER times the prediction (or 1/k of it) its noise is taken k / OUTLIER times larger,
-so a stall of 100x moves the model by what a cycle a few percent slow would; one cycle's surprise inflates nothing, a
-second in a row does.
+tracked by a Kalman filter (each term a random walk; each cycle's wall time one noisy observation of their sum). It
+starts from PRIOR at the first cycle's level, prices a shape at a lower confidence bound (so an untried shape is tried
+once, as LinUCB does), inflates its uncertainty when cycles keep missing it (the machine changed), and lets a stalled
+cycle count less the further it lands. docs/verification.md says why each part is there.
 """
 
 from __future__ import annotations

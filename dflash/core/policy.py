@@ -1,11 +1,7 @@
-"""What each cycle runs (--verify chain / tree / auto), chosen per cycle and learnt from each cycle's outcome; the
-policy plans, dflash/core/cycle.py runs the plan, and neither reaches into the other.
-
-chain verifies the B-1 proposals every cycle. tree verifies a tree of a fixed node count every cycle. auto chooses,
-every cycle, what maximises committed tokens per second at the seconds its own cycles took
-(dflash/core/cycle_times.py): trees of some size (dflash/core/budget.py), the chain, or a plain step; rows that
-verify by rejection (chains only) get a chain length instead (ChainBudget, below). docs/verification.md says the
-whole policy."""
+"""What each cycle runs (--verify chain / tree / auto): the policy plans, dflash/core/cycle.py runs the plan, and
+each learns nothing of the other's internals. auto plans trees of some size, the chain or a plain step
+(dflash/core/budget.py), or for rows that verify by rejection a chain length (ChainBudget); docs/verification.md
+says the whole policy."""
 
 from __future__ import annotations
 
@@ -23,14 +19,11 @@ PLAIN_EVERY = 32  # drafted cycles in a row before a plain step is timed again
 
 
 class ChainBudget:
-    """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies,
-    and whether it drafts at all. Expected tokens of a chain of L proposals are 1 + sum_j prod_{i<=j} a_i with a_i
-    the measured rate at which position i accepts when reached (an exponential average over recent cycles, under the
-    rule in use; a position never reached yet is taken to accept as the one before it, so that chains grow where the
-    first positions accept); seconds are those of a cycle drafting and verifying L + 1 positions, learnt from the
-    cycles' own wall times (dflash/core/cycle_times.py; the draft fills only the positions verified). L = 0 is a plain
-    target step without the draft forward; while it wins, drafting pauses for 1, 2, 4 .. 64 cycles between probes, as
-    the tree planner's pauses do."""
+    """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies
+    (L = 0: a plain step, paused as the tree planner's pauses are). A chain of L is expected to commit
+    1 + sum_j prod_{i<=j} a_i, a_i the smoothed rate at which position i accepts when reached (one never reached:
+    the one before it's, so chains grow where the first positions accept), in the seconds of a cycle drafting and
+    verifying L + 1 positions."""
 
     def __init__(self, block_size: int, times: CycleTimes, prior: float = 0.5, smoothing: float = 0.1):
         self.times, self.smoothing = times, smoothing
@@ -165,9 +158,9 @@ class Policy:
         if plan.source == "chains":
             assert self.chain_budget is not None  # (its plans come from it)
             self.chain_budget.observe(plan.length or 0, accepted, seconds)
-        elif plan.source == "trees":
+        elif plan.source == "trees" and plan.kind == "chain":  # (a tree cycle's planner learnt it in its cycle)
             assert self.planner is not None  # (its plans come from it)
-            self.planner.observe_speed(plan.kind, accepted, seconds)
+            self.planner.observe_chain(len(steps), seconds)
 
     def reset(self) -> None:
         """The engine's rows start over."""
