@@ -27,6 +27,7 @@ def test_auto_shrinks_its_trees_as_load_grows(sweep):
 
 def test_the_simulation_is_deterministic():
     assert loadsim.simulate([4], cycles=40) == loadsim.simulate([4], cycles=40)
+    assert loadsim.simulate([4], cycles=40, seed=1) != loadsim.simulate([4], cycles=40)  # (--seed: other draws)
 
 
 def test_rows_the_drafter_rarely_gets_right_cost_auto_less_than_the_chain():

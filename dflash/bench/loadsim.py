@@ -177,13 +177,14 @@ def _tree_cycle(planner: TreePlanner, batch: Rows, truth: list[list[int]], costs
 
 
 def simulate(concurrency=CONCURRENCY, device: Device = H200, shape: Shape = QWEN3_8B, hard: float = 0.0,
-             cycles: int = CYCLES) -> list[dict]:
-    """auto and the fixed chain at each concurrency, a fraction `hard` of the rows with a drafter rarely right."""
+             cycles: int = CYCLES, seed: int = 0) -> list[dict]:
+    """auto and the fixed chain at each concurrency, a fraction `hard` of the rows with a drafter rarely right, the
+    acceptance drawn from `seed`."""
     out = []
     for rows in concurrency:  # (each run learns its cycle times from its own cycles)
         batch = Rows(rows, round(hard * rows))
-        chain = run(batch, Roofline(device, shape), "chain", cycles)
-        out.append(run(batch, Roofline(device, shape), "auto", cycles) | {"chain_speedup": chain["speedup"]})
+        chain = run(batch, Roofline(device, shape), "chain", cycles, seed=seed)
+        out.append(run(batch, Roofline(device, shape), "auto", cycles, seed=seed) | {"chain_speedup": chain["speedup"]})
     return out
 
 
@@ -207,6 +208,7 @@ def main(argv=None) -> int:
     p.add_argument("--launch-ms", type=float, default=H200.launch * 1e3,
                    help="fixed milliseconds per forward (2: eager; a CUDA graph's replay costs a fraction of it)")
     p.add_argument("--cycles", type=int, default=CYCLES)
+    p.add_argument("--seed", type=int, default=0, help="the draws of the synthetic drafter's acceptance")
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     args = p.parse_args(argv)
     if not 0.0 <= args.hard <= 1.0:
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
         p.error("--launch-ms: expected >= 0; --cycles: expected >= 2")
     device = replace(H200, name=f"H200-like (4.8 TB/s, 600 TFLOP/s achievable bf16, {args.launch_ms:g} ms per "
                      "forward fixed)", launch=args.launch_ms / 1e3)
-    rows = simulate(args.concurrency, device, hard=args.hard, cycles=args.cycles)
+    rows = simulate(args.concurrency, device, hard=args.hard, cycles=args.cycles, seed=args.seed)
     print(json.dumps(rows, indent=2) if args.json else f"{device.name}, Qwen3-8B shape, block 16\n\n"
           + markdown(rows))
     return 0
