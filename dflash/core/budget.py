@@ -119,6 +119,7 @@ class TreePlanner:
         # auto: the path whose cycles run (the chain's or a tree's), the other's probe cycles after 1, 2 .. MAX_PAUSE
         # of them, and each path's seconds over the cycle times' (its overhead: a tree reads the draft to the host)
         self.best_path, self.path_probes = "tree", Pause(skip=1)
+        self.chain_within = True  # whether the last whole-block plan's chain kept within the ITL limit
         self.path_factor, self.path_cycles = {"chain": 1.0, "tree": 1.0}, {"chain": 0, "tree": 0}
         self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         self.last_drafted = True
@@ -138,8 +139,9 @@ class TreePlanner:
         whole-block plan found faster, the other probed after 1, 2, 4 .. MAX_PAUSE cycles (so that its overhead and,
         for a tree, the plans stay measured). While cycles without a draft forward win (a pause, and its probes), and
         while a shorter draft block wins, the tree path runs: only it can pause or draft fewer positions."""
-        if self.mode != "auto" or self.pause.skip or self.pause.backoff or any(p.skip for p in pauses):
-            return "tree"  # (the chain drafts every row)
+        if self.mode != "auto" or self.pause.skip or self.pause.backoff or not self.chain_within or any(
+                p.skip for p in pauses):
+            return "tree"  # (the chain drafts every row, and verifies the whole block)
         if self.draft_block < self.block_size:
             return "tree"  # (the chain drafts the whole block)
         if self.path_probes.waits():
@@ -307,6 +309,8 @@ class TreePlanner:
         path = "chain" if best == "chain" else "tree"
         if chain is not None and path != self.best_path:  # (the other path is probed again soon)
             self.best_path, self.path_probes = path, Pause(skip=1)
+        if chain is not None:
+            self.chain_within = chain > 0
         if best == "chain":
             best = block
         assert isinstance(best, int)  # (the chain's path drafts the whole block)
