@@ -306,11 +306,11 @@ class TreePlanner:
         if self.block_rates[best] < (1 + BLOCK_MARGIN) * self.block_rates[whole]:
             best = whole  # (a shorter block must win clearly: it gives up deep nodes and the chain's own path)
         best_rate = rates[best]
-        path = "chain" if best == "chain" else "tree"
-        if chain is not None and path != self.best_path:  # (the other path is probed again soon)
-            self.best_path, self.path_probes = path, Pause(skip=1)
-        if chain is not None:
+        if chain is not None:  # (a plan of the whole block chooses the path too)
             self.chain_within = chain > 0
+            path = "chain" if best == "chain" else "tree"
+            if path != self.best_path:  # (the other path is probed again soon)
+                self.best_path, self.path_probes = path, Pause(skip=1)
         if best == "chain":
             best = block
         assert isinstance(best, int)  # (the chain's path drafts the whole block)
