@@ -19,7 +19,7 @@ class ScriptedPauses(ChainBudget):
         super().__init__(block_size, STEEP)
         self.next_pause = 1
 
-    def length(self, can_pause=True, rows=1):
+    def length(self, rows=1):
         if self.pause.waits():
             return 0
         self.pause.skip, self.next_pause = self.next_pause, min(2 * self.next_pause, 16)

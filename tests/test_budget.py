@@ -112,7 +112,7 @@ def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
         planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
         ids, probs = zip(*([confident] * 2 + [weak] * (14 if drafting is None else 0)))
         planner.plan([0] * 16, list(ids), list(probs), drafting=drafting, pauses=[Pause() for _ in range(16)])
-        return planner.rates[0]
+        return planner.rates[16]
 
     assert drafted_rate([0, 1]) > 1.25 * drafted_rate(None)  # (12.3 against 9.2 tokens per unit of time)
 
@@ -172,9 +172,9 @@ def test_a_probes_time_is_not_learnt_and_a_new_request_forgets_the_last_ones_rat
     for _ in range(3):  # the next drafted cycles are learnt
         planner.observe(planner.plan([0], *confident), [[]], seconds=1.3)
     assert times.observed == 4
-    planner.rates = [0.1, 10.0]  # the last request's: drafting lost by far
+    planner.rates.update({16: 0.1, "plain": 10.0})  # the last request's: drafting lost by far
     planner.reset()
-    assert planner.rates is None
+    assert not planner.rates
 
 
 def test_a_drafted_node_on_the_copied_branch_counts_for_trying_the_next_block_up():
@@ -226,12 +226,12 @@ def test_each_drafted_plan_values_the_chain_from_the_trees_calibration():
     plan = planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
     scale = planner.calibration.scale
     chain = 1.0 + 0.6 * scale(1) + 0.36 * scale(2) + 0.216 * scale(3)
-    assert planner.block_rates["chain"] == chain / costs.cycle_seconds(4)  # (the paths' overheads alike, unmeasured)
+    assert planner.rates["chain"] == chain / costs.cycle_seconds(4)  # (the paths' overheads alike, unmeasured)
     nodes = plan.trees[0]
     assert len(nodes.tokens) == 7 and 1.0 + sum(nodes.values[1:]) > chain  # six nodes keep the chain and branch
     fixed = TreePlanner("tree", 4, 8)
     fixed.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
-    assert fixed.block_rates == {}  # (a fixed mode chooses nothing)
+    assert fixed.rates == {}  # (a fixed mode chooses nothing)
 
 
 def test_a_chain_that_is_the_copied_branch_is_valued_as_the_tree_of_the_same_nodes():
@@ -250,7 +250,7 @@ def test_a_chain_that_is_the_copied_branch_is_valued_as_the_tree_of_the_same_nod
 def test_a_short_blocks_plan_says_nothing_of_the_chain():
     planner = TreePlanner("auto", 16, 16, CycleTimes.fixed(plain=1.0, token=0.2 / 15, draft=1.0), copy_branch=False)
     planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])  # a draft of 4 positions: 3 proposals
-    assert "chain" not in planner.block_rates and 4 in planner.block_rates
+    assert "chain" not in planner.rates and 4 in planner.rates
 
 
 def test_a_shorter_block_must_beat_the_chains_path_where_that_is_faster():

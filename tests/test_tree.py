@@ -160,7 +160,7 @@ def test_auto_pauses_drafting_when_no_draft_wins():
     assert plan.drafted and plan.trees[0].nodes == 0  # nothing pays for its verify tokens
     assert not planner.drafts_this_cycle()  # and the next cycle skips the draft forward
     good = [[[3, 4]] * 3], [[[0.99, 0.005]] * 3]
-    for _ in range(3):  # confident drafts: drafting resumes once the smoothed rates agree
+    for _ in range(4):  # confident drafts: drafting resumes once the smoothed rates agree
         planner.pause.skip = 0
         plan = planner.plan([0], *good)
     assert plan.trees[0].nodes == 3 and planner.drafts_this_cycle()

@@ -20,7 +20,7 @@ VERIFY_MODES = ("chain", "tree", "auto")
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
 DRAFT_BLOCKS = (2, 4, 8)  # auto: shorter draft forwards it may choose (where deep nodes do not pay)
 MAX_PAUSE = 64  # the longest run of cycles without a draft forward between probes (a probe costs ~2 steps)
-BLOCK_SMOOTHING = 0.2  # auto: weight of a cycle's predicted rate in each draft block's smoothed one
+SMOOTHING = 0.2  # auto: weight of a cycle's predicted rate in each candidate's smoothed one
 PATH_SMOOTHING = 0.2  # auto: weight of a cycle's seconds in its path's smoothed overhead
 BLOCK_MARGIN = 0.1  # auto: how much faster a shorter draft block must be predicted to be to replace the drafted one
 AUTO_BUDGET = 255  # auto: the most draft nodes a row's tree may have (the seconds it learns choose fewer)
@@ -121,15 +121,12 @@ class TreePlanner:
         self.best_path, self.path_probes = "tree", Pause(skip=1)
         self.chain_within = True  # whether the last whole-block plan's chain kept within the ITL limit
         self.path_factor, self.path_cycles = {"chain": 1.0, "tree": 1.0}, {"chain": 0, "tree": 0}
-        self.rates: list[float] | None = None  # auto: smoothed predicted tokens/s with and without the draft
         self.last_drafted = True
         # auto: positions of the next draft forward (the measured shorter blocks, or the whole block)
         self.blocks = sorted({b for b in (DRAFT_BLOCKS if times else ()) if b < block_size} | {block_size})
         self.draft_block = self.drafted_block = block_size
-        self.block_rates: dict[int | str, float] = {}  # auto: smoothed predicted tokens/s of each block's best
-        # plan, and of the chain's path ("chain")
-        # drafted cycles before a block is tried again from the one below, and that wait's next length
-        self.deepen_wait, self.deepen_after = {b: 0 for b in self.blocks}, {b: 1 for b in self.blocks}
+        self.rates: dict[int | str, float] = {}  # auto: smoothed predicted tokens/s of each candidate (_choose)
+        self.deepen = {b: Pause() for b in self.blocks}  # auto: drafted cycles before a block is tried from below
         self.draft_rows: int | None = None  # auto: rows of this cycle's draft forward, when not all
         self.last_trees: list[Tree] = []  # the last cycle's trees and accepted paths (introspection: tests, traces)
         self.last_paths: list[list[int]] = []
@@ -172,7 +169,8 @@ class TreePlanner:
     def reset(self) -> None:
         """A new request (or batch): its first cycle drafts and its drafts are judged on their own text; the pause's
         length is kept, so a probe that loses again pauses as long as before."""
-        self.pause.skip, self.rates = 0, None
+        self.pause.skip = 0
+        self.rates.clear()
 
     def plan(self, anchors: Sequence[int], top_ids=None, top_probs=None,
              copies: Sequence[Sequence[int]] = (), drafting: Sequence[int] | None = None,
@@ -207,8 +205,10 @@ class TreePlanner:
                     chain = self._chain_rate([
                         _chain_tokens(i[: self.block_size - 1], p[: self.block_size - 1], c, self.calibration)
                         if p is not None else 1.0 for i, p, c in zip(top_ids, top_probs, copies)], limit)
-                rate = self._next_block(candidates, counts, rate, limit, block, chain)
-                self._update_pause(copies, rate, limit)
+                undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
+                plain = self._counts(undrafted, False, limit)[1]
+                self._choose(candidates, counts, limit, block, {block: rate, "plain": plain} if chain is None
+                             else {block: rate, "plain": plain, "chain": chain})
                 given = {r: any(not c.copied for c in candidates[r][:counts[r]]) for r in drafting or ()}
                 if any(given.values()):  # (no row given one: the whole batch's pause)
                     for r, drafted_nodes in given.items():
@@ -242,7 +242,7 @@ class TreePlanner:
             # its cost: docs/trees.md)
             deeper = self._deeper(plan.block)
             assert deeper is not None  # (a block shorter than the whole one)
-            self.draft_block, self.deepen_wait[deeper], self.deepen_after[deeper] = deeper, 0, 1
+            self.draft_block, self.deepen[deeper] = deeper, Pause()
         # (a probe's draft forward also reads every position its pause committed: not a drafted cycle's cost)
         if seconds is not None and not probe:
             width = max(len(t.tokens) for t in plan.trees)
@@ -285,50 +285,52 @@ class TreePlanner:
         seconds = lambda n, r: times.cycle_seconds(n, r, drafted, block, some)  # noqa: E731
         return choose_counts(values, seconds, 0.0, self.budget, limit)
 
-    def _next_block(self, candidates, counts, rate: float, limit: float | None, block: int,
-                    chain: float | None) -> float:
-        """Sets the next draft's positions and path, and returns the rate this cycle's plan predicts for them: the
-        block whose best plan over recent cycles' candidates (draft nodes past its positions dropped; rates
-        smoothed) is fastest with its own draft forward, or the chain's path (`chain`: its rate at this plan). When
-        the drafted block wins and its plan reaches its last position, the next block up is tried (again after 2, 4
-        .. 64 drafted cycles while such tries lose)."""
-        rates: dict[int | str, float] = {block: rate} if chain is None else {block: rate, "chain": chain}
+    def _choose(self, candidates, counts, limit: float | None, block: int, rates: dict[int | str, float]) -> None:
+        """Sets the next cycles' pause, path and draft block from the rates (tokens per second) this plan predicts for
+        its candidates: drafting `block` positions (this cycle's), the copied branch alone ("plain"), the chain's path
+        ("chain", plans of the whole block) and each shorter block (draft nodes past its positions dropped). Rates are
+        smoothed (one cycle's text says little), a request's first drafted cycle sets them. Drafting that loses pauses
+        (Pause); the best block, or the chain, is the next draft; a block that wins and whose plan reaches its last
+        position tries the next one up (again after 1, 2 .. 64 drafted cycles while such tries lose)."""
         for b in self.blocks:
             if b >= block:
                 break
             kept = [[c for c in cs if c.copied or len(c.tokens) < b] for cs in candidates]
             rates[b] = self._counts(kept, True, limit, b)[1]
-        for key, r in rates.items():  # smoothed: one cycle's text says little about which depth pays
-            old = self.block_rates.get(key)
-            self.block_rates[key] = r if old is None else old + BLOCK_SMOOTHING * (r - old)
-        whole = max(rates.keys() & {block, "chain"}, key=self.block_rates.__getitem__)
-        best = max(rates, key=self.block_rates.__getitem__)
-        if self.block_rates[best] < (1 + BLOCK_MARGIN) * self.block_rates[whole]:
+        first = "plain" not in self.rates
+        for key, r in rates.items():
+            old = self.rates.get(key)
+            self.rates[key] = r if old is None else old + SMOOTHING * (r - old)
+        rate = self.rates.__getitem__
+        whole = max(rates.keys() & {block, "chain"}, key=rate)
+        best = max(rates.keys() - {"plain"}, key=rate)
+        if rate(best) < (1 + BLOCK_MARGIN) * rate(whole):
             best = whole  # (a shorter block must win clearly: it gives up deep nodes and the chain's own path)
-        best_rate = rates[best]
-        if chain is not None:  # (a plan of the whole block chooses the path too)
-            self.chain_within = chain > 0
+        wins = rate("plain") <= rate(best)
+        if not wins and first and self.pause.backoff < MAX_PAUSE:  # one more look before a pause as long as the
+            self.pause.skip = 1  # last request's (after the longest pause, the last text was that look: all lost)
+        else:
+            self.pause.observe(wins)
+        if "chain" in rates:  # (a plan of the whole block chooses the path too)
+            self.chain_within = rates["chain"] > 0
             path = "chain" if best == "chain" else "tree"
             if path != self.best_path:  # (the other path is probed again soon)
                 self.best_path, self.path_probes = path, Pause(skip=1)
         if best == "chain":
             best = block
         assert isinstance(best, int)  # (the chain's path drafts the whole block)
-        wait, after = self.deepen_wait, self.deepen_after
-        for b in wait:
-            wait[b] = max(wait[b] - 1, 0)
-        if block > self.drafted_block:  # this cycle tried a deeper block: it lost (wait longer next time) or held
-            after[block] = min(2 * after[block], MAX_PAUSE) if best < block else 1
-            wait[block] = after[block] if best < block else 0
+        for pause in self.deepen.values():
+            pause.waits()
+        if block > self.drafted_block:  # this cycle tried a deeper block: it lost (a longer wait next time) or held
+            self.deepen[block].observe(best == block)
         self.drafted_block = block
         # (a drafted node the copied branch also holds counts: the drafter reached that deep)
         deepest = max((len(c.tokens) for cs, k in zip(candidates, counts) for c in cs[:k] if c.ranks), default=0)
         deeper = self._deeper(block)
-        if best == block and deeper and deepest >= block - 1 and not wait[deeper]:
+        if best == block and deeper and deepest >= block - 1 and not self.deepen[deeper].skip:
             if self._counts(candidates, True, limit, deeper)[1] > 0:  # (not when its draft alone breaks the limit)
                 best = deeper
         self.draft_block = best
-        return best_rate
 
     def _deeper(self, block: int) -> int | None:
         """The measured draft block after `block` (None after the whole block)."""
@@ -347,19 +349,3 @@ class TreePlanner:
         if limit is not None and seconds > limit * min(chains):
             return 0.0
         return sum(chains) / seconds * self.path_factor["tree"] / self.path_factor["chain"]
-
-    def _update_pause(self, copies, drafted_rate: float, limit: float | None) -> None:
-        """Pause while the predicted rate of drafted cycles, smoothed, loses to that of the same cycles without the
-        draft forward (the copied branch alone)."""
-        undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
-        _, undrafted_rate = self._counts(undrafted, False, limit)
-        first = self.rates is None  # (a request's first drafted cycle: one unsmoothed look)
-        if self.rates is None:
-            self.rates = [drafted_rate, undrafted_rate]
-        else:
-            self.rates = [r + 0.3 * (x - r) for r, x in zip(self.rates, (drafted_rate, undrafted_rate))]
-        wins = self.rates[1] <= self.rates[0]
-        if not wins and first and self.pause.backoff < MAX_PAUSE:  # one more look before a pause as long as the
-            self.pause.skip = 1  # last request's (after the longest pause, the last text was that look: all lost)
-        else:
-            self.pause.observe(wins)

@@ -20,17 +20,15 @@ PLAIN_EVERY = 32  # drafted cycles in a row before a plain step is timed again
 
 class ChainBudget:
     """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies
-    (L = 0: a plain step, paused as the tree planner's pauses are). A chain of L is expected to commit
-    1 + sum_j prod_{i<=j} a_i, a_i the smoothed rate at which position i accepts when reached (one never reached:
-    the one before it's, so chains grow where the first positions accept), in the seconds of a cycle drafting and
-    verifying L + 1 positions."""
+    (0: a plain step; pauses as the tree planner's). A chain of L is expected to commit 1 + sum_j prod_{i<=j} a_i,
+    a_i the smoothed rate at which position i accepts when reached (one never reached: the one before it's, so chains
+    grow where the first positions accept), in the seconds of a cycle drafting and verifying L + 1 positions."""
 
     def __init__(self, block_size: int, times: CycleTimes, prior: float = 0.5, smoothing: float = 0.1):
         self.times, self.smoothing = times, smoothing
         self.rates = [prior] * (block_size - 1)
         self.reached = 0  # positions some cycle has verified (the rates past them are the prior's)
-        self.pause, self.probing = Pause(), False
-        self.probe = False  # this cycle drafts after a pause (or at a request's start)
+        self.pause = Pause()
         self.since_plain = 0  # drafted cycles since the last plain one
 
     def expected(self, length: int) -> float:
@@ -41,33 +39,25 @@ class ChainBudget:
             tokens += reach
         return tokens
 
-    def seconds(self, length: int, rows: int = 1) -> float:
-        """A cycle's seconds verifying `length` proposals per row (0: no draft forward)."""
-        return self.times.cycle_seconds(length + 1, rows, length > 0, length + 1)
+    def rate(self, length: int, rows: int = 1) -> float:
+        """Tokens per second per row of a cycle verifying `length` proposals per row (0: no draft forward)."""
+        return self.expected(length) / self.times.cycle_seconds(length + 1, rows, length > 0, length + 1)
 
-    def length(self, can_pause: bool = True, rows: int = 1) -> int:
-        """Proposals every one of `rows` rows verifies this cycle (0: no draft forward; only when `can_pause`). The
-        cycle after a pause drafts (a probe), so the acceptance estimates stay current."""
-        if can_pause and (self.pause.waits() or self.since_plain >= PLAIN_EVERY):
-            return 0  # a pause; or a plain step now and then, to keep its time known
-        best = max(range(1, len(self.rates) + 1), key=lambda n: self.expected(n) / self.seconds(n, rows))
-        if not can_pause:
-            return best
-        plain_wins = self.expected(0) / self.seconds(0, rows) > self.expected(best) / self.seconds(best, rows)
-        if plain_wins and not self.probing:
-            self.pause.observe(False)
-            self.pause.skip -= 1  # (this cycle is the pause's first)
-            self.probing = True
+    def length(self, rows: int = 1) -> int:
+        """Proposals every one of `rows` rows verifies this cycle: 0 in a pause, or now and then to keep a plain
+        step's time known; else the best chain (the cycle after a pause drafts: a probe)."""
+        if self.pause.waits() or self.since_plain >= PLAIN_EVERY:
             return 0
-        self.probe, self.probing = self.probing, False
-        if not plain_wins:
-            self.pause.observe(True)
-        return best
+        return self.best(rows)
+
+    def best(self, rows: int = 1) -> int:
+        """The chain length of the most tokens per second."""
+        return max(range(1, len(self.rates) + 1), key=lambda n: self.rate(n, rows))
 
     def reset(self) -> None:
         """A new request: its first cycle drafts, a probe of its own text (the pause's length is kept, so a probe
         that loses again pauses as long as before)."""
-        self.pause.skip, self.probing = 0, True
+        self.pause.skip = 0
 
     @property
     def pauses_next(self) -> bool:
@@ -75,23 +65,24 @@ class ChainBudget:
         return self.pause.skip > 0
 
     def observe(self, length: int, accepted: Sequence[int], seconds: float) -> None:
-        """One cycle: `length` proposals verified per row, rows accepted `accepted[r]` of them, in `seconds`."""
-        s = self.smoothing
+        """One cycle: `length` proposals verified per row, rows accepted `accepted[r]` of them, in `seconds`. After a
+        drafted one, the next cycles pause while a plain step's rate beats the best chain's."""
+        s, rows, drafted = self.smoothing, max(len(accepted), 1), length > 0
         self.reached = max(self.reached, length)
         for k in accepted:
             for i in range(min(k + 1, length)):  # position i was reached; accepted unless i == k
                 self.rates[i] += s * ((1.0 if i < k else 0.0) - self.rates[i])
-        drafted = length > 0
         self.since_plain = self.since_plain + 1 if drafted else 0
-        rows = max(len(accepted), 1)
-        if drafted and self.probe:
-            # a probe judged by what it committed: one that beat the plain step halves the next pause (a quarter
-            # here, doubled when it starts), so rates a bad stretch pulled down are measured again within a few
-            # dozen cycles (docs/sampling.md has the measurements)
-            self.probe = False
-            if sum(accepted) and (1 + sum(accepted) / rows) / seconds > 1 / self.seconds(0, rows):
-                self.pause.backoff //= 4
         self.times.observe(length + 1, rows, drafted, seconds, length + 1)
+        if drafted:
+            plain = self.rate(0, rows)
+            wins = self.rate(self.best(rows), rows) >= plain
+            if not wins and self.pause.backoff and sum(accepted) and (1 + sum(accepted) / rows) / seconds > plain:
+                # a probe that committed more than a plain step would have halves the next pause (a quarter here,
+                # doubled as it starts), so rates a bad stretch pulled down are measured again within a few dozen
+                # cycles (docs/sampling.md has the measurements)
+                self.pause.backoff //= 4
+            self.pause.observe(wins)
 
 
 class Policy:
