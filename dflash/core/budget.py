@@ -44,25 +44,17 @@ def _chain_tokens(top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence
     return total
 
 
-def _outran(plan: "Plan", paths: Sequence[Sequence[int]]) -> bool:
-    """Whether the target accepted every row's deepest drafted node (at depth 2 or more): the drafter did better
-    than its q-priced plan could show, so the pause that plan chose was a mistake (docs/trees.md, "Pauses")."""
-    rows = 0
+def _outran(plan: "Plan", paths: Sequence[Sequence[int]]) -> int:
+    """The depth of the shallowest row's deepest drafted node when the target accepted every row's (rows drafting
+    less than 2 deep aside), else 0: the drafter did better than the q its plan was priced by."""
+    depths = []
     for tree, qs, path in zip(plan.trees, plan.qs, paths):
         deepest = max((d for d, q in zip(tree.depths, qs) if q > 0), default=0)
-        if deepest < 2:
-            continue
-        rows += 1
-        if max((tree.depths[i] for i in path), default=0) < deepest:
-            return False
-    return rows > 0
-
-
-def _filled(plan: "Plan", paths: Sequence[Sequence[int]]) -> bool:
-    """Whether a one-row cycle accepted a drafted node at its draft block's last position: the target took all that
-    the drafter gave, and a deeper block would have had more to give."""
-    tree, qs, path = plan.trees[0], plan.qs[0], paths[0]
-    return any(tree.depths[i] == plan.block - 1 and qs[i] > 0 for i in path)
+        if deepest >= 2:
+            if max((tree.depths[i] for i in path), default=0) < deepest:
+                return 0
+            depths.append(deepest)
+    return min(depths, default=0)
 
 
 @dataclass
@@ -234,15 +226,13 @@ class TreePlanner:
             self.calibration.observe(tree, qs, list(path))
         probe = plan.drafted and not self.last_drafted
         self.last_drafted = plan.drafted
-        if self.mode == "auto" and plan.drafted and (self.pause.skip or self.pause.backoff) and _outran(plan, paths):
-            self.pause = Pause()  # (the pause this cycle's prediction chose was the prediction's mistake)
-        if self.mode == "auto" and plan.drafted and plan.block < self.block_size and len(plan.trees) == 1 and \
-                _filled(plan, paths):
-            # (one row that took all a short block gave drafts deeper at once; a batch's short block is chosen for
-            # its cost: docs/trees.md)
+        reached = _outran(plan, paths) if self.mode == "auto" and plan.drafted else 0
+        if reached:  # (a pause this cycle's plan chose was the q's mistake: docs/trees.md, "Pauses")
+            self.pause = Pause()
             deeper = self._deeper(plan.block)
-            assert deeper is not None  # (a block shorter than the whole one)
-            self.draft_block, self.deepen[deeper] = deeper, Pause()
+            if deeper and reached == plan.block - 1 and len(plan.trees) == 1:  # one row took all its short block
+                self.draft_block, self.deepen[deeper] = deeper, Pause()  # gave: deeper at once (a batch's short
+                # block is chosen for its cost)
         # (a probe's draft forward also reads every position its pause committed: not a drafted cycle's cost)
         if seconds is not None and not probe:
             width = max(len(t.tokens) for t in plan.trees)
