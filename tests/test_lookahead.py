@@ -35,12 +35,17 @@ def cached(engine):
 
 
 def test_it_runs_where_a_cycle_is_one_plain_forward_of_a_lazy_target():
-    assert Lookahead.runs(Engine(LazyFakeTarget()))
-    assert not Lookahead.runs(Engine(FakeTarget()))  # (no start: torch steps in turn)
-    assert Lookahead.runs(Engine(LazyFakeTarget(), FakeDrafter(), block_size=4))  # (its paused cycles)
+    runs = lambda engine: engine.lookahead.runs(engine)  # noqa: E731
+    assert runs(Engine(LazyFakeTarget()))
+    assert not runs(Engine(FakeTarget()))  # (no start: torch steps in turn)
+    assert runs(Engine(LazyFakeTarget(), FakeDrafter(), block_size=4))  # (its paused cycles)
     with_logprobs = Engine(LazyFakeTarget())
     with_logprobs.logprobs = 2
-    assert not Lookahead.runs(with_logprobs)
+    assert not runs(with_logprobs)
+    swapped = Engine(LazyFakeTarget())
+    assert runs(swapped)
+    swapped.target = FakeTarget()  # (a target swapped after a check is checked again)
+    assert not runs(swapped)
 
 
 @pytest.mark.parametrize("bounded", [False, True])  # bounded: the cache goes back within its last forward only

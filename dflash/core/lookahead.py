@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, Concatenate, ParamSpec, Protocol, Sequence, TypeVar
+from typing import Callable, Concatenate, ParamSpec, Protocol, Sequence, TypeVar, cast
 
 from .cycle import CycleClock, CycleEngine
 from .contract import Array, Pipelining, Step, Target, Verified
@@ -52,17 +52,21 @@ class Lookahead:
         self.features: Array = None  # its target features (the drafter's, once committed), on the device
         self.issued = 0.0  # wall seconds issuing it took (on a CPU, most of its forward): the cycle that takes or
         # drops it pays them (CycleClock)
+        self.target: Target | None = None  # the target `runs` last checked, and whether it pipelines
+        self.pipelines = False
 
-    @staticmethod
-    def runs(engine: PlainEngine) -> bool:
-        """Whether the engine's plain steps can run one ahead."""
-        return engine.logprobs is None and isinstance(engine.target, Pipelining)
+    def runs(self, engine: PlainEngine) -> bool:
+        """Whether the engine's plain steps can run one ahead (the protocol check kept per target: it costs as much
+        as a tenth of the host's work of a plain step)."""
+        if engine.target is not self.target:
+            self.target, self.pipelines = engine.target, isinstance(engine.target, Pipelining)
+        return engine.logprobs is None and self.pipelines
 
     def step(self, engine: PlainEngine, anchors: Sequence[int], again: bool = True) -> list[Step]:
         """A plain step for every row: the one issued ahead if it reads these anchors, else one issued now. `again`:
         the next cycle is a plain step too, so it is issued and started before this one's tokens are read."""
         target = engine.target
-        assert isinstance(target, Pipelining)  # (runs(engine))
+        start = cast(Pipelining, target).start  # (runs(engine))
         anchors = list(anchors)
         taken = self.anchors == anchors
         if taken:
@@ -75,11 +79,11 @@ class Lookahead:
         self.issued = 0.0
         if again:
             if not taken:  # (this step's own forward first, so that issuing the next times the next alone)
-                target.start(tokens)
+                start(tokens)
             issuing = time.perf_counter()
             ahead, ahead_features = _draw(engine, tokens, [row + [a] for row, a in zip(engine.rows, anchors)],
                                           offset=2)
-            target.start(ahead)
+            start(ahead)
             self.issued = time.perf_counter() - issuing
             engine.clock.shift -= self.issued
         drawn = target.to_host(tokens)  # the cycle's one device -> host read, while the step ahead runs
