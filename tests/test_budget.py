@@ -1,7 +1,7 @@
 """dflash/core/budget.py: the tree planner of --verify auto under a latency limit, with draft blocks shorter than the
 drafter's, and its choice between the chain's path and a tree's (the plan's node counts are tests/test_tree.py's)."""
 
-from dflash.core.budget import MAX_PAUSE, Pause, TreePlanner, _chain_tokens
+from dflash.core.budget import BATCH_PAUSE, MAX_PAUSE, Pause, TreePlanner, _chain_tokens
 from dflash.core.cycle_times import CycleTimes
 from cycle_devices import HEAVY, cpu
 
@@ -145,18 +145,18 @@ def test_a_new_request_probes_at_once_and_keeps_the_pauses_length():
 
 
 def test_after_the_longest_pause_a_new_requests_losing_first_look_pauses_at_once():
-    """A drafter whose every probe of the last text lost (pauses grown to MAX_PAUSE) gets one look at a new text, not
+    """A drafter whose every probe of the last text lost (pauses grown to BATCH_PAUSE) gets one look at a new text, not
     two: a look that loses pauses for the longest pause again (an untrained drafter's second look was a third of
     its probes, each a draft forward and a host read for a plan with no node)."""
     weak = ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
     planner = TreePlanner("auto", 16, 64, HEAVY, copy_branch=False, itl_limit=None)
-    while planner.pause.backoff < MAX_PAUSE:
+    while planner.pause.backoff < BATCH_PAUSE:
         planner.plan([0], [weak[0]], [weak[1]])
         planner.pause.skip = 0
     planner.reset()
     assert planner.drafts_this_cycle()
     planner.plan([0], [weak[0]], [weak[1]])
-    assert planner.pause.skip == MAX_PAUSE and planner.pause.backoff == MAX_PAUSE
+    assert planner.pause.skip == BATCH_PAUSE and planner.pause.backoff == BATCH_PAUSE
 
 
 def test_a_probes_time_is_not_learnt_and_a_new_request_forgets_the_last_ones_rates():

@@ -19,7 +19,8 @@ from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates
 VERIFY_MODES = ("chain", "tree", "auto")
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
 DRAFT_BLOCKS = (2, 4, 8)  # auto: shorter draft forwards it may choose (where deep nodes do not pay)
-MAX_PAUSE = 64  # the longest run of cycles without a draft forward between probes (a probe costs ~2 steps)
+MAX_PAUSE = 64  # the longest wait between probes of a path, a draft block, or a row's place in the draft forward
+BATCH_PAUSE = 128  # ... and of drafting at all (its probe's draft forward reads every position the pause committed)
 SMOOTHING = 0.2  # auto: weight of a cycle's predicted rate in each candidate's smoothed one
 PATH_SMOOTHING = 0.2  # auto: weight of a cycle's seconds in its path's smoothed overhead
 BLOCK_MARGIN = 0.1  # auto: how much faster a shorter draft block must be predicted to be to replace the drafted one
@@ -75,6 +76,7 @@ class Pause:
 
     skip: int = 0  # cycles left in this pause
     backoff: int = 0  # the last pause's length (0: drafting won)
+    longest: int = MAX_PAUSE
 
     def waits(self) -> bool:
         """Whether this cycle is in the pause (counted down)."""
@@ -87,7 +89,7 @@ class Pause:
         if drafting_wins:
             self.backoff = 0
         else:
-            self.backoff = min(max(1, 2 * self.backoff), MAX_PAUSE)
+            self.backoff = min(max(1, 2 * self.backoff), self.longest)
             self.skip = self.backoff
 
 
@@ -107,7 +109,7 @@ class TreePlanner:
         self.reach = min(budget, 2 * (block_size - 1))  # auto: candidates per row, twice the most verified last cycle
         self.calibration = Calibration(block_size - 1)
         self.idle_trees = 0  # root-only trees of plain cycles not yet forgotten by (Calibration.age) the calibration
-        self.pause = Pause()  # auto: the batch's cycles without a draft forward
+        self.pause = Pause(longest=BATCH_PAUSE)  # auto: the batch's cycles without a draft forward
         # auto: the path whose cycles run (the chain's or a tree's), the other's probe cycles after 1, 2 .. MAX_PAUSE
         # of them, and each path's seconds over the cycle times' (its overhead: a tree reads the draft to the host)
         self.best_path, self.path_probes = "tree", Pause(skip=1)
@@ -229,7 +231,7 @@ class TreePlanner:
         self.last_drafted = plan.drafted
         reached = _outran(plan, paths) if self.mode == "auto" and plan.drafted else 0
         if reached:  # (a pause this cycle's plan chose was the q's mistake: docs/trees.md, "Pauses")
-            self.pause = Pause()
+            self.pause = Pause(longest=BATCH_PAUSE)
             deeper = self._deeper(plan.block)
             if deeper and reached == plan.block - 1 and len(plan.trees) == 1:  # one row took all its short block
                 self.draft_block, self.deepen[deeper] = deeper, Pause()  # gave: deeper at once (a batch's short
@@ -298,7 +300,7 @@ class TreePlanner:
         if rate(best) < (1 + BLOCK_MARGIN) * rate(whole):
             best = whole  # (a shorter block must win clearly: it gives up deep nodes and the chain's own path)
         wins = rate("plain") <= rate(best)
-        if not wins and first and self.pause.backoff < MAX_PAUSE:  # one more look before a pause as long as the
+        if not wins and first and self.pause.backoff < BATCH_PAUSE:  # one more look before a pause as long as the
             self.pause.skip = 1  # last request's (after the longest pause, the last text was that look: all lost)
         else:
             self.pause.observe(wins)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .admission import Prefill
-from .budget import ITL_LIMIT, MAX_PAUSE
+from .budget import BATCH_PAUSE, ITL_LIMIT
 from .cycle import CycleClock, chain_cycle, run_cycle
 from .contract import Capabilities, Draft, Drafter, Pending, Step, Target, Verified
 from .cycle_times import CycleTimes
@@ -27,8 +27,8 @@ from .tree import TreeInputs
 from .policy import Policy
 
 # features pending past which a cycle without a draft forward hands them to the drafter's context (the work the next
-# draft would do), which bounds what waits; a pause lasts at most MAX_PAUSE cycles, so its features are read once
-PENDING_ABSORB = MAX_PAUSE
+# draft would do), which bounds what waits; a pause lasts at most BATCH_PAUSE cycles, so its features are read once
+PENDING_ABSORB = BATCH_PAUSE
 
 
 class Engine(Prefill):
