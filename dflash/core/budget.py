@@ -1,11 +1,7 @@
-"""The tree planner: how many draft nodes each row verifies this cycle, and whether the cycle drafts at all.
-
-`--verify tree` verifies a fixed budget of the most probable prefixes every cycle (DDTree). `--verify auto` takes the
-plan with the most expected committed tokens per second (calibrated acceptance, dflash.core.tree; the cycles' own
-seconds, dflash/core/cycle_times.py), one budget spent across rows by value within ITL_LIMIT; around it: pauses
-(Pause), the draft forward's length, and the chain's path or a tree's. docs/verification.md says the policy,
-docs/trees.md what each part measured.
-"""
+"""The tree planner: each row's draft nodes this cycle (`--verify tree`: a fixed budget, DDTree), and for `--verify
+auto` the plan of the most expected tokens per second (calibrated acceptance, dflash.core.tree; the cycles' own
+seconds, dflash/core/cycle_times.py) and what the next cycles run: a pause, a shorter draft, or the chain's path.
+docs/verification.md says the policy, docs/trees.md what each part measured."""
 
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
 DRAFT_BLOCKS = (2, 4, 8)  # auto: shorter draft forwards it may choose (where deep nodes do not pay)
 MAX_PAUSE = 64  # the longest wait between probes of a path, a draft block, or a row's place in the draft forward
 BATCH_PAUSE = 128  # ... and of drafting at all (its probe's draft forward reads every position the pause committed)
-SMOOTHING = 0.2  # auto: weight of a cycle's predicted rate in each candidate's smoothed one
-PATH_SMOOTHING = 0.2  # auto: weight of a cycle's seconds in its path's smoothed overhead
+SMOOTHING = 0.2  # auto: weight of a cycle in a smoothed estimate (the candidates' rates, the paths' overheads)
 BLOCK_MARGIN = 0.1  # auto: how much faster a shorter draft block must be predicted to be to replace the drafted one
 AUTO_BUDGET = 255  # auto: the most draft nodes a row's tree may have (the seconds it learns choose fewer)
 ITL_LIMIT = 1.5  # auto: a cycle takes at most this many plain steps per token its least-served row expects
@@ -69,10 +64,9 @@ class Plan:
 
 @dataclass
 class Pause:
-    """Cycles without a draft forward while not drafting wins: 1, 2, 4 .. MAX_PAUSE of them between probes, twice as
-    many after each probe that loses, none after one that wins. One rule for the batch's pause (TreePlanner,
-    ChainBudget) and a row's own (its Row: a drafted cycle whose plan gives the row no drafted node while it gives
-    another row one leaves it out of the draft forward; its copied branch is still verified)."""
+    """Waits between probes of what lost: 1, 2, 4 .. `longest` cycles, twice as long after each probe that loses,
+    none after one that wins. The batch's drafting (TreePlanner, ChainBudget), a row's place in the draft forward
+    (its Row), the path not taken, a deeper draft block."""
 
     skip: int = 0  # cycles left in this pause
     backoff: int = 0  # the last pause's length (0: drafting won)
@@ -110,15 +104,13 @@ class TreePlanner:
         self.calibration = Calibration(block_size - 1)
         self.idle_trees = 0  # root-only trees of plain cycles not yet forgotten by (Calibration.age) the calibration
         self.pause = Pause(longest=BATCH_PAUSE)  # auto: the batch's cycles without a draft forward
-        # auto: the path whose cycles run (the chain's or a tree's), the other's probe cycles after 1, 2 .. MAX_PAUSE
-        # of them, and each path's seconds over the cycle times' (its overhead: a tree reads the draft to the host)
+        # auto: the path whose cycles run, the other's probes, each path's seconds over the cycle times' (overhead)
         self.best_path, self.path_probes = "tree", Pause(skip=1)
         self.chain_within = True  # whether the last whole-block plan's chain kept within the ITL limit
         self.path_factor, self.path_cycles = {"chain": 1.0, "tree": 1.0}, {"chain": 0, "tree": 0}
         self.last_drafted = True
-        # auto: positions of the next draft forward (the measured shorter blocks, or the whole block)
         self.blocks = sorted({b for b in (DRAFT_BLOCKS if times else ()) if b < block_size} | {block_size})
-        self.draft_block = self.drafted_block = block_size
+        self.draft_block = self.drafted_block = block_size  # auto: positions of the next draft forward
         self.rates: dict[int | str, float] = {}  # auto: smoothed predicted tokens/s of each candidate (_choose)
         self.deepen = {b: Pause() for b in self.blocks}  # auto: drafted cycles before a block is tried from below
         self.draft_rows: int | None = None  # auto: rows of this cycle's draft forward, when not all
@@ -127,21 +119,18 @@ class TreePlanner:
 
     def path(self, pauses: Sequence[Pause] = ()) -> str:
         """auto: "chain" or "tree" for this cycle (tree: always), the rows' own pauses in `pauses`: the path the last
-        whole-block plan found faster, the other probed after 1, 2, 4 .. MAX_PAUSE cycles (so that its overhead and,
-        for a tree, the plans stay measured). While cycles without a draft forward win (a pause, and its probes), and
-        while a shorter draft block wins, the tree path runs: only it can pause or draft fewer positions."""
+        whole-block plan found faster, the other probed now and then (Pause). While a pause, a row's or the batch's,
+        or a shorter draft wins, the tree's: the chain drafts every row the whole block."""
         if self.mode != "auto" or self.pause.skip or self.pause.backoff or not self.chain_within or any(
-                p.skip for p in pauses):
-            return "tree"  # (the chain drafts every row, and verifies the whole block)
-        if self.draft_block < self.block_size:
-            return "tree"  # (the chain drafts the whole block)
+                p.skip for p in pauses) or self.draft_block < self.block_size:
+            return "tree"
         if self.path_probes.waits():
             return self.best_path
         self.path_probes.observe(False)  # (the next probe waits twice as long)
         return "chain" if self.best_path == "tree" else "tree"
 
     def observe_chain(self, rows: int, seconds: float) -> None:
-        """(auto) A cycle on the chain's path, `rows` rows verifying the whole block, took `seconds`."""
+        """(auto) A cycle of `rows` rows on the chain's path took `seconds`."""
         self._timed(self.block_size, rows, True, seconds)
         self._path_seconds("chain", self.block_size, rows, seconds)
 
@@ -154,15 +143,13 @@ class TreePlanner:
         return not self.pause.waits()
 
     def drafting_rows(self, pauses: Sequence[Pause]) -> list[int] | None:
-        """auto: the rows (each row's pause in `pauses`) a drafted cycle drafts for ([]: none, a plain cycle); None:
-        every row, with no row pausing on its own (tree mode, one row). Plan with it."""
+        """auto: the rows a drafted cycle drafts for, by their own pauses ([]: none; None: all, none pausing)."""
         if self.mode != "auto" or len(pauses) == 1:
             return None
         return drafting(pauses)
 
     def reset(self) -> None:
-        """A new request (or batch): its first cycle drafts and its drafts are judged on their own text; the pause's
-        length is kept, so a probe that loses again pauses as long as before."""
+        """A new request (or batch): it drafts at once, judged on its own text (a pause's length is kept)."""
         self.pause.skip = 0
         self.rates.clear()
 
@@ -194,15 +181,7 @@ class TreePlanner:
             limit = self._limit(rows)
             counts, rate = self._counts(candidates, drafted, limit, block)
             if drafted:
-                chain = None  # what a chain cycle is expected to commit per second (a shorter draft has no chain)
-                if block == self.block_size:
-                    chain = self._chain_rate([
-                        _chain_tokens(i[: self.block_size - 1], p[: self.block_size - 1], c, self.calibration)
-                        if p is not None else 1.0 for i, p, c in zip(top_ids, top_probs, copies)], limit)
-                undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
-                plain = self._counts(undrafted, False, limit)[1]
-                self._choose(candidates, counts, limit, block, {block: rate, "plain": plain} if chain is None
-                             else {block: rate, "plain": plain, "chain": chain})
+                self._choose(candidates, counts, limit, block, rate, copies, top_ids, top_probs)
                 given = {r: any(not c.copied for c in candidates[r][:counts[r]]) for r in drafting or ()}
                 if any(given.values()):  # (no row given one: the whole batch's pause)
                     for r, drafted_nodes in given.items():
@@ -213,8 +192,8 @@ class TreePlanner:
         return Plan(trees, qs, drafted, block, self.draft_rows)
 
     def observe_plain(self, rows: int, seconds: float) -> None:
-        """Learn from a plain cycle run without a plan (a pause with nothing to copy): what observing its root-only
-        trees teaches, without building them. The calibration's forgetting waits for the next plan."""
+        """Learn from a plain cycle run without a plan (a pause with nothing to copy) what its root-only trees teach
+        (the calibration forgets them at the next plan)."""
         self.idle_trees += rows
         self.last_drafted = False
         self.last_trees, self.last_paths = [], [[] for _ in range(rows)]
@@ -250,14 +229,14 @@ class TreePlanner:
             self.times.observe(width, rows, drafted, seconds, block, draft_rows)
 
     def _path_seconds(self, path: str, width: int, rows: int, seconds: float) -> None:
-        """(auto) A drafted cycle of the whole block on `path`: its seconds over the cycle times' for its shape,
-        smoothed, are the path's own overhead (host read, tree building, mask), not its size."""
+        """(auto) A whole-block drafted cycle on `path`: its seconds over its shape's, smoothed, are the path's own
+        overhead (host read, tree building, mask)."""
         if self.times is None:
             return
         self.path_cycles[path] += 1
         if self.path_cycles[path] > 1:  # (a path's first cycle warms it up: allocation, kernel selection)
             old = self.path_factor[path]
-            self.path_factor[path] = old + PATH_SMOOTHING * (seconds / self.times.cycle_seconds(width, rows) - old)
+            self.path_factor[path] = old + SMOOTHING * (seconds / self.times.cycle_seconds(width, rows) - old)
 
     def _age(self) -> None:
         if self.idle_trees:
@@ -278,13 +257,19 @@ class TreePlanner:
         seconds = lambda n, r: times.cycle_seconds(n, r, drafted, block, some)  # noqa: E731
         return choose_counts(values, seconds, 0.0, self.budget, limit)
 
-    def _choose(self, candidates, counts, limit: float | None, block: int, rates: dict[int | str, float]) -> None:
+    def _choose(self, candidates, counts, limit: float | None, block: int, rate: float, copies, top_ids,
+                top_probs) -> None:
         """Sets the next cycles' pause, path and draft block from the rates (tokens per second) this plan predicts for
-        its candidates: drafting `block` positions (this cycle's), the copied branch alone ("plain"), the chain's path
-        ("chain", plans of the whole block) and each shorter block (draft nodes past its positions dropped). Rates are
-        smoothed (one cycle's text says little), a request's first drafted cycle sets them. Drafting that loses pauses
-        (Pause); the best block, or the chain, is the next draft; a block that wins and whose plan reaches its last
-        position tries the next one up (again after 1, 2 .. 64 drafted cycles while such tries lose)."""
+        its candidates: drafting `block` positions (`rate`), the copied branch alone ("plain"), the chain's path
+        ("chain", after a draft of the whole block) and each shorter block (draft nodes past its positions dropped).
+        Rates are smoothed (one cycle's text says little); a request's first drafted cycle sets them. Drafting that
+        loses pauses; the best block, or the chain, is the next draft; a block that wins and whose plan reaches its
+        last position tries the next one up (again after 1, 2 .. 64 drafted cycles while such tries lose)."""
+        undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
+        rates: dict[int | str, float] = {block: rate, "plain": self._counts(undrafted, False, limit)[1]}
+        if block == self.block_size:
+            rates["chain"] = self._chain_rate([_chain_tokens(i, p, c, self.calibration) if p is not None else 1.0
+                                               for i, p, c in zip(top_ids, top_probs, copies)], limit)
         for b in self.blocks:
             if b >= block:
                 break
@@ -294,12 +279,12 @@ class TreePlanner:
         for key, r in rates.items():
             old = self.rates.get(key)
             self.rates[key] = r if old is None else old + SMOOTHING * (r - old)
-        rate = self.rates.__getitem__
-        whole = max(rates.keys() & {block, "chain"}, key=rate)
-        best = max(rates.keys() - {"plain"}, key=rate)
-        if rate(best) < (1 + BLOCK_MARGIN) * rate(whole):
+        smoothed = self.rates.__getitem__
+        whole = max(rates.keys() & {block, "chain"}, key=smoothed)
+        best = max(rates.keys() - {"plain"}, key=smoothed)
+        if smoothed(best) < (1 + BLOCK_MARGIN) * smoothed(whole):
             best = whole  # (a shorter block must win clearly: it gives up deep nodes and the chain's own path)
-        wins = rate("plain") <= rate(best)
+        wins = smoothed("plain") <= smoothed(best)
         if not wins and first and self.pause.backoff < BATCH_PAUSE:  # one more look before a pause as long as the
             self.pause.skip = 1  # last request's (after the longest pause, the last text was that look: all lost)
         else:
@@ -336,8 +321,7 @@ class TreePlanner:
         return self.itl_limit * self.auto_times.cycle_seconds(1, rows, False)
 
     def _chain_rate(self, chains: Sequence[float], limit: float | None) -> float:
-        """Tokens per second of a cycle on the chain's path (every row verifies the drafter's B-1 rank-1 proposals,
-        row r expected to commit chains[r], from the same calibrated values as the trees'); 0 over the limit."""
+        """Tokens per second of a cycle on the chain's path, row r expected to commit chains[r]; 0 over the limit."""
         seconds = self.auto_times.cycle_seconds(self.block_size, len(chains), True)
         if limit is not None and seconds > limit * min(chains):
             return 0.0

@@ -1,44 +1,38 @@
-"""What a cycle costs on this machine, learnt from the cycles the engine runs: no profile at load, nothing cached.
-
-auto compares plans by tokens per second, so it needs the seconds of shapes it has not run yet: a linear model
+"""What a cycle costs on this machine, learnt from the engine's own cycles (no profile at load, nothing cached), for
+shapes not run yet too: a linear model
 
     seconds = c_cycle + c_row * rows + c_token * verify tokens + c_draft * drafted + c_position * draft positions
 
-tracked by a Kalman filter (each term a random walk; each cycle's wall time one noisy observation of their sum). It
-starts from PRIOR at the first cycle's level, prices a shape at a lower confidence bound (so an untried shape is tried
-once, as LinUCB does), inflates its uncertainty when cycles keep missing it (the machine changed), and lets a stalled
-cycle count less the further it lands. docs/verification.md says why each part is there.
-"""
+tracked by a Kalman filter (each term a random walk, each cycle's wall time one noisy observation of their sum) from
+PRIOR at the first cycle's level; a shape is priced at a lower confidence bound (an untried one gets tried, as in
+LinUCB). docs/verification.md ("Seconds") says why each part is there."""
 
 from __future__ import annotations
 
 import numpy as np
 
-# the model's prior, in plain steps of one row: per cycle, per row, per verify token, per draft forward, per draft
-# position (a 2-core CPU's proportions: the reference pair's 16-token chain cycle measured 3.2 plain steps, this says
-# 3.07)
+# the prior, in plain steps of one row: per cycle, row, verify token, draft forward, draft position (a 2-core CPU's
+# proportions: the reference pair's 16-token chain cycle measured 3.2 plain steps, this says 3.07)
 PRIOR = np.array([0.7, 0.2, 0.1, 0.25, 0.02])
 PRIOR_SD = 1.0  # the prior's standard deviation per term, relative to the term
 DRIFT = 0.01  # how far a term may move per cycle, relative to it (its random walk's standard deviation)
 NOISE = 0.1  # a cycle's wall time's standard deviation around the model, relative to the prediction
 OUTLIER = 3.0  # a cycle further above (or below) the prediction than this counts less, in proportion
 EXPLORE = 0.5  # standard deviations below the estimate a shape is priced at ...
-CHEAPEST = 0.5  # ... and at least this share of the estimate (an optimism that prices drafting at a fraction of its
-# measured cost probes a drafter that is never right every few cycles)
-GUESS = 0.005  # seconds of a plain step before the first cycle: in seconds, so what a plan compares across the first
-# cycle (smoothed rates) is in one unit, if not yet at the machine's level
+CHEAPEST = 0.5  # ... and at least this share of it (more optimism probes a drafter never right every few cycles)
+GUESS = 0.005  # seconds of a plain step before the first cycle (so the first cycle's rates are in seconds too)
 LEVEL_MISS = 3.0  # ... a cycle among the first LEVEL_CYCLES this far off the model sets the level again
 LEVEL_CYCLES = 8
 FLOOR = 0.01  # no term falls below this share of the prior at the level (a term at 0 would price a shape free)
-REFRESH = 8  # cycles between re-pricings of the shapes a plan asked for (a plan asks hundreds; the terms move slowly)
-SURPRISE = 4.0  # the recent cycles' squared errors, over what the model expects, past which it is inflated
+REFRESH = 8  # cycles between re-pricings of the shapes plans ask for (hundreds a plan; the terms move slowly)
+SURPRISE = 4.0  # the recent cycles' squared errors over the model's expected ones past which it is made less sure
 SURPRISE_SMOOTHING = 0.1  # weight of one cycle's (capped at 25) in that average
 
 
 def features(tokens: int, rows: int, drafted: bool, block: int | None, draft_rows: int | None,
              block_size: int) -> np.ndarray:
     """A cycle's shape as the model's terms: rows verifying `tokens` each, after a draft forward (if `drafted`) of
-    `block` positions (default: the whole block) for `draft_rows` of them (default: all)."""
+    `block` positions (default: the whole block) for `draft_rows` rows (default: all)."""
     positions = (draft_rows if draft_rows is not None else rows) * (block or block_size) if drafted else 0
     return np.array([1.0, rows, rows * tokens, float(drafted), positions])
 
@@ -58,9 +52,8 @@ class CycleTimes:
 
     @classmethod
     def fixed(cls, plain: float, token: float, draft: float, block_size: int = 16) -> CycleTimes:
-        """A device that does not change and is not learnt (tests, simulations): a plain step of one row costs
-        `plain`, every further verify token `token`, and a draft forward `draft` per row drafted at `block_size`
-        positions (proportionally fewer positions cost proportionally less)."""
+        """A device that is not learnt (tests, simulations): a plain step of one row costs `plain`, each further
+        verify token `token`, a draft forward `draft` per row at `block_size` positions (fewer: proportionally less)."""
         times = cls(block_size)
         times.theta = np.array([plain - token, 0.0, token, 0.0, draft / block_size])
         times.spread, times.learns, times.level = np.zeros((len(PRIOR), len(PRIOR))), False, plain
@@ -68,8 +61,7 @@ class CycleTimes:
 
     def cycle_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, block: int | None = None,
                       draft_rows: int | None = None) -> float:
-        """A cycle's seconds as a plan prices it: the estimate less EXPLORE standard deviations, at least CHEAPEST of
-        the estimate (the terms' drift follows the context's growth)."""
+        """A cycle's seconds as plans price it: the estimate less EXPLORE deviations, at least CHEAPEST of it."""
         key = (tokens, rows, drafted, block, draft_rows)
         seconds = self._memo.get(key)
         if seconds is None:
@@ -84,8 +76,7 @@ class CycleTimes:
 
     def observe(self, tokens: int, rows: int, drafted: bool, seconds: float, block: int | None = None,
                 draft_rows: int | None = None) -> bool:
-        """A cycle of this shape took `seconds` on the wall clock. Returns whether it was learnt (a time that is not
-        positive is not)."""
+        """A cycle of this shape took `seconds`. Returns whether it was learnt (not a time that is not positive)."""
         if not self.learns or not seconds > 0:
             return False
         x = features(tokens, rows, drafted, block, draft_rows, self.block_size)

@@ -1,7 +1,6 @@
-"""What each cycle runs (--verify chain / tree / auto): the policy plans, dflash/core/cycle.py runs the plan, and
-each learns nothing of the other's internals. auto plans trees of some size, the chain or a plain step
-(dflash/core/budget.py), or for rows that verify by rejection a chain length (ChainBudget); docs/verification.md
-says the whole policy."""
+"""What each cycle runs (--verify chain / tree / auto): the policy plans, dflash/core/cycle.py runs the plan. auto
+plans trees, the chain or a plain step (dflash/core/budget.py), or for rows that verify by rejection a chain's length
+(ChainBudget). docs/verification.md says the policy."""
 
 from __future__ import annotations
 
@@ -19,10 +18,9 @@ PLAIN_EVERY = 32  # drafted cycles in a row before a plain step is timed again
 
 
 class ChainBudget:
-    """auto for rows that verify by rejection (chains only): how many of the B-1 sampled proposals a cycle verifies
-    (0: a plain step; pauses as the tree planner's). A chain of L is expected to commit 1 + sum_j prod_{i<=j} a_i,
-    a_i the smoothed rate at which position i accepts when reached (one never reached: the one before it's, so chains
-    grow where the first positions accept), in the seconds of a cycle drafting and verifying L + 1 positions."""
+    """auto for rows that verify by rejection: how many of the B-1 sampled proposals a cycle verifies (0: a plain
+    step). A chain of L commits 1 + sum_j prod_{i<=j} a_i, a_i the smoothed rate at which position i accepts when
+    reached (one never reached: the one before it's, so chains grow where the first positions accept)."""
 
     def __init__(self, block_size: int, times: CycleTimes, prior: float = 0.5, smoothing: float = 0.1):
         self.times, self.smoothing = times, smoothing
@@ -44,8 +42,7 @@ class ChainBudget:
         return self.expected(length) / self.times.cycle_seconds(length + 1, rows, length > 0, length + 1)
 
     def length(self, rows: int = 1) -> int:
-        """Proposals every one of `rows` rows verifies this cycle: 0 in a pause, or now and then to keep a plain
-        step's time known; else the best chain (the cycle after a pause drafts: a probe)."""
+        """Proposals every one of `rows` rows verifies this cycle: 0 in a pause (or to time a plain step again)."""
         if self.pause.waits() or self.since_plain >= PLAIN_EVERY:
             return 0
         return self.best(rows)
@@ -55,8 +52,7 @@ class ChainBudget:
         return max(range(1, len(self.rates) + 1), key=lambda n: self.rate(n, rows))
 
     def reset(self) -> None:
-        """A new request: its first cycle drafts, a probe of its own text (the pause's length is kept, so a probe
-        that loses again pauses as long as before)."""
+        """A new request: its first cycle drafts (the pause's length is kept: a probe that loses pauses as long)."""
         self.pause.skip = 0
 
     @property
@@ -65,8 +61,8 @@ class ChainBudget:
         return self.pause.skip > 0
 
     def observe(self, length: int, accepted: Sequence[int], seconds: float) -> None:
-        """One cycle: `length` proposals verified per row, rows accepted `accepted[r]` of them, in `seconds`. After a
-        drafted one, the next cycles pause while a plain step's rate beats the best chain's."""
+        """One cycle: `length` proposals per row, row r accepted `accepted[r]`, in `seconds`. After a drafted one,
+        the next cycles pause while a plain step's rate beats the best chain's."""
         s, rows, drafted = self.smoothing, max(len(accepted), 1), length > 0
         self.reached = max(self.reached, length)
         for k in accepted:
@@ -87,7 +83,7 @@ class ChainBudget:
 
 class Policy:
     """The verify mode of one engine: `mode` as it runs (a refused tree runs as chain, `note` says why), the tree
-    planner and its cycles' state (tree, auto), the chain budget (auto, for chains)."""
+    planner (tree, auto) and the chain budget (auto, for rows on chains)."""
 
     def __init__(self, mode: str = "chain", note: str = "", planner: TreePlanner | None = None,
                  chain_budget: ChainBudget | None = None):
@@ -99,10 +95,9 @@ class Policy:
     def choose(cls, mode: str, block_size: int, drafter: Drafter | None, capabilities: Capabilities,
                budget: int | None = None, times: CycleTimes | None = None, copy_branch: bool = True,
                itl_limit: float | None = ITL_LIMIT) -> Policy:
-        """chain: verify the B-1 proposals. tree: a tree of `budget` nodes every cycle. auto: each cycle, the node
-        count that maximises committed tokens per second at the seconds its cycles take (chain when that is best),
-        in cycles that take at most `itl_limit` plain steps per token any row expects (None: no limit). `times`:
-        what auto's cycles cost (default: learnt from the engine's own cycles, dflash/core/cycle_times.py)."""
+        """chain: verify the B-1 proposals. tree: a tree of `budget` nodes every cycle. auto: the plan of the most
+        tokens per second, in cycles of at most `itl_limit` plain steps per token any row expects (None: no limit).
+        `times`: what cycles cost (default: learnt from the engine's own, dflash/core/cycle_times.py)."""
         if mode not in VERIFY_MODES:
             raise SettingError("verify", f"got {mode!r}, expected one of {', '.join(VERIFY_MODES)}")
         if budget is not None and budget < 1:
@@ -111,9 +106,9 @@ class Policy:
             return cls()
         reason, chain_budget = capabilities.tree_refusal, None
         if mode == "auto" and not reason and drafter.distribution:
-            # DFlash2: its selector walk picks each proposal given the previous one; trees would branch over the
-            # raw top-k without it. auto still chooses how much of the chain to verify, or a plain step (a target
-            # that refuses trees keeps its full chain: a static cache wants one verify shape)
+            # DFlash2: its selector picks each proposal given the previous one, a tree would branch over the raw
+            # top-k. auto still chooses the chain's length (a target that refuses trees keeps its whole chain: a
+            # static cache wants one verify shape)
             reason = "DFlash2's selector chooses the proposals"
             chain_budget = ChainBudget(block_size, times or CycleTimes(block_size))
         if reason:
@@ -131,8 +126,7 @@ class Policy:
         """This cycle's plan for the engine's rows."""
         rows = [row.sampling for row in batch]
         if self.chain_budget is not None and (self.planner is None or any(not r.greedy for r in rows)):
-            # chains only (sampled rows, a DFlash2 drafter, a target without trees): auto chooses their length, or a
-            # plain step
+            # chains only (sampled rows, a DFlash2 drafter, a target without trees): auto chooses their length
             length = self.chain_budget.length(rows=len(rows))
             if not length:
                 return CyclePlan("plain", again=self.chain_budget.pauses_next, source="chains")

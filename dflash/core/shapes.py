@@ -1,16 +1,11 @@
-"""The shape of a sampled row's proposals, chosen per row from the acceptance its own earlier cycles saw.
+"""The shape of a sampled row's proposals, chosen per row from the acceptance its own earlier cycles saw: a draft
+temperature t, the drafter's q (at the request's temperature and filters) sharpened to q_t ~ q^(1/t) (t = 0: argmax q).
+Under rejection a position accepts with probability 1 - TV(p, q_t), at t = 0 p(argmax q): a drafter sharper than the
+target at the request's temperature (trained on greedy answers, sampled at 0.8) accepts more at a small t. Under
+coupled match (argmax(log q_t + the target's own Gumbel noise)) t changes what is drafted, never what is emitted.
 
-A shape is a draft temperature t: the drafter's distribution q (at the request's temperature and filters)
-sharpened to q_t proportional to q^(1/t); t = 1 is q itself, t = 0 the one-hot q at argmax q. Under rejection a
-position accepts with probability 1 - TV(p, q_t), which for t = 0 is p(argmax q): when the drafter is sharper than
-the target at the request's temperature (a drafter trained on greedy answers, sampled at 0.8), a small t accepts
-more. Under coupled match (the draft proposes argmax(log q_t + the target's own Gumbel noise)) t only changes what
-is drafted, never what is emitted.
-
-The choice for cycle k reads cycles before k only (and its own exploration uniform), never the current cycle's
-draws, so every row stays an exact sample whatever it chose: conditioned on the past, a cycle verifies a proposal
-fixed before any of its own noise is read.
-"""
+Cycle k's choice reads only cycles before k and its own exploration uniform, never the cycle's draws: conditioned on
+the past, a cycle verifies a proposal fixed before its noise is read, so every row stays an exact sample."""
 
 from __future__ import annotations
 
