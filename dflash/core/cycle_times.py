@@ -16,7 +16,9 @@ import numpy as np
 PRIOR = np.array([0.7, 0.2, 0.1, 0.25, 0.02])
 PRIOR_SD = 1.0  # the prior's standard deviation per term, relative to the term
 DRIFT = 0.01  # how far a term may move per cycle, relative to it (its random walk's standard deviation)
-NOISE = 0.1  # a cycle's wall time's standard deviation around the model, relative to the prediction
+NOISE = 0.1  # a cycle's wall time's least standard deviation around the model, relative to the prediction ...
+NOISE_SMOOTHING = 0.02  # ... learnt from the cycles' squared misses at this weight (slower than the surprise below,
+# so a machine time-slicing between processes reads as noisy, not as changed every cycle)
 OUTLIER = 3.0  # a cycle further above (or below) the prediction than this counts less, in proportion
 EXPLORE = 0.5  # standard deviations below the estimate a shape is priced at ...
 CHEAPEST = 0.5  # ... and at least this share of it (more optimism probes a drafter never right every few cycles)
@@ -47,6 +49,7 @@ class CycleTimes:
         self.theta = PRIOR * GUESS  # the terms' estimates
         self.spread = np.diag((PRIOR_SD * self.theta) ** 2)  # their covariance
         self.surprise = 1.0  # the recent cycles' squared errors over the model's expected ones (averaged)
+        self.noise = NOISE  # a cycle's relative standard deviation around the model (learnt)
         self.observed = 0
         self._memo: dict[tuple, float] = {}  # shapes priced since the last re-pricing
 
@@ -89,9 +92,9 @@ class CycleTimes:
             self.spread = self.spread + np.diag((DRIFT * np.maximum(self.theta, 0.1 * self.scale)) ** 2)
         predicted = max(float(self.theta @ x), 1e-12)
         off = max(seconds / predicted, predicted / seconds)
-        noise = (NOISE * predicted * max(1.0, off / OUTLIER)) ** 2
+        noise = (self.noise * predicted * max(1.0, off / OUTLIER)) ** 2
         px = self.spread @ x
-        expected = float(x @ px) + (NOISE * predicted) ** 2
+        expected = float(x @ px) + (self.noise * predicted) ** 2
         self.surprise += SURPRISE_SMOOTHING * (min((seconds - predicted) ** 2 / expected, 25.0) - self.surprise)
         if self.observed and self.surprise > SURPRISE:  # (the machine changed: what was learnt is less sure)
             self.spread, changed = 2 * self.spread, True
@@ -102,7 +105,13 @@ class CycleTimes:
             px = self.spread @ x
         gain = px / (float(x @ px) + noise)
         self.theta = np.maximum(self.theta + gain * (seconds - predicted), FLOOR * PRIOR * self.level)
-        self.spread = self.spread - np.outer(gain, px)
+        # (Joseph's form of P - K x'P: it stays a covariance in floating point, where timings as noisy as a machine
+        # time-slicing between processes drove the short form indefinite and the model to seconds a step)
+        keep = np.eye(len(x)) - np.outer(gain, x)
+        self.spread = keep @ self.spread @ keep.T + noise * np.outer(gain, gain)
+        if self.surprise <= SURPRISE:  # (a machine that changed misses by more than its noise: not learnt as noise)
+            miss = min(((seconds - predicted) / predicted) ** 2, (OUTLIER * self.noise) ** 2)
+            self.noise = max(NOISE, float(np.sqrt(self.noise ** 2 + NOISE_SMOOTHING * (miss - self.noise ** 2))))
         self.observed += 1
         if changed:
             self._memo.clear()
