@@ -210,7 +210,7 @@ class TreePlanner:
         self.last_drafted = plan.drafted
         reached = _outran(plan, paths) if self.mode == "auto" and plan.drafted else 0
         if reached:  # (a pause this cycle's plan chose was the q's mistake: docs/trees.md, "Pauses")
-            self.pause = Pause(longest=BATCH_PAUSE)
+            self.pause.skip = self.pause.backoff = 0
             deeper = self._deeper(plan.block)
             if deeper and reached == plan.block - 1 and len(plan.trees) == 1:  # one row took all its short block
                 self.draft_block, self.deepen[deeper] = deeper, Pause()  # gave: deeper at once (a batch's short
