@@ -19,7 +19,7 @@ def gpu(tokens, rows, drafted, block=16):
 
 
 def mean(times, tokens, rows=1, drafted=True, block=None):
-    return float(times.theta @ features(tokens, rows, drafted, block, None, times.block_size))
+    return times.expected_seconds(tokens, rows, drafted, block)
 
 
 def run(times, device, cycles, rng, slow=1.0, widths=(1, 4, 8, 16, 24)):

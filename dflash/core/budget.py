@@ -209,7 +209,7 @@ class TreePlanner:
         probe = plan.drafted and not self.last_drafted
         self.last_drafted = plan.drafted
         reached = _outran(plan, paths) if self.mode == "auto" and plan.drafted else 0
-        if reached:  # (a pause this cycle's plan chose was the q's mistake: docs/trees.md, "Pauses")
+        if reached and self._paid(plan, paths):  # (a pause this plan chose was the q's mistake: docs/trees.md)
             self.pause.skip = self.pause.backoff = 0
             deeper = self._deeper(plan.block)
             if deeper and reached == plan.block - 1 and len(plan.trees) == 1:  # one row took all its short block
@@ -309,6 +309,13 @@ class TreePlanner:
             if self._counts(candidates, True, limit, deeper)[1] > 0:  # (not when its draft alone breaks the limit)
                 best = deeper
         self.draft_block = best
+
+    def _paid(self, plan: Plan, paths: Sequence[Sequence[int]]) -> bool:
+        """Whether the tokens a drafted cycle committed, at its shape's price, beat the copied branch alone's rate
+        (every drafted node accepted is not enough where the draft forward costs more than they save)."""
+        seconds = self.auto_times.cycle_seconds(max(len(t.tokens) for t in plan.trees), len(plan.trees), True,
+                                                plan.block, plan.draft_rows)
+        return sum(len(p) + 1 for p in paths) / seconds > self.rates.get("plain", 0.0)
 
     def _deeper(self, block: int) -> int | None:
         """The measured draft block after `block` (None after the whole block)."""
