@@ -95,7 +95,7 @@ class MLXDraft:
         logits = scale_logits(self.head(hidden), *self.logit_scaling)
         if self.vocab_ids is not None:
             logits = spread(logits, self.vocab_ids, spec.vocab_size)
-        if spec.is_dflash2:
+        if self.distribution:  # (DFlash2: its selector walks the candidates)
             assert spec.selector_top_k
             candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
                                                                              anchor_ids, spec.selector_top_k)

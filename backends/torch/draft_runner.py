@@ -223,7 +223,7 @@ class TorchDraft:
                       else draft_step(*args, cache))[:, 1:]
             logits = self.logits(hidden)
         spec = self.drafter.spec
-        if spec.is_dflash2:
+        if self.distribution:  # (DFlash2: its selector walks the candidates)
             assert spec.selector_top_k
             candidates, scores = self.drafter.candidate_selector.pair_scores(logits.float(), hidden, anchor_ids,
                                                                              spec.selector_top_k)
