@@ -110,3 +110,25 @@ def test_a_fixed_device_is_what_it_says_and_learns_nothing():
     assert times.cycle_seconds(1, drafted=False) == 1.0 and times.cycle_seconds(16) == pytest.approx(4.75 + 0.5)
     assert times.cycle_seconds(1, 2, True, 8) == pytest.approx(1.25 + 0.5)  # two rows, half the block each
     assert not times.observe(16, 1, True, 100.0) and np.isclose(times.cycle_seconds(16), 5.25)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_one_row_drafting_the_whole_block_on_a_time_sliced_cpu_is_priced_near_its_mean(seed):
+    """The bundled pair's cycles under two busy loops: one row, the whole block drafted (so the cycle's own terms and
+    the draft forward's are timed only together), each cycle 0.5x-1.5x twice its compute plus preemptions, the fourth
+    cycle preempted for three times its length. A Kalman filter whose drift was sized by each term's estimate let the
+    largest term take every miss until it held the whole cycle (seed 2: a plain step priced at 2.9x its mean time, a
+    128-token verify at 0.26x)."""
+    times, rng = CycleTimes(16), random.Random(seed)
+
+    def sliced(tokens, drafted):
+        work = 2 * cpu(tokens, 1, drafted)
+        return work * (0.5 + rng.random()) + 0.006 * sum(rng.random() < 0.3 for _ in range(int(work / 0.004) + 1))
+
+    for i in range(300):
+        drafted = rng.random() < 0.85
+        tokens = rng.randrange(8, 41) if drafted else 1
+        times.observe(tokens, 1, drafted, sliced(tokens, drafted) * (4 if i == 3 else 1))
+    for tokens in (1, 16, 128):
+        true = sum(sliced(tokens, tokens > 1) for _ in range(2000)) / 2000
+        assert 0.7 < mean(times, tokens, drafted=tokens > 1) / true < 1.4
