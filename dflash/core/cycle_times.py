@@ -46,7 +46,7 @@ class CycleTimes:
         self.block_size = block_size  # a draft forward's positions when a call names none
         self.learns = True
         self.terms = PRIOR * GUESS  # the terms' estimates (seconds) ...
-        self.spread = np.diag((PRIOR_SD * self.terms) ** 2)  # ... and their covariance
+        self.spread: np.ndarray = np.diag((PRIOR_SD * self.terms) ** 2)  # ... and their covariance
         self.level = 1.0  # the machine's speed now over the fit's
         self.shapes = np.zeros((WINDOW, len(PRIOR)))  # the last WINDOW cycles' features ...
         self.seconds = np.zeros(WINDOW)  # ... and seconds
