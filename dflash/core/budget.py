@@ -208,8 +208,9 @@ class TreePlanner:
             self.calibration.observe(tree, qs, list(path))
         probe = plan.drafted and not self.last_drafted
         self.last_drafted = plan.drafted
+        width = max(len(t.tokens) for t in plan.trees)
         reached = _outran(plan, paths) if self.mode == "auto" and plan.drafted else 0
-        if reached and self._paid(plan, paths):  # (a pause this plan chose was the q's mistake: docs/trees.md)
+        if reached and self._paid(plan, width, paths):  # (a pause this plan chose was the q's mistake: docs/trees.md)
             self.pause.skip = self.pause.backoff = 0
             deeper = self._deeper(plan.block)
             if deeper and reached == plan.block - 1 and len(plan.trees) == 1:  # one row took all its short block
@@ -217,7 +218,6 @@ class TreePlanner:
                 # block is chosen for its cost)
         # (a probe's draft forward also reads every position its pause committed: not a drafted cycle's cost)
         if seconds is not None and not probe:
-            width = max(len(t.tokens) for t in plan.trees)
             self._timed(width, len(plan.trees), plan.drafted, seconds, plan.block, plan.draft_rows)
             if plan.drafted and plan.block == self.block_size and plan.draft_rows is None:
                 self._path_seconds("tree", width, len(plan.trees), seconds)
@@ -310,11 +310,10 @@ class TreePlanner:
                 best = deeper
         self.draft_block = best
 
-    def _paid(self, plan: Plan, paths: Sequence[Sequence[int]]) -> bool:
-        """Whether the tokens a drafted cycle committed, at its shape's price, beat the copied branch alone's rate
-        (every drafted node accepted is not enough where the draft forward costs more than they save)."""
-        seconds = self.auto_times.cycle_seconds(max(len(t.tokens) for t in plan.trees), len(plan.trees), True,
-                                                plan.block, plan.draft_rows)
+    def _paid(self, plan: Plan, width: int, paths: Sequence[Sequence[int]]) -> bool:
+        """Whether the tokens a drafted cycle of `width` tokens a row committed, at its shape's price, beat the copied
+        branch alone's rate (every drafted node accepted is not enough where the draft costs more than they save)."""
+        seconds = self.auto_times.cycle_seconds(width, len(plan.trees), True, plan.block, plan.draft_rows)
         return sum(len(p) + 1 for p in paths) / seconds > self.rates.get("plain", 0.0)
 
     def _deeper(self, block: int) -> int | None:

@@ -93,7 +93,7 @@ class CycleTimes:
         self.observed += 1
         if self.observed <= LEVEL_CYCLES or self.observed % REFRESH == 0:
             self._fit()
-        recent = [(slot - i) % WINDOW for i in range(min(self.observed, LEVEL_CYCLES))]
+        recent = (slot - np.arange(min(self.observed, LEVEL_CYCLES))) % WINDOW
         self.level = float(np.median(self.seconds[recent] / (self.shapes[recent] @ self.terms)))
         return True
 
