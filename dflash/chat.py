@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from . import cli, hub
 from .core.errors import DFlashError
+from .core.output import cycle_counts, mean_acceptance_length, per_position_acceptance
 from .core.sampling import common_prefix
-from .core.stats import cycle_counts, mean_acceptance_length, per_position_acceptance
 
 PROMPT = ">> "
 HELP = """commands:

@@ -7,7 +7,7 @@ import sys
 
 from . import cli
 from .core.errors import DFlashError
-from .core.stats import summary_line
+from .core.output import summary_line
 from .core.model_files.tokenizer import chat_ids
 
 

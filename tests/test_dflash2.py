@@ -17,7 +17,7 @@ from dflash.backends.torch.ops import TorchOps  # noqa: E402
 from dflash.backends.torch.target import load_target  # noqa: E402
 from dflash.backends.torch.target_runner import TorchTarget  # noqa: E402
 from dflash.core.engine import Engine  # noqa: E402
-from dflash.core.proposals import walk  # noqa: E402
+from dflash.core.rules import walk  # noqa: E402
 from dflash.core.errors import DFlashError  # noqa: E402
 from dflash.core.loop import generate  # noqa: E402
 

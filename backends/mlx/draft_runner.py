@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from dflash.core import proposals
+from dflash.core import rules
 from dflash.core.contract import Draft, Pending
 from dflash.core.errors import DFlashError
 from dflash.core.sampling import RowDraw
@@ -99,9 +99,9 @@ class MLXDraft:
             assert spec.selector_top_k
             candidates, scores = self.drafter.candidate_selector.pair_scores(logits.astype(mx.float32), hidden,
                                                                              anchor_ids, spec.selector_top_k)
-            draft = proposals.selector_walk(MLXOps, anchor_ids, candidates, scores, draws, logits, top_k)
+            draft = rules.selector_walk(MLXOps, anchor_ids, candidates, scores, draws, logits, top_k)
         else:
-            draft = proposals.choose(MLXOps, anchor_ids, logits, draws, top_k, _filtered)
+            draft = rules.choose(MLXOps, anchor_ids, logits, draws, top_k, _filtered)
         mx.async_eval(draft.ids)  # the draft runs while Python builds the verify graph
         return draft
 

@@ -1,4 +1,4 @@
-"""The array namespace dflash.core.rules and dflash.core.proposals run on, over mx.arrays."""
+"""The array namespace dflash.core.rules runs on, over mx.arrays."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ import importlib
 
 _PUBLIC = {
     "torch_engine": "backend", "load_target": "target", "resolve_device": "target", "resolve_dtype": "target",
-    "target_info": "target", "DTYPES": "target", "quiet_loading": "target",
-    "GROUPED_SDPA": "attention", "DFlashDrafter": "drafter",
+    "target_info": "target", "DTYPES": "target", "quiet_loading": "target", "GROUPED_SDPA": "target",
+    "DFlashDrafter": "drafter",
     "load_drafter": "drafter",
     "save_drafter": "drafter", "with_draft_vocab": "drafter", "regenerate": "regeneration",
     "write_self_prompts": "self_prompts",

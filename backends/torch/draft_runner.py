@@ -1,7 +1,7 @@
 """The drafter's primitives for dflash.core.engine on torch: absorb context, propose a block, rewind, batch rows.
 
 A draft forward embeds [anchor, mask x (B-1)] for every row, runs the drafter over the row's context cache and
-returns the proposals by each row's rule (dflash.core.proposals: the argmax of the draft logits, a sample, or for
+returns the proposals by each row's rule (dflash.core.rules: the argmax of the draft logits, a sample, or for
 DFlash2 the candidate selector's walk), plus, when asked, the per-position top-k ids and probabilities (on the
 device: the engine reads nothing back here).
 """
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessorList
 
-from dflash.core import proposals
+from dflash.core import rules
 from dflash.core.contract import Draft, Pending
 from dflash.core.errors import DFlashError
 from dflash.core.sampling import RowDraw
@@ -227,8 +227,8 @@ class TorchDraft:
             assert spec.selector_top_k
             candidates, scores = self.drafter.candidate_selector.pair_scores(logits.float(), hidden, anchor_ids,
                                                                              spec.selector_top_k)
-            return proposals.selector_walk(TorchOps, anchor_ids, candidates, scores, draws, logits, top_k)
-        return proposals.choose(TorchOps, anchor_ids, logits, draws, top_k, _filtered)
+            return rules.selector_walk(TorchOps, anchor_ids, candidates, scores, draws, logits, top_k)
+        return rules.choose(TorchOps, anchor_ids, logits, draws, top_k, _filtered)
 
     def embed_block(self, block: torch.Tensor) -> torch.Tensor:
         x = self.embed(block)

@@ -1,4 +1,4 @@
-"""The array namespace dflash.core.rules and dflash.core.proposals run on, over torch tensors."""
+"""The array namespace dflash.core.rules runs on, over torch tensors."""
 
 from __future__ import annotations
 

@@ -22,11 +22,10 @@ from dflash.core.rules import SLIDING_BATCH_REFUSAL, SLIDING_TREE_REFUSAL
 from dflash.core.sampling import RowSampling
 from dflash.core.tree import TreeInputs
 
-from .attention import GROUPED_SDPA
 from .kv_cache import RowSlots, attention_window, growing, set_window, window_of, windowed
 from .rewind import CacheRewind, bounded_layers
 from .sampling import gumbel, log_probs, multi_candidate_tokens, rejection_tokens, sampler
-from .target import LayerCapture, target_info
+from .target import GROUPED_SDPA, LayerCapture, target_info
 
 
 class TorchTarget:

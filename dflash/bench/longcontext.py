@@ -30,7 +30,7 @@ from tqdm import tqdm
 from .. import cli
 from ..core.errors import DFlashError
 from ..core.extras.plots import pyplot, save
-from ..core.stats import mean_acceptance_length, per_position_acceptance
+from ..core.output import mean_acceptance_length, per_position_acceptance
 from ..core.model_files.tokenizer import chat_ids
 from .report import write_report
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..core.io import atomic_write_text
 from ..core.extras.plots import can_plot, pyplot, save
-from ..core.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
+from ..core.output import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 from .methods import BASELINES, Method
 
 

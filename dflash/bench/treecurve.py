@@ -18,7 +18,7 @@ from .. import cli
 from ..core.errors import DFlashError
 from ..core.io import atomic_write_text
 from ..core.extras.plots import can_plot, pyplot, save
-from ..core.stats import mean_acceptance_length
+from ..core.output import mean_acceptance_length
 from .prompts import load_prompts
 
 BUDGETS = (1, 2, 4, 8, 15, 24, 32, 48, 64, 96, 128)

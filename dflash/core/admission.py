@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 from .contract import Drafter, Pending, Target
 from .errors import DFlashError
 from .lookahead import lands
-from .row import Row as BatchRow
+from .rows import PendingFeatures, Row as BatchRow
 from .sampling import RowSampling, SamplingParams, common_prefix
 
 if TYPE_CHECKING:
     from .cycle import CycleClock
     from .lookahead import Lookahead
-    from .row import PendingFeatures
     from .policy import Policy
     from .prefix_cache import PrefixCache
     from .sampling import RowDraw

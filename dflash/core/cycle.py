@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 
 from .budget import TreePlanner
 from .contract import Draft, Drafter, Step, Target, Verified
-from .row import Row
+from .rows import Row
 from .sampling import RowDraw, RowSampling, accepted_length, uniform_rows
 from .tree import TreeInputs
 

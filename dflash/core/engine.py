@@ -1,7 +1,7 @@
 """The one speculative engine: per-row state over a backend's Target and Drafter (dflash/core/contract.py).
 
 The engine keeps what the caches hold and moves them: every row's committed tokens (whose K/V is in the target
-cache) and settings (row.py), the target features the drafter has not read yet (row.PendingFeatures), prefix reuse and
+cache) and settings (rows.py), the target features the drafter has not read yet (rows.PendingFeatures), prefix reuse and
 chunked prefill, and a cycle's operations: draft(anchors) -> Draft (the drafter's block of B positions after each
 row's anchor, from the pending features), verify(draft) -> Verified (the target's own token at each position, in one
 forward and one device -> host read), commit(verified, keeps) (row i keeps its first keeps[i] positions; the cache
@@ -21,7 +21,7 @@ from .cycle_times import CycleTimes
 from .errors import DFlashError
 from .lookahead import Lookahead, lands
 from .prefix_cache import PrefixCache, keep_row
-from .row import PendingFeatures, Row
+from .rows import PendingFeatures, Row
 from .sampling import RowDraw, RowSampling, SamplingParams, common_prefix, host_logprobs, row_draws
 from .tree import TreeInputs
 from .policy import Policy
@@ -43,7 +43,7 @@ class Engine(Prefill):
         self.prefill_chunk = prefill_chunk
         self.max_context = target.max_context
         self.info = target.info
-        self.batch: list[Row] = []  # per row, in the caches' row order: everything the core keeps of it (row.py)
+        self.batch: list[Row] = []  # per row, in the caches' row order: everything the core keeps of it (rows.py)
         self.shared = False  # rows share the caches (a batch was admitted): no prefix reuse until reset
         self.queue = PendingFeatures()  # target features the drafter has not read yet (see `pending`)
         self.sampling = SamplingParams()  # the settings of rows admitted without their own

@@ -1,15 +1,15 @@
-"""One sequence's output policy: what a cycle's tokens add to it (EOS kept, exactly max_new_tokens, stop strings cut),
-the text streamed so far (never a partial stop string: only a tail that may still become one is held back), each
-token's log-probabilities released with the last of the text it added, and the result once it finishes. The loop
-(dflash/core/loop.py) keeps one OutputRow per live row."""
+"""One sequence's output: what a cycle's tokens add to it (EOS kept, exactly max_new_tokens, stop strings cut), the
+text streamed so far (never a partial stop string: only a tail that may still become one is held back), each token's
+log-probabilities released with the last of the text it added, and the result once it finishes. The loop
+(dflash/core/loop.py) keeps one OutputRow per live row. Also here, shared by every backend and CLI: incremental
+detokenization and the stop-string search, and the acceptance statistics (tau, the histogram, per-position
+acceptance, cycle counts) that results and reports give."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from .stats import cycle_counts, mean_acceptance_length
-from .text import Detokenizer, find_stop, held_back
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -197,3 +197,114 @@ class OutputRow:
             verify_mode=engine.verify_mode, verified=self.verified,
             draft_forwards=self.draft_forwards, verify_note=engine.verify_note,
             accept_rule=self.rule, error=self.error)
+
+
+# ---- text: incremental detokenization, stop strings --------------------------------------------------------------
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 sequences.
+
+    Decodes only a short window (from the last emitted boundary), so each step costs O(new tokens), and the
+    window's left context keeps tokenizers that merge spaces across tokens correct.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # window start
+        self._read = 0  # ids before this index are already in self.text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        if self.tokenizer is None:
+            return ""
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            delta = after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Everything not yet emitted (also an incomplete trailing character)."""
+        if self.tokenizer is None or self._read == len(self.ids):
+            return ""
+        before = self._decode(self.ids[self._prefix:self._read])
+        delta = self._decode(self.ids[self._prefix:])[len(before):]
+        self._prefix = self._read = len(self.ids)
+        self.text += delta
+        return delta
+
+
+def find_stop(text: str, stop_strings: list[str], start: int) -> tuple[int, int]:
+    """(index, end) of the earliest stop string that ends after `start` (only new matches), or (-1, -1)."""
+    best = (-1, -1)
+    for s in stop_strings:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i != -1 and (best[0] == -1 or i < best[0]):
+            best = (i, i + len(s))
+    return best
+
+
+def held_back(text: str, strings: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `strings`: the characters a stream
+    holds back because they may still become one of them (text that can no longer match goes out at once)."""
+    if not text:
+        return 0
+    best, last = 0, text[-1]
+    for s in strings:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s[n - 1] == last and text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+# ---- acceptance statistics ---------------------------------------------------------------------------------------
+def mean_acceptance_length(lengths: list[int]) -> float:
+    """tau: tokens committed per verification cycle (accepted draft tokens + the target's bonus token)."""
+    return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def acceptance_histogram(lengths: list[int], block_size: int) -> list[int]:
+    """counts[k-1] = cycles that committed k tokens, k = 1 .. block_size."""
+    c = Counter(lengths)
+    return [c.get(k, 0) for k in range(1, block_size + 1)]
+
+
+def per_position_acceptance(lengths: list[int], block_size: int) -> list[float]:
+    """rate[k-1] = fraction of cycles whose k-th drafted token was accepted, k = 1 .. block_size-1."""
+    if not lengths:
+        return [0.0] * (block_size - 1)
+    return [sum(1 for n in lengths if n - 1 >= k) / len(lengths) for k in range(1, block_size)]
+
+
+def summary_line(tau: float, tokens_per_second: float, n_tokens: int, prefill_seconds: float) -> str:
+    return (f"tau {tau:.2f} | {tokens_per_second:.1f} tok/s | {n_tokens} tokens | "
+            f"prefill {prefill_seconds * 1000:.0f} ms")
+
+
+@dataclass(frozen=True)
+class CycleCounts:
+    """What the verify cycles did. A cycle of --verify auto may run no draft forward (the drafter paused, or
+    --no-draft), or run one and verify none of it (no proposal was predicted to pay for its verify cost): both are
+    plain target steps."""
+
+    cycles: int
+    drafted: int  # cycles that ran a draft forward
+    drafted_verifying_none: int  # ... and verified none of its proposals
+    verified_when_drafted: list[int]  # draft tokens verified, per cycle that ran a draft forward
+
+    @property
+    def without_draft(self) -> int:
+        return self.cycles - self.drafted
+
+
+def cycle_counts(verified: list[int], draft_forwards: list[bool]) -> CycleCounts:
+    drafted = [v for v, forward in zip(verified, draft_forwards) if forward]
+    return CycleCounts(len(verified), len(drafted), drafted.count(0), drafted)

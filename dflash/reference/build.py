@@ -291,7 +291,7 @@ def measure_tau(target_dir: Path, draft_dir: Path, prompts: list[str], max_new_t
     from tqdm import tqdm
 
     import dflash
-    from dflash.core.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
+    from dflash.core.output import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 
     spec_pipe = dflash.load(target_dir, draft_dir, backend="torch", device="cpu")
     plain = dflash.load(target_dir, backend="torch", device="cpu", no_draft=True)

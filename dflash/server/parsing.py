@@ -11,7 +11,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from ..core.text import held_back
+from ..core.output import held_back
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"

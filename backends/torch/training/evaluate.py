@@ -15,7 +15,7 @@ def evaluate(target_model, drafter: DFlashDrafter, prompts: list[list[int]], max
     """Real acceptance: run the speculative loop (greedy) on each prompt and pool the acceptance lengths.
     `progress`: the description of a tqdm bar over the prompts (None: no bar)."""
     from dflash.core.loop import generate
-    from dflash.core.stats import acceptance_histogram, mean_acceptance_length, per_position_acceptance
+    from dflash.core.output import acceptance_histogram, mean_acceptance_length, per_position_acceptance
 
     from ..backend import torch_engine
 

@@ -1,6 +1,6 @@
-"""dflash.core.stats: acceptance and cycle statistics as the CLIs report them."""
+"""dflash.core.output: acceptance and cycle statistics as the CLIs report them."""
 
-from dflash.core.stats import cycle_counts
+from dflash.core.output import cycle_counts
 
 
 def test_cycle_counts_separate_undrafted_cycles_from_drafts_verifying_none():

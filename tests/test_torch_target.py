@@ -1,4 +1,5 @@
-"""The target's grouped-query SDPA: exactly transformers' SDPA (K/V repeated per query head), without the repeat."""
+"""backends/torch/target.py: the target's grouped-query SDPA is exactly transformers' SDPA (K/V repeated per query
+head), without the repeat, and targets load with it."""
 
 import types
 
@@ -6,8 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from dflash.backends.torch.attention import GROUPED_SDPA, sdpa_grouped
-from dflash.backends.torch.target import load_target
+from dflash.backends.torch.target import GROUPED_SDPA, load_target, sdpa_grouped
 
 
 @pytest.mark.parametrize("rows,tokens,mask_heads,mask_rows,additive", [
