@@ -1,8 +1,9 @@
 """dflash/core/budget.py: the tree planner of --verify auto under a latency limit, with draft blocks shorter than the
 drafter's, and its choice between the chain's path and a tree's (the plan's node counts are tests/test_tree.py's)."""
 
-from dflash.core.budget import BATCH_PAUSE, MAX_PAUSE, Pause, TreePlanner, _chain_tokens
+from dflash.core.budget import BATCH_PAUSE, MAX_PAUSE, Pause, TreePlanner
 from dflash.core.cycle_times import CycleTimes
+from dflash.core.tree import chain_value
 from cycle_devices import HEAVY, cpu
 
 
@@ -243,7 +244,7 @@ def test_a_chain_that_is_the_copied_branch_is_valued_as_the_tree_of_the_same_nod
         planner.calibration.copy_offered[d] = planner.calibration.copy_accepted[d] = 50
     ids, probs = [[5, 6], [7, 6], [8, 6]], [[0.4, 0.3]] * 3
     plan = planner.plan([0], [ids], [probs], copies=[[5, 7, 8]])
-    chain = _chain_tokens(ids, probs, [5, 7, 8], planner.calibration)
+    chain = chain_value(ids, probs, [5, 7, 8], planner.calibration)
     assert chain == 1.0 + sum(plan.trees[0].values[1:]) > 3.5
 
 

@@ -5,12 +5,11 @@ docs/verification.md says the policy, docs/trees.md what each part measured."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 from .cycle_times import CycleTimes
-from .tree import Calibration, Tree, best_first, choose_counts, merge_candidates, to_tree
+from .tree import Calibration, Tree, best_first, chain_value, choose_counts, merge_candidates, to_tree
 
 VERIFY_MODES = ("chain", "tree", "auto")
 MAX_TOP_K = 16  # draft candidates per depth the tree may branch over
@@ -21,23 +20,6 @@ SMOOTHING = 0.2  # auto: weight of a cycle in a smoothed estimate (the candidate
 BLOCK_MARGIN = 0.1  # auto: how much faster a shorter draft block must be predicted to be to replace the drafted one
 AUTO_BUDGET = 255  # auto: the most draft nodes a row's tree may have (the seconds it learns choose fewer)
 ITL_LIMIT = 1.5  # auto: a cycle takes at most this many plain steps per token its least-served row expects
-
-
-def _chain_tokens(top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence[float]], copy: Sequence[int],
-                  calibration: Calibration) -> float:
-    """Tokens a chain cycle is expected to commit: 1 + the calibrated values of the drafter's rank-1 nodes at every
-    depth, valued as merge_candidates values them (the copied branch's rate where the rank-1 prefix is the copied
-    one, as the tree's merged node is), capped by the parent's value."""
-    total, q, value, copied = 1.0, 1.0, math.inf, True
-    for depth, (ids, probs) in enumerate(zip(top_ids, top_probs), start=1):
-        q *= probs[0]
-        node = q * calibration.scale(depth)
-        copied = copied and depth <= len(copy) and copy[depth - 1] == ids[0]
-        if copied:
-            node = max(node, calibration.copy_rate(depth))
-        value = min(value, node)
-        total += value
-    return total
 
 
 def _outran(plan: "Plan", paths: Sequence[Sequence[int]]) -> int:
@@ -131,7 +113,7 @@ class TreePlanner:
 
     def observe_chain(self, rows: int, seconds: float) -> None:
         """(auto) A cycle of `rows` rows on the chain's path took `seconds`."""
-        self._timed(self.block_size, rows, True, seconds)
+        self.auto_times.observe(self.block_size, rows, True, seconds)
         self._path_seconds("chain", self.block_size, rows, seconds)
 
     @property
@@ -197,8 +179,8 @@ class TreePlanner:
         self.idle_trees += rows
         self.last_drafted = False
         self.last_trees, self.last_paths = [], [[] for _ in range(rows)]
-        if self.pause.skip % 8 == 0:  # (a pause's cycles are alike: one in 8 keeps the plain step's seconds current
-            self._timed(1, rows, False, seconds)  # at a tenth of the host work of its update)
+        if self.times and self.pause.skip % 8 == 0:  # (a pause's cycles are alike: one in 8 keeps the plain step's
+            self.times.observe(1, rows, False, seconds)  # seconds current at a tenth of the host work of its update)
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
@@ -217,26 +199,18 @@ class TreePlanner:
                 self.draft_block, self.deepen[deeper] = deeper, Pause()  # gave: deeper at once (a batch's short
                 # block is chosen for its cost)
         # (a probe's draft forward also reads every position its pause committed: not a drafted cycle's cost)
-        if seconds is not None and not probe:
-            self._timed(width, len(plan.trees), plan.drafted, seconds, plan.block, plan.draft_rows)
+        if self.times and seconds is not None and not probe:
+            self.times.observe(width, len(plan.trees), plan.drafted, seconds, plan.block, plan.draft_rows)
             if plan.drafted and plan.block == self.block_size and plan.draft_rows is None:
                 self._path_seconds("tree", width, len(plan.trees), seconds)
-
-    def _timed(self, width: int, rows: int, drafted: bool, seconds: float, block: int | None = None,
-               draft_rows: int | None = None) -> None:
-        """(auto) A cycle of `rows` rows verifying `width` tokens took `seconds`: the cycle times learn it."""
-        if self.times is not None:
-            self.times.observe(width, rows, drafted, seconds, block, draft_rows)
 
     def _path_seconds(self, path: str, width: int, rows: int, seconds: float) -> None:
         """(auto) A whole-block drafted cycle on `path`: its seconds over its shape's, smoothed, are the path's own
         overhead (host read, tree building, mask)."""
-        if self.times is None:
-            return
         self.path_cycles[path] += 1
         if self.path_cycles[path] > 1:  # (a path's first cycle warms it up: allocation, kernel selection)
             old = self.path_factor[path]
-            self.path_factor[path] = old + SMOOTHING * (seconds / self.times.cycle_seconds(width, rows) - old)
+            self.path_factor[path] = old + SMOOTHING * (seconds / self.auto_times.cycle_seconds(width, rows) - old)
 
     def _age(self) -> None:
         if self.idle_trees:
@@ -268,7 +242,7 @@ class TreePlanner:
         undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
         rates: dict[int | str, float] = {block: rate, "plain": self._counts(undrafted, False, limit)[1]}
         if block == self.block_size:
-            rates["chain"] = self._chain_rate([_chain_tokens(i, p, c, self.calibration) if p is not None else 1.0
+            rates["chain"] = self._chain_rate([chain_value(i, p, c, self.calibration) if p is not None else 1.0
                                                for i, p, c in zip(top_ids, top_probs, copies)], limit)
         for b in self.blocks:
             if b >= block:

@@ -11,7 +11,7 @@ from .contract import Capabilities, Drafter, Step
 from .cycle import CyclePlan
 from .cycle_times import CycleTimes
 from .errors import DFlashError, SettingError
-from .row import Row
+from .rows import Row
 
 
 PLAIN_EVERY = 32  # drafted cycles in a row before a plain step is timed again
@@ -104,20 +104,18 @@ class Policy:
             raise SettingError("tree_budget", f"got {budget}, expected >= 1 draft nodes")
         if mode == "chain" or drafter is None:
             return cls()
-        reason, chain_budget = capabilities.tree_refusal, None
-        if mode == "auto" and not reason and drafter.distribution:
-            # DFlash2: its selector picks each proposal given the previous one, a tree would branch over the raw
-            # top-k. auto still chooses the chain's length (a target that refuses trees keeps its whole chain: a
-            # static cache wants one verify shape)
-            reason = "DFlash2's selector chooses the proposals"
-            chain_budget = ChainBudget(block_size, times or CycleTimes(block_size))
-        if reason:
-            if mode == "tree":
-                raise DFlashError(f"--verify tree: {reason}; use --verify chain or auto")
-            return cls("chain", f"auto verifies the chain: {reason}", chain_budget=chain_budget)
+        reason = capabilities.tree_refusal
         if mode == "tree":
+            if reason:
+                raise DFlashError(f"--verify tree: {reason}; use --verify chain or auto")
             return cls(mode, "", TreePlanner(mode, block_size, budget or block_size - 1, None, copy_branch, itl_limit))
         times = times or CycleTimes(block_size)  # (one machine: the trees' cycles and the chains' learn it together)
+        if reason:  # (a target that refuses trees keeps its whole chain: a static cache wants one verify shape)
+            return cls("chain", f"auto verifies the chain: {reason}")
+        if drafter.distribution:  # DFlash2: its selector picks each proposal given the previous one, where a tree
+            # would branch over the raw top-k; auto chooses the chain's length
+            return cls("chain", "auto verifies the chain: DFlash2's selector chooses the proposals",
+                       chain_budget=ChainBudget(block_size, times))
         planner = TreePlanner(mode, block_size, budget or max(block_size - 1, AUTO_BUDGET), times, copy_branch,
                               itl_limit)
         return cls(mode, "", planner, ChainBudget(block_size, times))

@@ -227,6 +227,23 @@ def merge_candidates(draft: list[Candidate], copy: Sequence[int], calibration: C
                   key=lambda c: (-c.value, len(c.tokens)))
 
 
+def chain_value(top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence[float]], copy: Sequence[int],
+                calibration: Calibration) -> float:
+    """Tokens a chain cycle is expected to commit: 1 + the calibrated values of the drafter's rank-1 nodes at every
+    depth, valued as merge_candidates values them (the copied branch's rate where the rank-1 prefix is the copied
+    one, as the tree's merged node is), capped by the parent's value."""
+    total, q, value, copied = 1.0, 1.0, math.inf, True
+    for depth, (ids, probs) in enumerate(zip(top_ids, top_probs), start=1):
+        q *= probs[0]
+        node = q * calibration.scale(depth)
+        copied = copied and depth <= len(copy) and copy[depth - 1] == ids[0]
+        if copied:
+            node = max(node, calibration.copy_rate(depth))
+        value = min(value, node)
+        total += value
+    return total
+
+
 def to_tree(anchor: int, chosen: Sequence[Candidate]) -> Tree:
     tree = Tree.root(anchor)
     index: dict[tuple[int, ...], int] = {(): 0}
