@@ -2,8 +2,8 @@
 
 import pytest
 
-from dflash.core.sampling import RowSampling, SamplingParams, row_draws
-from dflash.core.shapes import EXPLORE, MATCH_SHAPES, MIN_TESTED, SHAPES, ShapeChoice, draft_temperatures
+from dflash.core.sampling import RowSampling, SamplingParams, draft_temperatures, row_draws
+from dflash.core.shapes import EXPLORE, MATCH_SHAPES, MIN_TESTED, SHAPES, ShapeChoice
 
 
 def warmed(rates: dict, verified: int = 4) -> ShapeChoice:

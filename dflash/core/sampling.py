@@ -33,7 +33,7 @@ from functools import cached_property
 from typing import Any, Literal, Sequence, get_args
 
 from .errors import SettingError
-from .shapes import ShapeChoice, draft_temperatures
+from .shapes import MATCH_SHAPES, SHAPES, ShapeChoice
 
 
 # vLLM's conventions: a temperature below this is greedy (dividing logits by 1e-38 overflows to inf and the softmax to
@@ -206,6 +206,21 @@ def uniform_rows(seed: int, stream: str, positions, width: int) -> list[list[flo
 
 def _uniform(key: int) -> float:
     return ((key >> 10) + 0.5) / 2.0 ** 53
+
+
+def draft_temperatures(rule: str, sharpened: float, auto: bool) -> tuple[float, ...]:
+    """The draft temperatures a row of this rule chooses from (one: fixed); sharpened: the request's
+    (SamplingParams.draft_temperature). auto: the request left the rule to dflash (--accept auto), so a matched row
+    may choose its shape too."""
+    if rule in ("argmax", "multi"):
+        return (0.0,)
+    if rule == "sharpened":
+        return (float(sharpened),)
+    if rule == "shaped":
+        return SHAPES
+    if rule == "match" and auto:
+        return MATCH_SHAPES
+    return (1.0,)
 
 
 @dataclass(frozen=True)

@@ -20,21 +20,6 @@ EXPLORE = 0.05  # the share of cycles after that which try a shape at random (ke
 DECAY = 0.95  # per observation of a shape: its estimate follows the text as it changes
 
 
-def draft_temperatures(rule: str, sharpened: float, auto: bool) -> tuple[float, ...]:
-    """The draft temperatures a row of this rule chooses from (one: fixed); sharpened: the request's
-    (SamplingParams.draft_temperature). auto: the request left the rule to dflash (--accept auto), so a matched row
-    may choose its shape too."""
-    if rule in ("argmax", "multi"):
-        return (0.0,)
-    if rule == "sharpened":
-        return (float(sharpened),)
-    if rule == "shaped":
-        return SHAPES
-    if rule == "match" and auto:
-        return MATCH_SHAPES
-    return (1.0,)
-
-
 class ShapeChoice:
     """One row's running estimate, per shape, of the share of verified draft positions it accepted (a decaying
     count of accepted positions over positions tested: a chain of any length accepts more as that share grows)."""
