@@ -1,6 +1,6 @@
 """The sampling rules that are not array plumbing, both sides of a cycle (what a draft forward proposes, what the
 target accepts of it), written once over a small array namespace (`ArrayOps`) that each backend provides for its own
-arrays (docs/sampling.md). tests/test_policy.py runs each rule on both backends side by side.
+arrays (docs/sampling.md). tests/test_rules.py runs each rule on both backends side by side.
 
 - Both sides: the order of the sampling filters, the inverse-CDF draw, the drafter's logit scaling, and the refusals
   both backends give.
