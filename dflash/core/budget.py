@@ -179,8 +179,9 @@ class TreePlanner:
         self.idle_trees += rows
         self.last_drafted = False
         self.last_trees, self.last_paths = [], [[] for _ in range(rows)]
-        if self.times and self.pause.skip % 8 == 0:  # (a pause's cycles are alike: one in 8 keeps the plain step's
-            self.times.observe(1, rows, False, seconds)  # seconds current at a tenth of the host work of its update)
+        # (a pause's cycles are alike: one in 8 keeps the plain step's seconds current at a tenth of the host work)
+        if self.times is not None and self.pause.skip % 8 == 0:
+            self.times.observe(1, rows, False, seconds)
 
     def observe(self, plan: Plan, paths: Sequence[Sequence[int]], seconds: float | None = None) -> None:
         """Learn from one verified cycle: which nodes the target accepted, and (auto) how long the cycle took."""
@@ -199,7 +200,7 @@ class TreePlanner:
                 self.draft_block, self.deepen[deeper] = deeper, Pause()  # gave: deeper at once (a batch's short
                 # block is chosen for its cost)
         # (a probe's draft forward also reads every position its pause committed: not a drafted cycle's cost)
-        if self.times and seconds is not None and not probe:
+        if self.times is not None and seconds is not None and not probe:
             self.times.observe(width, len(plan.trees), plan.drafted, seconds, plan.block, plan.draft_rows)
             if plan.drafted and plan.block == self.block_size and plan.draft_rows is None:
                 self._path_seconds("tree", width, len(plan.trees), seconds)

@@ -109,9 +109,9 @@ class Policy:
             if reason:
                 raise DFlashError(f"--verify tree: {reason}; use --verify chain or auto")
             return cls(mode, "", TreePlanner(mode, block_size, budget or block_size - 1, None, copy_branch, itl_limit))
-        times = times or CycleTimes(block_size)  # (one machine: the trees' cycles and the chains' learn it together)
         if reason:  # (a target that refuses trees keeps its whole chain: a static cache wants one verify shape)
             return cls("chain", f"auto verifies the chain: {reason}")
+        times = times or CycleTimes(block_size)  # (one machine: the trees' cycles and the chains' learn it together)
         if drafter.distribution:  # DFlash2: its selector picks each proposal given the previous one, where a tree
             # would branch over the raw top-k; auto chooses the chain's length
             return cls("chain", "auto verifies the chain: DFlash2's selector chooses the proposals",
