@@ -77,8 +77,8 @@ def test_one_row_that_accepts_its_short_blocks_last_drafted_node_drafts_the_next
 
 
 def test_a_row_given_no_drafted_node_leaves_the_draft_forward_for_longer_each_time():
-    from dflash.core.budget import Pause, drafting
-
+    planner = TreePlanner("auto", 16, 64, HEAVY)
+    drafting = planner.drafting_rows
     pauses = [Pause() for _ in range(3)]
     assert drafting(pauses) == [0, 1, 2]
     seen = []

@@ -196,7 +196,7 @@ def test_a_pause_runs_ahead_but_its_last_cycle_and_the_drafter_reads_every_commi
     assert "".join(".D"[d] for d in r.draft_forwards).startswith("D.D..D....D........D" + "." * 16 + "D")
     # a paused cycle starts the next unless a probe follows it; a drafted cycle reads once and starts nothing
     starts = engine.target.log.count("start")
-    ended_mid_pause = engine.policy.chain_budget.pauses_next
+    ended_mid_pause = engine.policy.chain_budget.pause.going
     # every paused cycle but a pause's last starts the next; a pause's first also starts its own before it
     runs = [len(run) for run in "".join(".D"[d] for d in r.draft_forwards).split("D") if run]
     if ended_mid_pause:

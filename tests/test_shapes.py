@@ -9,7 +9,7 @@ from dflash.core.shapes import EXPLORE, MATCH_SHAPES, MIN_TESTED, SHAPES, ShapeC
 def warmed(rates: dict, verified: int = 4) -> ShapeChoice:
     """A choice past its warm-up: each shape observed in turn, accepting rates[t] of `verified` per cycle."""
     choice = ShapeChoice(tuple(rates))
-    while min(choice.counts().values()) < MIN_TESTED:
+    while min(choice.tested) < MIN_TESTED:
         t = choice.choose(0.9)
         choice.observe(t, rates[t], verified)
     return choice
@@ -32,9 +32,9 @@ def test_exploration_covers_every_shape_and_reads_only_its_uniform():
     picks = {choice.choose(u) for u in [(i + 0.5) / 300 * EXPLORE for i in range(300)]}
     assert picks == set(SHAPES)
     assert {choice.choose(u) for u in (EXPLORE, 0.5, 0.99)} == {0.5}
-    before = choice.counts()
+    before = list(choice.tested)
     choice.observe(0.0, 0, 0)  # a cycle that verified nothing (a plain step) teaches nothing
-    assert choice.counts() == before
+    assert choice.tested == before
 
 
 @pytest.mark.parametrize("accept, seed, shapes", [

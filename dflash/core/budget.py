@@ -54,6 +54,11 @@ class Pause:
     backoff: int = 0  # the last pause's length (0: drafting won)
     longest: int = MAX_PAUSE
 
+    @property
+    def going(self) -> bool:
+        """Whether the next cycle is in the pause too."""
+        return self.skip > 0
+
     def waits(self) -> bool:
         """Whether this cycle is in the pause (counted down)."""
         if self.skip:
@@ -67,11 +72,6 @@ class Pause:
         else:
             self.backoff = min(max(1, 2 * self.backoff), self.longest)
             self.skip = self.backoff
-
-
-def drafting(pauses: Sequence[Pause]) -> list[int]:
-    """The rows this drafted cycle drafts for (a paused row's wait counts down)."""
-    return [r for r, pause in enumerate(pauses) if not pause.waits()]
 
 
 class TreePlanner:
@@ -116,19 +116,15 @@ class TreePlanner:
         self.auto_times.observe(self.block_size, rows, True, seconds)
         self._path_seconds("chain", self.block_size, rows, seconds)
 
-    @property
-    def pauses_next(self) -> bool:
-        """Whether the next cycle drafts nothing either (a pause goes on)."""
-        return self.pause.skip > 0
-
     def drafts_this_cycle(self) -> bool:
         return not self.pause.waits()
 
     def drafting_rows(self, pauses: Sequence[Pause]) -> list[int] | None:
-        """auto: the rows a drafted cycle drafts for, by their own pauses ([]: none; None: all, none pausing)."""
+        """auto: the rows a drafted cycle drafts for, by their own pauses, whose waits count down ([]: none; None: all,
+        none pausing)."""
         if self.mode != "auto" or len(pauses) == 1:
             return None
-        return drafting(pauses)
+        return [r for r, pause in enumerate(pauses) if not pause.waits()]
 
     def reset(self) -> None:
         """A new request (or batch): it drafts at once, judged on its own text (a pause's length is kept)."""
@@ -234,12 +230,9 @@ class TreePlanner:
 
     def _choose(self, candidates, counts, limit: float | None, block: int, rate: float, copies, top_ids,
                 top_probs) -> None:
-        """Sets the next cycles' pause, path and draft block from the rates (tokens per second) this plan predicts for
-        its candidates: drafting `block` positions (`rate`), the copied branch alone ("plain"), the chain's path
-        ("chain", after a draft of the whole block) and each shorter block (draft nodes past its positions dropped).
-        Rates are smoothed (one cycle's text says little); a request's first drafted cycle sets them. Drafting that
-        loses pauses; the best block, or the chain, is the next draft; a block that wins and whose plan reaches its
-        last position tries the next one up (again after 1, 2 .. 64 drafted cycles while such tries lose)."""
+        """Sets the next cycles' pause, path and draft block from the smoothed rates (tokens per second) this plan
+        predicts for drafting `block` positions (`rate`), the copied branch alone ("plain"), the chain's path ("chain")
+        and each shorter block (docs/trees.md)."""
         undrafted = [merge_candidates([], c[: self.block_size - 1], self.calibration) for c in copies]
         rates: dict[int | str, float] = {block: rate, "plain": self._counts(undrafted, False, limit)[1]}
         if block == self.block_size:

@@ -165,7 +165,7 @@ def tree_cycle(engine: CycleEngine, anchors: list[int], planner: TreePlanner) ->
     else:
         plan = planner.plan(anchors, copies=copies)
     if all(len(t.tokens) == 1 for t in plan.trees):  # no node (drafted or copied) worth its verify cost: plain
-        steps = engine.plain_step(anchors, again=planner.pauses_next and not planner.copy_branch)
+        steps = engine.plain_step(anchors, again=planner.pause.going and not planner.copy_branch)
         for step in steps:
             step.draft_forward = plan.drafted
         planner.observe(plan, [[] for _ in steps], engine.clock.since(start))

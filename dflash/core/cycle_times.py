@@ -1,15 +1,11 @@
-"""What a cycle costs on this machine, learnt from the engine's own cycles (no profile at load, nothing cached), for
-shapes not run yet too: a linear model
+"""What a cycle costs on this machine, learnt from the engine's own cycles (nothing measured at load, nothing cached):
 
     seconds = c_cycle + c_row * rows + c_token * verify tokens + c_draft * drafted + c_position * draft positions
 
-fitted to the last WINDOW cycles (a cycle HALF_LIFE cycles old weighing half) by least squares in relative misses,
-pulled towards PRIOR where the cycles cannot tell terms apart (one row drafting the whole block every cycle times the
-cycle's own terms and the draft forward's only together); a cycle far off the fit (a preemption, a page fault) counts
-less. The machine's speed now (`level`, the median of the last LEVEL_CYCLES cycles' seconds over the fit's) scales
-every shape alike: a busy neighbour is followed within a few cycles, and a plan, comparing shapes at one level, is
-priced slower but not chosen otherwise. A shape is priced at a lower confidence bound (an untried one gets tried, as
-in LinUCB). docs/verification.md ("Seconds") says why each part is there."""
+fitted to the recent cycles in relative misses (old ones and outliers weighing less), pulled to PRIOR where the cycles
+cannot tell its terms apart, times the machine's speed now (`level`: a busy neighbour is followed within a few
+cycles); a shape is priced at a lower confidence bound, so an untried one gets tried (as in LinUCB).
+docs/verification.md ("Seconds") says why each part is there."""
 
 from __future__ import annotations
 

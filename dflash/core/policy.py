@@ -55,11 +55,6 @@ class ChainBudget:
         """A new request: its first cycle drafts (the pause's length is kept: a probe that loses pauses as long)."""
         self.pause.skip = 0
 
-    @property
-    def pauses_next(self) -> bool:
-        """Whether the next cycle is a plain step too (a pause goes on)."""
-        return self.pause.skip > 0
-
     def observe(self, length: int, accepted: Sequence[int], seconds: float) -> None:
         """One cycle: `length` proposals per row, row r accepted `accepted[r]`, in `seconds`. After a drafted one,
         the next cycles pause while a plain step's rate beats the best chain's."""
@@ -127,7 +122,7 @@ class Policy:
             # chains only (sampled rows, a DFlash2 drafter, a target without trees): auto chooses their length
             length = self.chain_budget.length(rows=len(rows))
             if not length:
-                return CyclePlan("plain", again=self.chain_budget.pauses_next, source="chains")
+                return CyclePlan("plain", again=self.chain_budget.pause.going, source="chains")
             return CyclePlan("chain", length, source="chains")
         if self.planner is not None:
             path = self.planner.path([row.pause for row in batch]) if not any(r.chains_only for r in rows) \

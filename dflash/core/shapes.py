@@ -53,7 +53,3 @@ class ShapeChoice:
         i = self.temperatures.index(temperature)
         self.accepted[i] = self.decay * self.accepted[i] + accepted
         self.tested[i] = self.decay * self.tested[i] + min(accepted + 1, verified)
-
-    def counts(self) -> dict[float, float]:
-        """Per shape, the decayed count of positions it tested (introspection)."""
-        return dict(zip(self.temperatures, self.tested))
