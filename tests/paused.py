@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dflash.core.policy import ChainBudget
 from dflash.core.contract import Pipelining
-from dflash.core.cycle_times import CycleTimes
 from dflash.core.loop import generate
+from cycle_devices import FixedTimes
 from fakes import Counting
 
-STEEP = CycleTimes.fixed(plain=1.0, token=0.05, draft=0.5)  # a tree pays: auto drafts at first
+STEEP = FixedTimes(plain=1.0, token=0.05, draft=0.5)  # a tree pays: auto drafts at first
 
 
 class ScriptedPauses(ChainBudget):

@@ -11,12 +11,13 @@ from dflash.backends.torch.target import load_target
 from dflash.core import engine as engine_module
 from dflash.core import rows
 from dflash.core import budget
-from dflash.core.cycle_times import CycleTimes
 from dflash.core.rows import RowLayout
 from dflash.core.errors import DFlashError
 from dflash.core.loop import Batch, Generation, generate, generate_batch
 from dflash.core.sampling import SamplingParams, accepted_length
 from dflash.core.cycle import chain_cycle, tree_cycle
+
+from cycle_devices import FixedTimes
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +375,7 @@ def test_cycles_of_copied_nodes_alone_leave_features_pending_for_the_next_draft(
 
     def run(eager: bool):
         be = batched(target, drafter)
-        be.set_verify("auto", times=CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3))  # verifying is nearly free
+        be.set_verify("auto", times=FixedTimes(plain=1.0, token=0.3 / 511, draft=0.3))  # verifying is nearly free
         anchors = be.prefill(repeating)
         out, copied = [], 0
         for kind in ["copy", "draft", "copy", "copy", "draft"]:
@@ -417,14 +418,14 @@ def test_rows_out_of_the_draft_forward_keep_their_batch1_output(pair, mixed_prom
     target, drafter = pair
     cycles = []
 
-    def drafting(pauses):
+    def drafting(planner, pauses):
         cycles.append(len(pauses))
         return [r for r in range(len(pauses)) if (r + len(cycles)) % 3]
 
-    monkeypatch.setattr(budget, "drafting", drafting)
+    monkeypatch.setattr(budget.TreePlanner, "drafting_rows", drafting)
     want = [generate(single(target, drafter), p, max_new_tokens=48).tokens for p in mixed_prompts[:6]]
     be = batched(target, drafter)
-    be.set_verify("auto", times=CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3))
+    be.set_verify("auto", times=FixedTimes(plain=1.0, token=0.3 / 511, draft=0.3))
     be.policy.planner.path = lambda *_: "tree"
     drafted_rows, propose = [], be.drafter.propose
     be.drafter.propose = lambda *a, rows=None, **k: drafted_rows.append(rows) or propose(*a, rows=rows, **k)

@@ -4,7 +4,7 @@ drafter's, and its choice between the chain's path and a tree's (the plan's node
 from dflash.core.budget import BATCH_PAUSE, MAX_PAUSE, Pause, TreePlanner
 from dflash.core.cycle_times import CycleTimes
 from dflash.core.tree import chain_value
-from cycle_devices import HEAVY, cpu
+from cycle_devices import HEAVY, FixedTimes, cpu
 
 
 def test_a_row_whose_drafts_fail_is_not_slowed_by_the_others_trees():
@@ -101,7 +101,7 @@ def test_a_plan_of_some_rows_prices_the_draft_forward_of_those_rows():
     (on the batch-heavy CPU a draft of 16 rows costs 4 plain steps, of 2 rows half a step), and the chain's own
     path, which drafts every row, is not taken."""
     confident, weak = ([[5, 6]] * 15, [[0.9, 0.05]] * 15), ([[7, 8]] * 15, [[0.02, 0.01]] * 15)
-    planner = TreePlanner("auto", 16, 64, CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3), itl_limit=None)
+    planner = TreePlanner("auto", 16, 64, FixedTimes(plain=1.0, token=0.3 / 511, draft=0.3), itl_limit=None)
     assert planner.drafting_rows([Pause()]) is None  # (one row: the batch's own pause)
     pauses = [Pause(skip=s) for s in (0, 0, 3, 3)]
     assert planner.drafting_rows(pauses) == [0, 1]
@@ -203,7 +203,7 @@ def test_the_faster_path_is_kept_and_the_other_probed_ever_more_rarely():
     """A tree's path costs a plain step more than the chain's at the same width (its host read): once measured, the
     chain's path runs, a tree cycle (which alone values the two) probing after 1, 2, 4 .. MAX_PAUSE of its cycles.
     Where the paths cost the same and a branching tree is expected to commit more, trees run, the chain probed."""
-    costs = CycleTimes.fixed(plain=1.0, token=0.2 / 15, draft=0.2)
+    costs = FixedTimes(plain=1.0, token=0.2 / 15, draft=0.2)
     for overhead, probs, best in ((1.0, [0.9, 0.1], "chain"), (0.0, [0.6, 0.4], "tree")):
         planner = TreePlanner("auto", 16, 32, costs, copy_branch=False)
         seen = []
@@ -222,7 +222,7 @@ def test_the_faster_path_is_kept_and_the_other_probed_ever_more_rarely():
 def test_each_drafted_plan_values_the_chain_from_the_trees_calibration():
     """The chain's tokens: the drafter's rank-1 node at every depth (whether or not the tree keeps them), valued as
     the tree's nodes are; its rate is those over the seconds of a chain cycle."""
-    costs = CycleTimes.fixed(plain=1.0, token=0, draft=0.0)
+    costs = FixedTimes(plain=1.0, token=0, draft=0.0)
     planner = TreePlanner("auto", 4, 8, costs, copy_branch=False)
     plan = planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])
     scale = planner.calibration.scale
@@ -239,7 +239,7 @@ def test_a_chain_that_is_the_copied_branch_is_valued_as_the_tree_of_the_same_nod
     """Where the drafter's rank-1 proposals are the branch copied from the context, the chain verifies the tree's
     nodes: both are expected to commit the same (valued by q alone, the chain looked worse, and auto kept the
     tree's slower path on text that the chain committed whole)."""
-    planner = TreePlanner("auto", 4, 3, CycleTimes.fixed(plain=1.0, token=0, draft=0.0))
+    planner = TreePlanner("auto", 4, 3, FixedTimes(plain=1.0, token=0, draft=0.0))
     for d in range(1, 4):  # copies of this context have been accepted
         planner.calibration.copy_offered[d] = planner.calibration.copy_accepted[d] = 50
     ids, probs = [[5, 6], [7, 6], [8, 6]], [[0.4, 0.3]] * 3
@@ -249,7 +249,7 @@ def test_a_chain_that_is_the_copied_branch_is_valued_as_the_tree_of_the_same_nod
 
 
 def test_a_short_blocks_plan_says_nothing_of_the_chain():
-    planner = TreePlanner("auto", 16, 16, CycleTimes.fixed(plain=1.0, token=0.2 / 15, draft=1.0), copy_branch=False)
+    planner = TreePlanner("auto", 16, 16, FixedTimes(plain=1.0, token=0.2 / 15, draft=1.0), copy_branch=False)
     planner.plan([0], [[[5, 6]] * 3], [[[0.6, 0.4]] * 3])  # a draft of 4 positions: 3 proposals
     assert "chain" not in planner.rates and 4 in planner.rates
 
@@ -261,7 +261,7 @@ def test_a_shorter_block_must_beat_the_chains_path_where_that_is_faster():
     confident = [[[5, 6]] * 15], [[[0.9, 0.1]] * 15]
 
     def next_block(tree):
-        planner = TreePlanner("auto", 16, 16, CycleTimes.fixed(plain=1.0, token=0.0, draft=0.3), itl_limit=None)
+        planner = TreePlanner("auto", 16, 16, FixedTimes(plain=1.0, token=0.0, draft=0.3), itl_limit=None)
         planner.blocks = [8, 16]  # (the shorter blocks would save more still)
         planner.path_factor["tree"] = 1 + tree / 1.3  # (measured: a tree's path costs `tree` more at the block)
         for d in range(1, 16):

@@ -91,12 +91,12 @@ def test_draft_top_k_agrees_and_matches_the_proposals(trained_pair):
 def test_identical_trees_paths_and_tokens(trained_pair, mode, budget):
     """Tree verification: the same trees (tokens, parents; up to a near-tie at a plan's last nodes), the same accepted
     paths and tokens on both backends, each backend's output equal to its target-only output."""
-    from dflash.core.cycle_times import CycleTimes
+    from cycle_devices import FixedTimes
 
     target_dir, draft_dir = trained_pair
     tb, mb = load_both(target_dir, draft_dir, block_size=16)
     ar = backends.get("mlx").load(target_dir, None, dtype="float32", device="cpu")
-    costs = CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3)  # deterministic: a device where verifying is flat
+    costs = FixedTimes(plain=1.0, token=0.3 / 511, draft=0.3)  # deterministic: a device where verifying is flat
     records = {}
     for name, be in (("torch", tb), ("mlx", mb)):
         be.set_verify(mode, budget, costs)

@@ -18,7 +18,7 @@ from dflash.backends.mlx import load  # noqa: E402
 from dflash.backends.mlx.backend import mlx_engine  # noqa: E402
 from dflash.backends.mlx.drafter import load_drafter  # noqa: E402
 from dflash.backends.mlx.target import decoder_layers, embedding, load_target  # noqa: E402
-from dflash.core.cycle_times import CycleTimes  # noqa: E402
+from cycle_devices import FixedTimes  # noqa: E402
 from dflash.core.errors import DFlashError  # noqa: E402
 from dflash.core.loop import generate  # noqa: E402
 from dflash.core.sampling import SamplingParams  # noqa: E402
@@ -72,7 +72,7 @@ def test_a_probe_that_plans_no_node_takes_the_step_issued_ahead(target, random_d
     node. The paused cycle before a probe has issued the next plain step; the probe drafts beside it, takes it and
     issues the one after, so a probe that is not taken makes the target run nothing a plain step does not."""
     backend = mlx_engine(*target, load_drafter(random_draft_dir), block_size=16)
-    backend.set_verify("auto", None, CycleTimes.fixed(plain=1.0, token=0.04, draft=4.0), copy_branch=False)
+    backend.set_verify("auto", None, FixedTimes(plain=1.0, token=0.04, draft=4.0), copy_branch=False)
     first = backend.prefill([few[0]])
     out = first + backend.step(first)[0].tokens  # (the request's first cycle probes)
     backend.target, anchor, probes = Counting(backend.target), out[-1], 0

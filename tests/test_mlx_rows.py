@@ -103,7 +103,7 @@ def test_rows_out_of_the_draft_forward_keep_their_batch1_output(trained_pair, mi
     """MLX's draft of some rows (a different third of the rows out of every draft forward, under --verify auto):
     every row's greedy output is its batch-1 output, and a draft of some rows proposes what the whole batch's does."""
     from dflash.core import budget
-    from dflash.core.cycle_times import CycleTimes
+    from cycle_devices import FixedTimes
 
     engines = [load(trained_pair) for _ in range(2)]
     anchors = [e.prefill(mixed_prompts[:4]) for e in engines][0]
@@ -112,13 +112,13 @@ def test_rows_out_of_the_draft_forward_keep_their_batch1_output(trained_pair, mi
     assert engines[1].drafter.cache.lengths == engines[0].drafter.cache.lengths
     cycles = []
 
-    def drafting(pauses):
+    def drafting(planner, pauses):
         cycles.append(len(pauses))
         return [r for r in range(len(pauses)) if (r + len(cycles)) % 3]
 
-    monkeypatch.setattr(budget, "drafting", drafting)
+    monkeypatch.setattr(budget.TreePlanner, "drafting_rows", drafting)
     engine = load(trained_pair)
-    engine.set_verify("auto", times=CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3))
+    engine.set_verify("auto", times=FixedTimes(plain=1.0, token=0.3 / 511, draft=0.3))
     engine.policy.planner.path = lambda *_: "tree"
     got = generate_batch(engine, mixed_prompts, max_new_tokens=64)
     assert [g.tokens for g in got] == alone and len(cycles) >= 4

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dflash import backends
-from dflash.core.cycle_times import CycleTimes
+from cycle_devices import FixedTimes
 from dflash.core.loop import Batch, Generation, generate
 from dflash.core.sampling import SamplingParams
 
@@ -25,7 +25,7 @@ def tree_engine(pair, name):
     """An engine whose greedy rows verify a tree every cycle, sized per row by auto's rule on a CPU-like device (every
     verified token costs), drafting the whole block."""
     engine = load(pair, name)
-    engine.set_verify("auto", 48, CycleTimes.fixed(plain=1.0, token=0.02, draft=0.05), itl_limit=None)
+    engine.set_verify("auto", 48, FixedTimes(plain=1.0, token=0.02, draft=0.05), itl_limit=None)
     engine.policy.planner.path = lambda *_: "tree"  # (auto's chain-or-tree choice; its sizes are the point here)
     engine.policy.planner.blocks = [engine.block_size]
     return engine

@@ -7,9 +7,10 @@ import random
 import pytest
 
 from dflash.core.budget import TreePlanner
-from dflash.core.cycle_times import CycleTimes
 from dflash.core.tree import (Calibration, CopyIndex, Tree, TreeInputs, best_first, chain_tree, choose_counts,
                          merge_candidates, to_tree)
+
+from cycle_devices import FixedTimes
 
 
 def random_marginals(depth, k, seed):
@@ -153,7 +154,7 @@ def test_choose_counts_keeps_the_least_served_row_within_the_limit():
 
 
 def test_auto_pauses_drafting_when_no_draft_wins():
-    costs = CycleTimes.fixed(plain=1.0, token=1.5 / 15, draft=1.0, block_size=4)
+    costs = FixedTimes(plain=1.0, token=1.5 / 15, draft=1.0, block_size=4)
     planner = TreePlanner("auto", 4, 8, costs, copy_branch=False)
     poor = [[[3, 4]] * 3], [[[0.01, 0.01]] * 3]
     plan = planner.plan([0], *poor)
@@ -169,7 +170,7 @@ def test_auto_pauses_drafting_when_no_draft_wins():
 def test_a_pause_is_dropped_when_the_target_accepts_the_deepest_drafted_node():
     """Drafts whose confidence undersells them: auto plans a pause from their q, but the target accepts everything
     the small tree offered, so the pause is the prediction's mistake; a tree accepted short of its end keeps it."""
-    costs = CycleTimes.fixed(plain=1.0, token=0.6 / 15, draft=1.5, block_size=4)
+    costs = FixedTimes(plain=1.0, token=0.6 / 15, draft=1.5, block_size=4)
     unsure = [[[3, 4]] * 3], [[[0.5, 0.2]] * 3]
     for accepted_to_the_end, pauses in ((True, False), (False, True)):
         planner = TreePlanner("auto", 4, 8, costs, copy_branch=False)

@@ -7,7 +7,6 @@ torch = pytest.importorskip("torch")
 from dflash.backends.torch.backend import torch_engine
 from dflash.backends.torch.drafter import DFlashDrafter, load_drafter
 from dflash.backends.torch.target import load_target
-from dflash.core.cycle_times import CycleTimes
 from dflash.core.contract import Draft
 from dflash.core.errors import DFlashError
 from dflash.core.loop import generate, generate_batch
@@ -15,11 +14,12 @@ from dflash.core.sampling import SamplingParams
 
 from dflash.reference import tiny
 
+from cycle_devices import FixedTimes
 from paused import STEEP, check_paused_cycles
 from test_sampling import PROMPT, V, chi_square_ok, exact_next, small_vocab_target  # noqa: F401  (fixture)
 
 # a GPU-like device (verifying more costs little) and a CPU-like one (every verified token costs)
-FLAT = CycleTimes.fixed(plain=1.0, token=0.3 / 511, draft=0.3)
+FLAT = FixedTimes(plain=1.0, token=0.3 / 511, draft=0.3)
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,6 @@ class CycleTimes:
 
     def __init__(self, block_size: int):
         self.block_size = block_size  # a draft forward's positions when a call names none
-        self.learns = True
         self.terms = PRIOR * GUESS  # the terms' estimates (seconds) ...
         self.spread: np.ndarray = np.diag((PRIOR_SD * self.terms) ** 2)  # ... and their covariance
         self.level = 1.0  # the machine's speed now over the fit's
@@ -48,15 +47,6 @@ class CycleTimes:
         self.seconds = np.zeros(WINDOW)  # ... and seconds
         self.observed = 0
         self._memo: dict[tuple, float] = {}  # the shapes priced since the last fit, at level 1
-
-    @classmethod
-    def fixed(cls, plain: float, token: float, draft: float, block_size: int = 16) -> CycleTimes:
-        """A device that is not learnt (tests, simulations): a plain step of one row costs `plain`, each further
-        verify token `token`, a draft forward `draft` per row at `block_size` positions (fewer: proportionally less)."""
-        times = cls(block_size)
-        times.terms = np.array([plain - token, 0.0, token, 0.0, draft / block_size])
-        times.spread, times.learns = np.zeros((len(PRIOR), len(PRIOR))), False
-        return times
 
     def expected_seconds(self, tokens: int, rows: int = 1, drafted: bool = True, block: int | None = None,
                          draft_rows: int | None = None) -> float:
@@ -79,10 +69,10 @@ class CycleTimes:
         return float(np.sqrt(max(float(x @ self.spread @ x), 0.0)))
 
     def observe(self, tokens: int, rows: int, drafted: bool, seconds: float, block: int | None = None,
-                draft_rows: int | None = None) -> bool:
-        """A cycle of this shape took `seconds`. Returns whether it was learnt (not a time that is not positive)."""
-        if not self.learns or not seconds > 0:
-            return False
+                draft_rows: int | None = None) -> None:
+        """A cycle of this shape took `seconds` (a time that is not positive teaches nothing)."""
+        if not seconds > 0:
+            return
         slot = self.observed % WINDOW
         self.shapes[slot] = features(tokens, rows, drafted, block, draft_rows, self.block_size)
         self.seconds[slot] = seconds
@@ -91,7 +81,6 @@ class CycleTimes:
             self._fit()
         recent = (slot - np.arange(min(self.observed, LEVEL_CYCLES))) % WINDOW
         self.level = float(np.median(self.seconds[recent] / (self.shapes[recent] @ self.terms)))
-        return True
 
     def _fit(self) -> None:
         """The terms of the least relative misses over the window, newer cycles weighing more and the prior (at the
