@@ -14,7 +14,8 @@ class FixedTimes(CycleTimes):
         self.terms = np.array([plain - token, 0.0, token, 0.0, draft / block_size])
         self.spread = np.zeros((len(PRIOR), len(PRIOR)))
 
-    def observe(self, *args, **kwargs) -> None:
+    def observe(self, tokens: int, rows: int, drafted: bool, seconds: float, block: int | None = None,
+                draft_rows: int | None = None) -> None:
         pass
 
 
